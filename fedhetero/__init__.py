@@ -1,0 +1,9 @@
+"""fedhetero: federated learning across clients with very different compute.
+
+Clients get models sized to their FLOPs budget: bigger than the global model by lossless
+structural re-parameterization (:mod:`reparam`), smaller by structured pruning. See the README for
+the quick start and :mod:`fedhetero.engine` for the round loop.
+"""
+
+__version__ = "0.1.0"
+__all__ = ["__version__"]

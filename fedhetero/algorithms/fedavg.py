@@ -1,0 +1,39 @@
+"""FedAvg (McMahan et al., 2017) on the plain global model.
+
+Every client trains the full global model regardless of its budget, so clients whose budget is
+below the model's FLOPs are recorded as over budget; the baselines' budget-matched variant is
+``fedavg_small`` (every client trains the model that fits the smallest tier).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fedhetero.algorithms.base import Algorithm
+
+__all__ = ["FedAvg", "FedAvgSmall"]
+
+
+class FedAvg(Algorithm):
+    """Sample-weighted averaging of full local models (the engine's default hooks)."""
+
+    name = "fedavg"
+
+
+@dataclass(frozen=True)
+class FedAvgSmallOptions:
+    width: float | None = None  # None: the widest model that fits the smallest tier's budget
+
+
+class FedAvgSmall(Algorithm):
+    """FedAvg where everybody trains the model that fits the smallest tier (budget-matched)."""
+
+    name = "fedavg_small"
+    Options = FedAvgSmallOptions
+
+    def setup(self, ctx) -> None:
+        width = self.options.width
+        if width is None:
+            width = ctx.width_for_budget(ctx.min_budget_macs())
+        self.width = width
+        self.global_model = ctx.build_model(width=width)

@@ -1,0 +1,225 @@
+"""``fedhetero compare``: several algorithms on identical clients, data, budgets and seeds.
+
+Every algorithm runs from the same resolved config except ``algorithm.name`` (and the seed, which
+varies over ``seeds`` runs identically for every algorithm), so partitions, tier assignment,
+sampling and budgets are the same streams for every method (the engine derives each from the seed
+and its concern only). A method that cannot follow the configured dynamic-budget scenario is
+reported as N/A, never run with a made-up number.
+
+Outputs in the comparison directory: one run directory per (algorithm, seed), ``comparison.json``,
+``comparison.csv``, and with matplotlib installed (the ``plot`` extra) ``accuracy.png`` (accuracy
+against round) and ``tiers.png`` (per-tier accuracy).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from fedhetero.algorithms import get_algorithm
+from fedhetero.config import ConfigError, RunConfig, from_dict, load_config, to_dict
+
+__all__ = ["run_comparison", "comparison_rows"]
+
+
+def _cfg_for(base: RunConfig, algorithm: str, seed: int) -> RunConfig:
+    data = to_dict(base)
+    if data["algorithm"]["name"] != algorithm:
+        data["algorithm"] = {"name": algorithm, "options": {}}
+    data["seed"] = seed
+    return from_dict(data)
+
+
+def _mean_std(values: list[float]) -> tuple[float | None, float | None]:
+    vals = [v for v in values if v is not None]
+    if not vals:
+        return None, None
+    return float(np.mean(vals)), float(np.std(vals))
+
+
+def comparison_rows(results: dict[str, list[dict[str, Any] | None]], tiers: list[str]) -> list[dict[str, Any]]:
+    """One row per algorithm: mean ± std over seeds of the summaries (None entries = N/A)."""
+    rows = []
+    for algo, summaries in results.items():
+        if any(s is None for s in summaries):
+            rows.append({"algorithm": algo, "status": "N/A"})
+            continue
+        acc_m, acc_s = _mean_std([s["final_accuracy"] for s in summaries])
+        last5_m, last5_s = _mean_std([s["mean_last5_accuracy"] for s in summaries])
+        row: dict[str, Any] = {
+            "algorithm": algo,
+            "status": "ok",
+            "seeds": len(summaries),
+            "final_accuracy_mean": acc_m,
+            "final_accuracy_std": acc_s,
+            "last5_accuracy_mean": last5_m,
+            "last5_accuracy_std": last5_s,
+            "bytes_total_mean": float(np.mean([s["bytes_total"] for s in summaries])),
+            "wall_s_mean": float(np.mean([s["wall_s"] for s in summaries])),
+            "all_fit_budget": all(s["all_fit_budget"] for s in summaries),
+        }
+        for t in tiers:
+            m, sd = _mean_std([s["tiers"][t]["accuracy"] for s in summaries])
+            row[f"acc_{t}_mean"] = m
+            row[f"acc_{t}_std"] = sd
+            row[f"macs_{t}_mean"] = _mean_std([s["tiers"][t]["macs"] for s in summaries])[0]
+            row[f"budget_{t}"] = summaries[0]["tiers"][t]["budget_macs"]
+        extra = [s.get("time_to_target") for s in summaries]
+        if any(e is not None for e in extra):
+            row["time_to_target_mean"] = _mean_std(extra)[0]
+        rows.append(row)
+    return rows
+
+
+def _pct(m: float | None, s: float | None = None) -> str:
+    if m is None:
+        return "—"
+    return f"{100 * m:.2f}" + (f" ± {100 * s:.2f}" if s is not None else "")
+
+
+def run_comparison(
+    *,
+    config: str | None,
+    overrides: list[str],
+    algorithms: list[str],
+    seeds: int = 1,
+    out: Path | None = None,
+    plot: bool = True,
+    console: Any = None,
+    progress: bool = True,
+    resume: bool = False,
+) -> list[dict[str, Any]]:
+    """Run the comparison and write its files; returns the table rows."""
+    from rich.table import Table
+
+    from fedhetero.engine import Engine
+
+    if not algorithms:
+        raise ConfigError("--algorithms: give at least one algorithm name")
+    if seeds < 1:
+        raise ConfigError("--seeds: must be at least 1")
+    for a in algorithms:
+        get_algorithm(a)  # fail fast on unknown names
+    base = load_config(config, overrides)
+    out = out or Path("runs") / f"compare-{base.data.dataset}-{base.model.name}"
+    out.mkdir(parents=True, exist_ok=True)
+    tiers = [t.name for t in base.budget.tiers]
+    results: dict[str, list[dict[str, Any] | None]] = {}
+    histories: dict[str, list[list[dict[str, Any]]]] = {}
+    for algo in algorithms:
+        cls = get_algorithm(algo)
+        results[algo] = []
+        histories[algo] = []
+        if base.budget.scenario not in cls.adapts_to:
+            if console is not None:
+                console.print(f"[yellow]{algo}[/yellow]: cannot follow the '{base.budget.scenario}' budget scenario → N/A")
+            results[algo] = [None]
+            continue
+        for s in range(seeds):
+            cfg = _cfg_for(base, algo, base.seed + s)
+            run_dir = out / algo / f"seed{base.seed + s}"
+            done = run_dir / "summary.json"
+            if resume and done.is_file():
+                summary = json.loads(done.read_text())
+                hist = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines() if l.strip()]
+            else:
+                if console is not None and progress:
+                    console.print(f"[bold]{algo}[/bold] seed {base.seed + s}")
+                can_resume = resume and (run_dir / "checkpoint.pt").is_file()
+                engine = Engine(None if can_resume else cfg, run_dir, resume=can_resume, progress=progress, console=console)
+                res = engine.run()
+                summary, hist = res.summary, res.metrics
+            results[algo].append(summary)
+            histories[algo].append(hist)
+    rows = comparison_rows(results, tiers)
+    _write(out, rows, base, algorithms, seeds)
+    if console is not None:
+        table = Table(title=f"{base.data.dataset} / {base.model.name} / {base.data.partition}"
+                      + (f" β={base.data.alpha:g}" if base.data.partition == "dirichlet" else "")
+                      + f" / budgets {base.budget.scenario} / {seeds} seed(s)")
+        table.add_column("algorithm")
+        table.add_column("final acc %", justify="right")
+        for t in tiers:
+            table.add_column(f"{t} acc %", justify="right")
+        for t in tiers:
+            table.add_column(f"{t} MFLOPs", justify="right")
+        table.add_column("bytes/run", justify="right")
+        table.add_column("wall s", justify="right")
+        for r in rows:
+            if r["status"] != "ok":
+                table.add_row(r["algorithm"], "N/A", *(["N/A"] * (2 * len(tiers) + 2)))
+                continue
+            table.add_row(
+                r["algorithm"],
+                _pct(r["final_accuracy_mean"], r["final_accuracy_std"] if seeds > 1 else None),
+                *[_pct(r[f"acc_{t}_mean"]) for t in tiers],
+                *[("—" if r[f"macs_{t}_mean"] is None else f"{r[f'macs_{t}_mean'] / 1e6:.3f}") for t in tiers],
+                f"{r['bytes_total_mean'] / 2**20:.1f} MB",
+                f"{r['wall_s_mean']:.1f}",
+            )
+        console.print(table)
+        console.print(f"written: {out / 'comparison.csv'}, {out / 'comparison.json'}")
+    if plot:
+        _plot(out, histories, tiers, console)
+    return rows
+
+
+def _write(out: Path, rows: list[dict[str, Any]], base: RunConfig, algorithms: list[str], seeds: int) -> None:
+    (out / "comparison.json").write_text(
+        json.dumps({"config": to_dict(base), "algorithms": algorithms, "seeds": seeds, "rows": rows}, indent=2)
+    )
+    keys: list[str] = []
+    for r in rows:
+        for k in r:
+            if k not in keys:
+                keys.append(k)
+    with (out / "comparison.csv").open("w", newline="") as fh:
+        w = csv.DictWriter(fh, fieldnames=keys, restval="N/A")
+        w.writeheader()
+        for r in rows:
+            w.writerow(r)
+
+
+def _plot(out: Path, histories: dict[str, list[list[dict[str, Any]]]], tiers: list[str], console: Any) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        if console is not None:
+            console.print("[dim]matplotlib not installed (pip install 'fedhetero[plot]'): no PNG plots[/dim]")
+        return
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for algo, runs in histories.items():
+        if not runs:
+            continue
+        rounds = [r["round"] for r in runs[0] if "accuracy" in r]
+        accs = np.array([[r["accuracy"] for r in h if "accuracy" in r] for h in runs])
+        ax.plot(rounds, 100 * accs.mean(0), label=algo)
+    ax.set_xlabel("round")
+    ax.set_ylabel("test accuracy (%)")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out / "accuracy.png", dpi=120)
+    plt.close(fig)
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    algos = [a for a, runs in histories.items() if runs]
+    width = 0.8 / max(len(tiers), 1)
+    for i, t in enumerate(tiers):
+        vals = []
+        for a in algos:
+            last = [h[-1]["tier_accuracy"][t] for h in histories[a] if h and "tier_accuracy" in h[-1]]
+            vals.append(100 * float(np.mean(last)) if last else 0.0)
+        ax.bar(np.arange(len(algos)) + i * width, vals, width, label=t)
+    ax.set_xticks(np.arange(len(algos)) + width * (len(tiers) - 1) / 2, algos, rotation=30, ha="right")
+    ax.set_ylabel("accuracy of the deployed model (%)")
+    ax.legend(title="tier")
+    fig.tight_layout()
+    fig.savefig(out / "tiers.png", dpi=120)
+    plt.close(fig)

@@ -1,0 +1,342 @@
+"""Typed run configuration.
+
+A run is described by :class:`RunConfig`, a tree of frozen dataclasses. Configs come from YAML
+(:func:`load_config`), are overridden with ``key.path=value`` strings (:func:`apply_overrides`,
+the CLI's ``--set``), and are validated up front: an unknown key, a wrong type or an impossible
+value raises :class:`ConfigError` whose message names the field (``train.sample_rate``) and what
+is accepted. The resolved config is written into the run directory as YAML (:func:`dump_config`)
+with its SHA-256 hash, and read back on ``--resume``.
+"""
+
+from __future__ import annotations
+
+import collections.abc
+import dataclasses
+import hashlib
+import json
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Mapping
+
+import yaml
+
+__all__ = [
+    "AlgorithmConfig",
+    "BudgetConfig",
+    "ConfigError",
+    "DataConfig",
+    "ModelConfig",
+    "RunConfig",
+    "TierConfig",
+    "TrainConfig",
+    "apply_overrides",
+    "config_hash",
+    "dump_config",
+    "from_dict",
+    "load_config",
+    "to_dict",
+]
+
+
+class ConfigError(ValueError):
+    """A config field is unknown, has the wrong type or an impossible value."""
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    dataset: Literal["digits", "cifar10", "cifar100", "dermamnist", "synthetic"] = "digits"
+    data_dir: str | None = None
+    partition: Literal["dirichlet", "iid", "shards"] = "dirichlet"
+    alpha: float = 0.5
+    shards_per_client: int = 2
+    num_clients: int = 20
+    min_partition_size: int = 10
+    server_fraction: float = 0.0  # labelled server data (FedDU, data sharing)
+    server_classes: float = 1.0  # fraction of classes the server data covers
+    public_fraction: float = 0.0  # unlabelled public split (KD baselines)
+    augment: bool = False
+    synthetic_size: int = 600  # only for dataset "synthetic"
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    name: str = "lenet5"
+    width: float = 1.0
+    norm: Literal["bn", "none"] = "bn"
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    rounds: int = 30
+    sample_rate: float = 0.5
+    local_epochs: int = 2
+    batch_size: int = 32
+    lr: float = 0.05
+    momentum: float = 0.9
+    weight_decay: float = 5e-4
+    aggregation: Literal["samples", "uniform"] = "samples"
+    eval_every: int = 1
+    checkpoint_every: int = 5
+    eval_batch_size: int = 512
+
+
+@dataclass(frozen=True)
+class TierConfig:
+    name: str
+    ratio: float
+    share: float
+
+
+def _default_tiers() -> tuple[TierConfig, ...]:
+    return (
+        TierConfig("small", 1.0, 1 / 3),
+        TierConfig("medium", 2.0, 1 / 3),
+        TierConfig("large", 3.0, 1 / 3),
+    )
+
+
+@dataclass(frozen=True)
+class BudgetConfig:
+    tiers: tuple[TierConfig, ...] = field(default_factory=_default_tiers)
+    scenario: Literal["static", "increasing", "decreasing", "random"] = "static"
+    change: float = 0.05  # relative budget change after the second local epoch
+    min_ratio: float = 0.1
+    max_ratio: float = 8.0
+
+
+@dataclass(frozen=True)
+class AlgorithmConfig:
+    name: str = "dynamicfl"
+    options: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    seed: int = 0
+    device: str = "cpu"
+    threads: int | None = None
+    deterministic: bool = True
+    dtype: Literal["float32", "float64"] = "float32"
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    budget: BudgetConfig = field(default_factory=BudgetConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+
+
+# ---------------------------------------------------------------------------- conversion
+
+
+def _type_name(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_type_name(a) for a in typing.get_args(tp))
+    if tp is type(None):
+        return "null"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _convert(value: Any, tp: Any, path: str) -> Any:
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        errors = []
+        for arg in typing.get_args(tp):
+            try:
+                return _convert(value, arg, path)
+            except ConfigError as exc:
+                errors.append(str(exc))
+        raise ConfigError(f"{path}: expected {_type_name(tp)}, got {value!r}")
+    if tp is type(None):
+        if value is None:
+            return None
+        raise ConfigError(f"{path}: expected null, got {value!r}")
+    if origin is Literal:
+        if value in typing.get_args(tp):
+            return value
+        raise ConfigError(f"{path}: expected {_type_name(tp)}, got {value!r}")
+    if dataclasses.is_dataclass(tp):
+        if isinstance(value, tp):
+            return value
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"{path}: expected a mapping of {tp.__name__} fields, got {value!r}")
+        return _from_mapping(tp, value, path)
+    if origin is tuple:
+        args = typing.get_args(tp)
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{path}: expected a list, got {value!r}")
+        item_tp = args[0]
+        return tuple(_convert(v, item_tp, f"{path}[{i}]") for i, v in enumerate(value))
+    if origin in (Mapping, dict, collections.abc.Mapping) or tp is Mapping:
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"{path}: expected a mapping, got {value!r}")
+        return dict(value)
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{path}: expected true or false, got {value!r}")
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise ConfigError(f"{path}: expected an integer, got {value!r}")
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        raise ConfigError(f"{path}: expected a number, got {value!r}")
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        raise ConfigError(f"{path}: expected a string, got {value!r}")
+    raise ConfigError(f"{path}: unsupported field type {tp!r}")  # pragma: no cover
+
+
+def _from_mapping(cls: type, data: Mapping[str, Any], prefix: str) -> Any:
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    for key, value in data.items():
+        path = f"{prefix}.{key}" if prefix else str(key)
+        if key not in names:
+            raise ConfigError(f"unknown config key '{path}'; known keys here: {', '.join(names)}")
+        kwargs[key] = _convert(value, hints[key], path)
+    try:
+        return cls(**kwargs)
+    except TypeError as exc:  # a required field is missing
+        raise ConfigError(f"{prefix or 'config'}: {exc}") from None
+
+
+def from_dict(data: Mapping[str, Any] | None) -> RunConfig:
+    """Build and validate a :class:`RunConfig` from plain data (e.g. parsed YAML)."""
+    cfg = _from_mapping(RunConfig, data or {}, "")
+    validate(cfg)
+    return cfg
+
+
+def to_dict(cfg: Any) -> Any:
+    """Plain-data form of a config (lists for tuples), suitable for YAML and JSON."""
+    if dataclasses.is_dataclass(cfg):
+        return {f.name: to_dict(getattr(cfg, f.name)) for f in dataclasses.fields(cfg)}
+    if isinstance(cfg, (list, tuple)):
+        return [to_dict(v) for v in cfg]
+    if isinstance(cfg, Mapping):
+        return {str(k): to_dict(v) for k, v in cfg.items()}
+    return cfg
+
+
+def _check(cond: bool, field_path: str, message: str) -> None:
+    if not cond:
+        raise ConfigError(f"{field_path}: {message}")
+
+
+def validate(cfg: RunConfig) -> None:
+    """Reject impossible values with one message naming the field."""
+    d, t, b = cfg.data, cfg.train, cfg.budget
+    _check(d.num_clients >= 1, "data.num_clients", f"must be at least 1, got {d.num_clients}")
+    _check(d.alpha > 0, "data.alpha", f"the Dirichlet concentration must be > 0, got {d.alpha}")
+    _check(d.shards_per_client >= 1, "data.shards_per_client", "must be at least 1")
+    _check(d.min_partition_size >= 1, "data.min_partition_size", "must be at least 1")
+    _check(0 <= d.server_fraction < 1, "data.server_fraction", f"must be in [0, 1), got {d.server_fraction}")
+    _check(0 < d.server_classes <= 1, "data.server_classes", f"must be in (0, 1], got {d.server_classes}")
+    _check(0 <= d.public_fraction < 1, "data.public_fraction", f"must be in [0, 1), got {d.public_fraction}")
+    _check(
+        d.server_fraction + d.public_fraction < 0.9,
+        "data.public_fraction",
+        "server_fraction + public_fraction leave too little data for the clients",
+    )
+    _check(d.synthetic_size >= 10, "data.synthetic_size", "must be at least 10")
+    _check(cfg.model.width > 0, "model.width", f"must be > 0, got {cfg.model.width}")
+    _check(t.rounds >= 1, "train.rounds", f"must be at least 1, got {t.rounds}")
+    _check(
+        0 < t.sample_rate <= 1,
+        "train.sample_rate",
+        f"the fraction of clients sampled per round must be in (0, 1], got {t.sample_rate}",
+    )
+    _check(t.local_epochs >= 1, "train.local_epochs", f"must be at least 1, got {t.local_epochs}")
+    _check(t.batch_size >= 1, "train.batch_size", f"must be at least 1, got {t.batch_size}")
+    _check(t.lr > 0, "train.lr", f"must be > 0, got {t.lr}")
+    _check(0 <= t.momentum < 1, "train.momentum", f"must be in [0, 1), got {t.momentum}")
+    _check(t.weight_decay >= 0, "train.weight_decay", f"must be >= 0, got {t.weight_decay}")
+    _check(t.eval_every >= 1, "train.eval_every", "must be at least 1")
+    _check(t.checkpoint_every >= 1, "train.checkpoint_every", "must be at least 1")
+    _check(t.eval_batch_size >= 1, "train.eval_batch_size", "must be at least 1")
+    _check(len(b.tiers) >= 1, "budget.tiers", "at least one tier is required")
+    names = [tier.name for tier in b.tiers]
+    _check(len(set(names)) == len(names), "budget.tiers", f"tier names must be unique, got {names}")
+    for i, tier in enumerate(b.tiers):
+        _check(tier.ratio > 0, f"budget.tiers[{i}].ratio", f"must be > 0, got {tier.ratio}")
+        _check(tier.share >= 0, f"budget.tiers[{i}].share", f"must be >= 0, got {tier.share}")
+    total = sum(tier.share for tier in b.tiers)
+    _check(
+        abs(total - 1.0) <= 1e-6,
+        "budget.tiers",
+        f"the tier shares must sum to 1, got {total:g} ({', '.join(f'{n}={s:g}' for n, s in zip(names, [x.share for x in b.tiers]))})",
+    )
+    _check(0 <= b.change < 1, "budget.change", f"must be in [0, 1), got {b.change}")
+    _check(0 < b.min_ratio <= b.max_ratio, "budget.min_ratio", "must satisfy 0 < min_ratio <= max_ratio")
+    _check(cfg.threads is None or cfg.threads >= 1, "threads", "must be at least 1 or null")
+    _check(
+        cfg.device == "cpu" or cfg.device.startswith("cuda"),
+        "device",
+        f"expected 'cpu' or 'cuda[:N]', got {cfg.device!r}",
+    )
+
+
+# ---------------------------------------------------------------------------- files
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:
+    """Read a YAML config (or the defaults when ``path`` is None) and apply ``key=value`` overrides."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file not found: {p}")
+        try:
+            loaded = yaml.safe_load(p.read_text())
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"{p}: not valid YAML ({exc})") from None
+        if loaded is not None and not isinstance(loaded, dict):
+            raise ConfigError(f"{p}: the top level must be a mapping of config sections")
+        data = loaded or {}
+    data = apply_overrides(data, overrides or [])
+    return from_dict(data)
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply ``a.b.c=value`` strings (values parsed as YAML scalars) to a nested dict copy."""
+    out = json.loads(json.dumps(data))
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"--set {item!r}: expected key.path=value")
+        key, raw = item.split("=", 1)
+        key = key.strip()
+        if not key:
+            raise ConfigError(f"--set {item!r}: empty key")
+        try:
+            value = yaml.safe_load(raw)
+        except yaml.YAMLError:
+            value = raw
+        node = out
+        parts = key.split(".")
+        for part in parts[:-1]:
+            nxt = node.get(part)
+            if nxt is None:
+                nxt = node[part] = {}
+            if not isinstance(nxt, dict):
+                raise ConfigError(f"--set {key}: '{part}' is not a section")
+            node = nxt
+        node[parts[-1]] = value
+    return out
+
+
+def dump_config(cfg: RunConfig) -> str:
+    """The resolved config as YAML."""
+    return yaml.safe_dump(to_dict(cfg), sort_keys=False)
+
+
+def config_hash(cfg: RunConfig) -> str:
+    """SHA-256 of the resolved config's canonical JSON form."""
+    return hashlib.sha256(json.dumps(to_dict(cfg), sort_keys=True).encode()).hexdigest()

@@ -1,0 +1,103 @@
+"""Per-client state that persists between rounds, kept on disk.
+
+What a client keeps between rounds (a structure spec, saliency, branch tensors, BN statistics…)
+goes to one file per client and version, so memory grows with the clients sampled per round and
+not with the clients that exist. Versions are tagged with the round that wrote them so that a run
+resumed from the checkpoint of round ``k`` sees exactly the state that existed after round ``k``:
+:meth:`ClientStateStore.get` returns the newest version written before the current round, and
+:meth:`ClientStateStore.rollback` deletes versions newer than a checkpoint.
+
+Files are written atomically (temporary file, then rename) and read with
+``torch.load(weights_only=True)``: a state is a nested structure of tensors, numbers, strings,
+lists and dicts, never arbitrary objects.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = ["ClientStateStore", "atomic_save"]
+
+_NAME = re.compile(r"^r(\d+)\.pt$")
+
+
+def atomic_save(obj: Any, path: Path) -> None:
+    """``torch.save`` to a temporary file in the same folder, then rename over ``path``."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+
+class ClientStateStore:
+    """Disk-backed store: ``put(cid, state, round)`` / ``get(cid, before_round)``."""
+
+    def __init__(self, root: str | Path) -> None:
+        self.root = Path(root)
+        self.root.mkdir(parents=True, exist_ok=True)
+
+    def _dir(self, cid: int) -> Path:
+        return self.root / f"client_{int(cid):06d}"
+
+    def _versions(self, cid: int) -> list[tuple[int, Path]]:
+        d = self._dir(cid)
+        if not d.is_dir():
+            return []
+        out = []
+        for p in d.iterdir():
+            m = _NAME.match(p.name)
+            if m:
+                out.append((int(m.group(1)), p))
+        return sorted(out)
+
+    def put(self, cid: int, state: dict[str, Any], round: int) -> None:
+        """Store ``state`` as the version written in ``round``; older versions are kept until
+        :meth:`compact` (a checkpoint may still need them)."""
+        atomic_save(state, self._dir(cid) / f"r{int(round):06d}.pt")
+
+    def get(self, cid: int, before_round: int | None = None) -> dict[str, Any] | None:
+        """Newest state written before ``before_round`` (all rounds when None), or None."""
+        versions = self._versions(cid)
+        if before_round is not None:
+            versions = [v for v in versions if v[0] < before_round]
+        if not versions:
+            return None
+        return torch.load(versions[-1][1], weights_only=True, map_location="cpu")
+
+    def has(self, cid: int, before_round: int | None = None) -> bool:
+        versions = self._versions(cid)
+        if before_round is not None:
+            versions = [v for v in versions if v[0] < before_round]
+        return bool(versions)
+
+    def clients(self) -> list[int]:
+        return sorted(
+            int(p.name.split("_")[1]) for p in self.root.iterdir() if p.name.startswith("client_")
+        )
+
+    def compact(self, upto_round: int) -> None:
+        """Keep, per client, only the newest version at or before ``upto_round`` and anything newer.
+
+        Called after a checkpoint of ``upto_round`` is safely on disk.
+        """
+        for cid in self.clients():
+            versions = self._versions(cid)
+            old = [v for v in versions if v[0] <= upto_round]
+            for _, p in old[:-1]:
+                p.unlink(missing_ok=True)
+
+    def rollback(self, to_round: int) -> None:
+        """Delete versions written after ``to_round`` (resuming from that round's checkpoint)."""
+        for cid in self.clients():
+            for r, p in self._versions(cid):
+                if r > to_round:
+                    p.unlink(missing_ok=True)
+
+    def disk_bytes(self) -> int:
+        return sum(p.stat().st_size for p in self.root.rglob("*.pt"))
