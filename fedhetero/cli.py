@@ -112,6 +112,7 @@ def _compare(args: argparse.Namespace) -> int:
         console=console,
         progress=not args.quiet,
         resume=args.resume,
+        options=args.option,
     )
     return 0
 
@@ -181,6 +182,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--algorithms", required=True, help="comma-separated algorithm names (see `fedhetero info`)")
     p.add_argument("--seeds", type=int, default=1, help="number of seeds (0..N-1 added to the config seed)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field (repeatable)")
+    p.add_argument("--option", action="append", default=[], metavar="ALGO.KEY=VALUE", help="an option of one algorithm, e.g. --option fedap.prune_round=10 (repeatable)")
     p.add_argument("--out", help="output directory (default: runs/compare-<dataset>-<model>)")
     p.add_argument("--resume", action="store_true", help="reuse finished runs and resume unfinished ones")
     p.add_argument("--no-plot", action="store_true", help="do not write PNG plots")

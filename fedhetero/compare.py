@@ -26,12 +26,29 @@ from fedhetero.config import ConfigError, RunConfig, from_dict, load_config, to_
 __all__ = ["run_comparison", "comparison_rows"]
 
 
-def _cfg_for(base: RunConfig, algorithm: str, seed: int) -> RunConfig:
+def _cfg_for(base: RunConfig, algorithm: str, seed: int, options: dict[str, Any] | None = None) -> RunConfig:
     data = to_dict(base)
     if data["algorithm"]["name"] != algorithm:
         data["algorithm"] = {"name": algorithm, "options": {}}
+    data["algorithm"]["options"].update(options or {})
     data["seed"] = seed
     return from_dict(data)
+
+
+def parse_options(items: list[str], algorithms: list[str]) -> dict[str, dict[str, Any]]:
+    """``["fedap.prune_round=10", …]`` → ``{"fedap": {"prune_round": 10}}`` (values parsed as YAML)."""
+    import yaml
+
+    out: dict[str, dict[str, Any]] = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        algo, dot, name = key.strip().partition(".")
+        if not sep or not dot or not name:
+            raise ConfigError(f"--option {item!r}: expected ALGORITHM.option=value")
+        if algo not in algorithms:
+            raise ConfigError(f"--option {item!r}: {algo!r} is not among --algorithms ({', '.join(algorithms)})")
+        out.setdefault(algo, {})[name] = yaml.safe_load(raw)
+    return out
 
 
 def _mean_std(values: list[float]) -> tuple[float | None, float | None]:
@@ -58,6 +75,8 @@ def comparison_rows(results: dict[str, list[dict[str, Any] | None]], tiers: list
             "final_accuracy_std": acc_s,
             "last5_accuracy_mean": last5_m,
             "last5_accuracy_std": last5_s,
+            "client_macs_mean": float(np.mean([s["mean_client_macs"] for s in summaries])),
+            "sim_time_s_mean": float(np.mean([s["sim_time_s"] for s in summaries])),
             "bytes_total_mean": float(np.mean([s["bytes_total"] for s in summaries])),
             "wall_s_mean": float(np.mean([s["wall_s"] for s in summaries])),
             "all_fit_budget": all(s["all_fit_budget"] for s in summaries),
@@ -68,9 +87,9 @@ def comparison_rows(results: dict[str, list[dict[str, Any] | None]], tiers: list
             row[f"acc_{t}_std"] = sd
             row[f"macs_{t}_mean"] = _mean_std([s["tiers"][t]["macs"] for s in summaries])[0]
             row[f"budget_{t}"] = summaries[0]["tiers"][t]["budget_macs"]
-        extra = [s.get("time_to_target") for s in summaries]
-        if any(e is not None for e in extra):
-            row["time_to_target_mean"] = _mean_std(extra)[0]
+        ttt = [s.get("time_to_target") for s in summaries]
+        row["time_to_target_mean"] = None if any(t is None for t in ttt) else float(np.mean(ttt))
+        row["reached_target"] = sum(t is not None for t in ttt)
         rows.append(row)
     return rows
 
@@ -92,8 +111,11 @@ def run_comparison(
     console: Any = None,
     progress: bool = True,
     resume: bool = False,
+    options: list[str] | None = None,
 ) -> list[dict[str, Any]]:
-    """Run the comparison and write its files; returns the table rows."""
+    """Run the comparison and write its files; returns the table rows.
+
+    ``options`` are ``ALGORITHM.option=value`` strings for individual methods."""
     from rich.table import Table
 
     from fedhetero.engine import Engine
@@ -105,6 +127,7 @@ def run_comparison(
     for a in algorithms:
         get_algorithm(a)  # fail fast on unknown names
     base = load_config(config, overrides)
+    per_algo = parse_options(options or [], algorithms)
     out = out or Path("runs") / f"compare-{base.data.dataset}-{base.model.name}"
     out.mkdir(parents=True, exist_ok=True)
     tiers = [t.name for t in base.budget.tiers]
@@ -120,7 +143,7 @@ def run_comparison(
             results[algo] = [None]
             continue
         for s in range(seeds):
-            cfg = _cfg_for(base, algo, base.seed + s)
+            cfg = _cfg_for(base, algo, base.seed + s, per_algo.get(algo))
             run_dir = out / algo / f"seed{base.seed + s}"
             done = run_dir / "summary.json"
             if resume and done.is_file():
@@ -136,7 +159,7 @@ def run_comparison(
             results[algo].append(summary)
             histories[algo].append(hist)
     rows = comparison_rows(results, tiers)
-    _write(out, rows, base, algorithms, seeds)
+    _write(out, rows, base, algorithms, seeds, per_algo)
     if console is not None:
         table = Table(title=f"{base.data.dataset} / {base.model.name} / {base.data.partition}"
                       + (f" β={base.data.alpha:g}" if base.data.partition == "dirichlet" else "")
@@ -147,17 +170,26 @@ def run_comparison(
             table.add_column(f"{t} acc %", justify="right")
         for t in tiers:
             table.add_column(f"{t} MFLOPs", justify="right")
+        table.add_column("client MFLOPs", justify="right")
+        if base.train.target_accuracy is not None:
+            table.add_column(f"time to {100 * base.train.target_accuracy:g} % (sim s)", justify="right")
         table.add_column("bytes/run", justify="right")
         table.add_column("wall s", justify="right")
         for r in rows:
             if r["status"] != "ok":
-                table.add_row(r["algorithm"], "N/A", *(["N/A"] * (2 * len(tiers) + 2)))
+                table.add_row(r["algorithm"], "N/A", *(["N/A"] * (2 * len(tiers) + 3 + (base.train.target_accuracy is not None))))
                 continue
+            ttt_cell = []
+            if base.train.target_accuracy is not None:
+                t = r["time_to_target_mean"]
+                ttt_cell = ["not reached" if t is None else f"{t:.1f}"]
             table.add_row(
                 r["algorithm"],
                 _pct(r["final_accuracy_mean"], r["final_accuracy_std"] if seeds > 1 else None),
                 *[_pct(r[f"acc_{t}_mean"]) for t in tiers],
                 *[("—" if r[f"macs_{t}_mean"] is None else f"{r[f'macs_{t}_mean'] / 1e6:.3f}") for t in tiers],
+                f"{r['client_macs_mean'] / 1e6:.3f}",
+                *ttt_cell,
                 f"{r['bytes_total_mean'] / 2**20:.1f} MB",
                 f"{r['wall_s_mean']:.1f}",
             )
@@ -168,9 +200,9 @@ def run_comparison(
     return rows
 
 
-def _write(out: Path, rows: list[dict[str, Any]], base: RunConfig, algorithms: list[str], seeds: int) -> None:
+def _write(out: Path, rows: list[dict[str, Any]], base: RunConfig, algorithms: list[str], seeds: int, options: dict[str, Any]) -> None:
     (out / "comparison.json").write_text(
-        json.dumps({"config": to_dict(base), "algorithms": algorithms, "seeds": seeds, "rows": rows}, indent=2)
+        json.dumps({"config": to_dict(base), "algorithms": algorithms, "seeds": seeds, "options": options, "rows": rows}, indent=2)
     )
     keys: list[str] = []
     for r in rows:

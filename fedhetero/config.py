@@ -80,6 +80,7 @@ class TrainConfig:
     eval_every: int = 1
     checkpoint_every: int = 5
     eval_batch_size: int = 512
+    target_accuracy: float | None = None  # for time-to-target in the simulated time model
 
 
 @dataclass(frozen=True)
@@ -262,6 +263,11 @@ def validate(cfg: RunConfig) -> None:
     _check(t.eval_every >= 1, "train.eval_every", "must be at least 1")
     _check(t.checkpoint_every >= 1, "train.checkpoint_every", "must be at least 1")
     _check(t.eval_batch_size >= 1, "train.eval_batch_size", "must be at least 1")
+    _check(
+        t.target_accuracy is None or 0 < t.target_accuracy <= 1,
+        "train.target_accuracy",
+        f"must be a fraction in (0, 1] or null, got {t.target_accuracy}",
+    )
     _check(len(b.tiers) >= 1, "budget.tiers", "at least one tier is required")
     names = [tier.name for tier in b.tiers]
     _check(len(set(names)) == len(names), "budget.tiers", f"tier names must be unique, got {names}")

@@ -45,6 +45,9 @@ from fedhetero.config import (
 )
 from fedhetero.data import build_federated_data, iterate_batches, save_partition
 from fedhetero.store import ClientStateStore, atomic_save
+from fedhetero.timemodel import ClientCost, TimeModel, smoothed_final_accuracy
+
+_TIME_MODEL = TimeModel()
 
 __all__ = ["Context", "Engine", "RunResult", "build_algorithm", "run"]
 
@@ -93,7 +96,7 @@ class Context:
         self.on_client_done: Callable[[int], None] | None = None
         self.timers: dict[str, float] = {}
         self._macs_cache: dict[Any, int] = {}
-        self._width_cache: dict[float, float] = {}
+        self._width_planner: Any = None
         with self.seeded("init", 0):
             self.plain_macs = self.macs(self.build_model())
         self.tier_ratio = {t.name: t.ratio for t in cfg.budget.tiers}
@@ -165,16 +168,14 @@ class Context:
         """Forward MACs per sample (conv + linear; BN, activations and pooling excluded)."""
         return int(budget_mod.macs(model, self.input_shape))
 
-    def width_for_budget(self, budget_macs: float, **overrides: Any) -> float:
-        """Largest width multiple (of the configured width) whose model fits ``budget_macs``."""
-        key = round(float(budget_macs), 3)
-        if key not in self._width_cache:
-            self._width_cache[key] = budget_mod.largest_width(
-                lambda w: self.build_model(width=w, **overrides),
-                budget_macs,
-                self.input_shape,
-            )
-        return self._width_cache[key]
+    def width_for_budget(self, budget_macs: float) -> float:
+        """Largest width (multiples of 1/16 of the configured width, above 1× too) whose model's
+        measured MACs fit ``budget_macs``; ``ValueError`` when even the narrowest does not fit."""
+        if self._width_planner is None:
+            from fedhetero.algorithms._widths import WidthPlanner
+
+            self._width_planner = WidthPlanner(self)
+        return self._width_planner.width_for(budget_macs)
 
     def min_budget_macs(self) -> float:
         return min(t.ratio for t in self.cfg.budget.tiers) * self.plain_macs
@@ -490,6 +491,16 @@ class Engine:
                     }
                     for u in updates
                 ]
+                row["sim_s"] = _TIME_MODEL.round_seconds(
+                    ClientCost(
+                        macs_per_sample=float(u.macs),
+                        sample_passes=float(u.num_samples * self.cfg.train.local_epochs),
+                        bytes_up=float(u.bytes_up),
+                        bytes_down=float(u.bytes_down),
+                    )
+                    for u in updates
+                )
+                row["sim_time_s"] = (history[-1]["sim_time_s"] if history else 0.0) + row["sim_s"]
                 row["bytes_up"] = int(sum(u.bytes_up for u in updates))
                 row["bytes_down"] = int(sum(u.bytes_down for u in updates))
                 cum_bytes += row["bytes_up"] + row["bytes_down"]
@@ -529,6 +540,15 @@ def summarize(cfg: RunConfig, history: list[dict[str, Any]], plain_macs: int, wa
             "accuracy": evals[-1]["tier_accuracy"].get(t.name) if evals else None,
         }
     k = min(5, len(accs))
+    target = cfg.train.target_accuracy
+    reached = None
+    if target is not None and evals:
+        hit = [r for r in evals if r["accuracy"] >= target]
+        reached = hit[0] if hit else None
+    smoothed = None
+    if len(accs) >= 5:
+        window = min(39, len(accs) if len(accs) % 2 else len(accs) - 1)
+        smoothed = float(smoothed_final_accuracy(accs, window=window, polyorder=min(3, window - 1)))
     return {
         "algorithm": cfg.algorithm.name,
         "rounds": len(history),
@@ -537,6 +557,12 @@ def summarize(cfg: RunConfig, history: list[dict[str, Any]], plain_macs: int, wa
         "mean_last5_accuracy": float(np.mean(accs[-k:])) if accs else None,
         "plain_macs": plain_macs,
         "tiers": tiers,
+        "smoothed_final_accuracy": smoothed,
+        "target_accuracy": target,
+        "rounds_to_target": reached["round"] if reached else None,
+        "time_to_target": reached["sim_time_s"] if reached else None,
+        "sim_time_s": history[-1]["sim_time_s"] if history else 0.0,
+        "mean_client_macs": float(np.mean([c["macs"] for r in history for c in r["clients"]])) if history else None,
         "bytes_total": history[-1]["bytes_total"] if history else 0,
         "all_fit_budget": bool(all(c["fits_budget"] for r in history for c in r["clients"])),
         "wall_s": round(wall, 3),

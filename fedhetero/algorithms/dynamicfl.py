@@ -30,10 +30,13 @@ import copy
 from dataclasses import dataclass
 from typing import Any, Literal
 
+import numpy as np
 import torch
 from torch import nn
 
 import reparam
+from reparam.geometry import ConvGeometry
+from reparam.dymm import applicable_kinds
 from fedhetero.algorithms.base import Algorithm, ClientInfo, ClientUpdate, state_bytes, weighted_average
 from reparam.changes import apply_to_optimizer
 from reparam.dymm import dymm, plan_bottom_up, shrink_to_budget
@@ -56,7 +59,17 @@ class DynamicFLOptions:
     init: Literal["zero_gamma", "random_resolve"] = "zero_gamma"
     first_plan: Literal["bottom_up", "saliency"] = "bottom_up"
     sub_model_criterion: Literal["hrank", "magnitude"] = "hrank"
+    fill_budget: bool = True  # after DYMM / in the first plan, grow branches into unused budget
     verify: bool = False  # record the lossless-transfer errors per client (costs two forwards)
+
+
+def _expandable(model: nn.Module) -> list[tuple[str, nn.Conv2d]]:
+    """Convs of a plain model that a first-round plan may expand (1 < max(K) ≤ 5)."""
+    return [
+        (path, m)
+        for path, m in model.named_modules()
+        if isinstance(m, nn.Conv2d) and 1 < max(m.kernel_size) <= 5
+    ]
 
 
 def _skey(key: tuple[str, str]) -> str:
@@ -68,6 +81,113 @@ def _unskey(key: str) -> tuple[str, str]:
     return path, name
 
 
+def best_additions(items: list[tuple[Any, int]], capacity: float, resolution: int = 4000) -> list[Any]:
+    """0/1 knapsack: the subset of ``(key, cost)`` items with the largest total cost ≤ ``capacity``.
+
+    Costs are scaled to ``resolution`` units of the capacity and rounded **up**, so the chosen set
+    always fits exactly; the optimum is within one unit per item of the true one. Ties keep the
+    earlier items (the input order expresses preference).
+    """
+    if capacity <= 0 or not items:
+        return []
+    unit = capacity / resolution
+    cap = resolution
+    w = [max(1, int(-(-c // unit))) if c > 0 else 0 for _, c in items]
+    best = np.full(cap + 1, -1, dtype=np.int64)
+    best[0] = 0
+    take = np.zeros((len(items), cap + 1), dtype=bool)
+    for i, ((_, c), wi) in enumerate(zip(items, w)):
+        if wi > cap:
+            continue
+        cand = np.full(cap + 1, -1, dtype=np.int64)
+        cand[wi:] = np.where(best[:-wi or None] >= 0, best[:-wi or None] + int(c), -1) if wi > 0 else best + int(c)
+        better = cand > best
+        take[i] = better
+        best = np.where(better, cand, best)
+    j = int(np.argmax(best))
+    chosen = []
+    for i in range(len(items) - 1, -1, -1):
+        if take[i, j]:
+            chosen.append(items[i][0])
+            j -= w[i]
+    return chosen[::-1]
+
+
+def _candidate_costs(
+    model: nn.Module, input_shape: tuple[int, ...], blocks_only: bool, sizes: dict | None = None
+) -> list[tuple[tuple[str, str], int]]:
+    """(conv or block path, kind) → forward MACs of adding that branch, in forward order.
+
+    ``sizes`` (conv input sizes by path, :func:`reparam.flops.input_sizes`) may be passed in: they
+    depend on the architecture only, not on the branches a block carries."""
+    sizes = sizes if sizes is not None else reparam.flops.input_sizes(model, input_shape)
+    items: list[tuple[tuple[str, str], int]] = []
+    if blocks_only:
+        for path, block in reparam.iter_blocks(model):
+            for kind in block.applicable():
+                if kind not in block.branch_names:
+                    items.append(((path, kind), int(reparam.flops.branch_macs(kind, block.geometry, sizes[path]))))
+        return items
+    for path, conv in _expandable(model):
+        geo = ConvGeometry.from_conv(conv)
+        for kind in applicable_kinds(geo):
+            if kind != "kxk":
+                items.append(((path, kind), int(reparam.flops.branch_macs(kind, geo, sizes[path]))))
+    return items
+
+
+def first_plan(plain: nn.Module, budget_macs: float, input_shape: tuple[int, ...], fill: bool = True) -> dict[str, tuple[str, ...]]:
+    """Eq. 2's first-round plan: every expandable conv gets its anchor; branches are added
+    "bottom to up" (``reparam.dymm.plan_bottom_up``). When that greedy walk leaves more than 5 % of
+    the reachable budget unused (discrete branch costs can block it), the plan is replaced by the
+    knapsack-best set of branches, so a client trains as much of its budget as the branch set allows.
+    """
+    from reparam.flops import model_macs
+
+    base = model_macs(plain, input_shape)
+    plan = {path: ("kxk",) for path, _ in _expandable(plain)}
+    greedy = plan_bottom_up(plain, budget_macs, input_shape)
+    plan.update({p: tuple(k) for p, k in greedy.items()})
+    if not fill:
+        return plan
+    items = _candidate_costs(plain, input_shape, blocks_only=False)
+    extra = {key: c for key, c in items}
+    used = sum(extra.get((p, k), 0) for p, kinds in plan.items() for k in kinds if k != "kxk")
+    reachable = min(budget_macs - base, sum(extra.values()))
+    if reachable <= 0 or used >= 0.95 * reachable:
+        return plan
+    chosen = best_additions(items, budget_macs - base)
+    if sum(extra[k] for k in chosen) <= used:
+        return plan
+    plan = {path: ("kxk",) for path, _ in _expandable(plain)}
+    for path, kind in chosen:
+        plan[path] = plan[path] + (kind,)
+    return plan
+
+
+def fill_to_budget(
+    model: nn.Module,
+    budget_macs: float,
+    input_shape: tuple[int, ...],
+    *,
+    init: str = "zero_gamma",
+    sizes: dict | None = None,
+    current_macs: int | None = None,
+) -> reparam.StructureChange:
+    """Grow missing branches (exact zero-γ growth) so the model uses as much of ``budget_macs`` as
+    the branch set allows (knapsack over the missing branches of every block)."""
+    from reparam.flops import model_macs
+
+    change = reparam.StructureChange([], [], [], [])
+    current = model_macs(model, input_shape) if current_macs is None else current_macs
+    room = budget_macs - current
+    items = _candidate_costs(model, input_shape, blocks_only=True, sizes=sizes)
+    blocks = dict(reparam.iter_blocks(model))
+    for path, kind in best_additions(items, room):
+        change.extend(blocks[path].add_branch(kind, init=init))
+    return change
+
+
 def grow_to_budget(
     model: nn.Module,
     scores: dict[tuple[str, str], float],
@@ -76,11 +196,9 @@ def grow_to_budget(
     *,
     init: str = "zero_gamma",
 ) -> reparam.StructureChange:
-    """Add branches (zero-γ, exact) to the blocks with the highest saliency while the budget allows.
-
-    Blocks are visited by the largest |score| of their present branches (anchor-only blocks last);
-    each takes its missing applicable branch kinds, cheapest first, while the model still fits.
-    """
+    """Grow after a budget increase: blocks are visited by the largest |score| of their present
+    branches; each takes its missing kinds, cheapest first, while the model fits; then the rest of
+    the budget is filled (:func:`fill_to_budget`)."""
     from reparam.flops import model_macs
 
     change = reparam.StructureChange([], [], [], [])
@@ -102,7 +220,7 @@ def grow_to_budget(
             if current + costs[kind] <= budget_macs:
                 change.extend(block.add_branch(kind, init=init))
                 current += costs[kind]
-    return change
+    return change.extend(fill_to_budget(model, budget_macs, input_shape, init=init))
 
 
 class DynamicFL(Algorithm):
@@ -119,6 +237,9 @@ class DynamicFL(Algorithm):
         model.eval()
         self.global_model = reparam.merge(model, target="deploy")
         self._plain_keys = list(self.global_model.state_dict())
+        # depend on the architecture (and budget) only: computed once per run
+        self._sizes = reparam.flops.input_sizes(self.global_model, ctx.input_shape)
+        self._plans: dict[float, dict[str, tuple[str, ...]]] = {}
 
     # ------------------------------------------------------------------ client
     def _calibration_batch(self, ctx, client: ClientInfo) -> torch.Tensor:
@@ -133,7 +254,10 @@ class DynamicFL(Algorithm):
 
     def _expand_first(self, ctx, client: ClientInfo) -> nn.Module:
         plain = copy.deepcopy(self.global_model)
-        plan = plan_bottom_up(plain, client.budget_macs, ctx.input_shape)
+        key = round(float(client.budget_macs), 3)
+        if key not in self._plans:
+            self._plans[key] = first_plan(plain, client.budget_macs, ctx.input_shape, fill=self.options.fill_budget)
+        plan = self._plans[key]
         calib = self._calibration_batch(ctx, client) if self.options.anchor_norm == "calibrated" else None
         with ctx.timer("rep"):
             model = reparam.expand(
@@ -150,9 +274,36 @@ class DynamicFL(Algorithm):
         model.load_state_dict(stored["state"], strict=True)
         return model
 
+    def _pruned(self, ctx, client: ClientInfo) -> nn.Module:
+        """A budget below the plain model: a structurally pruned sub-model of ω_g (HRank ranks of
+        the client's own data, or filter magnitude), trained with BN on every conv."""
+        from fedhetero.pruning.surgery import plan_for_budget
+        from fedhetero.submodel import submodel_from
+
+        crit = self.options.sub_model_criterion
+        batches = None
+        if crit == "hrank":
+            batches = [x.to(ctx.device, ctx.dtype) for x, _ in ctx.client_batches(client.cid, epoch=10_002, batch_size=100)][:2]
+        with ctx.timer("prune"):
+            self._spec = plan_for_budget(
+                self.global_model, ctx.input_shape, client.budget_macs, criterion=crit, batches=batches
+            )
+            sub = submodel_from(self.global_model, self._spec)
+        calib = self._calibration_batch(ctx, client) if self.options.anchor_norm == "calibrated" else None
+        plan = {path: ("kxk",) for path, _ in _expandable(sub)}
+        with ctx.timer("rep"):
+            return reparam.expand(sub, plan=plan, inplace=True, anchor_norm=self.options.anchor_norm, calibration_input=calib)
+
     def client_model(self, ctx, client: ClientInfo) -> nn.Module:
-        stored = ctx.store.get(client.cid, before_round=ctx.round)
         self._s_local: dict[tuple[str, str], float] = {}
+        self._spec = None
+        self._verify_in = None
+        if client.budget_macs < ctx.plain_macs * (1 - 1e-9):
+            self._mode = "pruned"
+            model = self._pruned(ctx, client)
+            model.train()
+            return model
+        stored = ctx.store.get(client.cid, before_round=ctx.round)
         if stored is None:
             self._mode = "first"
             model = self._expand_first(ctx, client)
@@ -187,49 +338,90 @@ class DynamicFL(Algorithm):
     def _meter(self, model: nn.Module) -> SaliencyMeter:
         return SaliencyMeter(model, metric=self.options.saliency, params=self.options.saliency_params)
 
-    def _adapt_budget(self, ctx, client: ClientInfo, model: nn.Module, meter: SaliencyMeter, opt) -> None:
-        """Follow a changed budget on the spot (after the second local epoch)."""
-        new_budget = client.budget_after_change
-        if new_budget is None:
-            return
+    def _to_pruned(self, ctx, client: ClientInfo, model: nn.Module, budget: float) -> nn.Module:
+        """Switch mid-round to a pruned sub-model when the budget falls below the plain model:
+        merge the current model (eval-exact), prune it by filter magnitude to the budget and wrap it
+        with BN again. The spec stays relative to the global model (composed with an earlier one)."""
+        from fedhetero.pruning.surgery import plan_for_budget
+        from fedhetero.submodel import submodel_from
+
+        model.eval()
+        plain = reparam.merge(model, target="deploy")
+        with ctx.timer("prune"):
+            spec = plan_for_budget(plain, ctx.input_shape, budget, criterion="magnitude")
+            sub = submodel_from(plain, spec)
+        self._spec = spec if self._spec is None else self._spec.compose(spec)
+        plan = {path: ("kxk",) for path, _ in _expandable(sub)}
+        calib = self._calibration_batch(ctx, client) if self.options.anchor_norm == "calibrated" else None
+        with ctx.timer("rep"):
+            new = reparam.expand(sub, plan=plan, inplace=True, anchor_norm=self.options.anchor_norm, calibration_input=calib)
+        new.train()
+        self._mode = "pruned"
+        return new
+
+    def _adapt_budget(self, ctx, client: ClientInfo, model: nn.Module, meter: SaliencyMeter, opt):
+        """Follow a changed budget on the spot (after the second local epoch): shrink by folding
+        the lowest-saliency branches, grow by adding branches (both eval-exact), or switch to a
+        pruned sub-model when the budget falls below the plain model. Returns (model, optimizer)."""
+        new_budget = float(client.budget_after_change)
+        self._budget = new_budget
         scores = meter.values() or self._s_local
         current = ctx.macs(model)
+        anchors_only = ctx.macs(reparam.merge(model.eval(), target="deploy"))
+        model.train()
+        if new_budget < anchors_only * (1 - 1e-9):
+            new = self._to_pruned(ctx, client, model, new_budget)
+            return new, ctx.make_optimizer(new)
         with ctx.timer("dymm"):
             model.eval()
             if current > new_budget:
-                change = shrink_to_budget(model, scores, new_budget, ctx.input_shape)
-                change = change.change if hasattr(change, "change") else change
+                rep = shrink_to_budget(model, scores, new_budget, ctx.input_shape)
+                change = rep.change if hasattr(rep, "change") else rep
             else:
                 change = grow_to_budget(model, scores, new_budget, ctx.input_shape, init=self.options.init)
             model.train()
         apply_to_optimizer(opt, change)
-        meter.refresh()
-        self._budget = new_budget
+        return model, opt
 
     def local_train(self, ctx, client: ClientInfo, model: nn.Module) -> dict[str, Any]:
+        """Algorithm 1's local epochs, split where the structure may change (after DYMM's global
+        epoch, and after the second epoch when the budget changes)."""
         E = ctx.cfg.train.local_epochs
-        meter = self._meter(model)
         self._budget = client.budget_macs
+        self._model = model
         report: dict[str, Any] = {"mode": self._mode}
+        state = {"model": model, "opt": ctx.make_optimizer(model), "meter": self._meter(model)}
+        res: dict[str, Any] = {"loss": float("nan")}
 
-        def on_epoch_end(epoch: int, m: nn.Module, opt) -> None:
-            # epoch numbering is global over the local round: 0 .. E-1
-            if epoch == 1:
-                self._adapt_budget(ctx, client, m, meter, opt)
-            if epoch < E - 1:
-                meter.reset()  # S_l is the saliency of the last epoch
+        def segment(first: int, last: int) -> None:
+            nonlocal res
+            if last <= first:
+                return
+            meter = state["meter"]
 
-        if self._mode in ("first", "shrink") or E == 1:
-            res = ctx.train(model, client, E, after_backward=lambda _m: meter.after_backward(), on_epoch_end=on_epoch_end)
-        else:
-            # one epoch on ε recording S_g, then DYMM, then E−1 epochs recording S_l
-            res = ctx.train(model, client, 1, after_backward=lambda _m: meter.after_backward())
-            s_global = meter.values()
-            opt = res["optimizer"]
+            def on_epoch_end(epoch: int, m: nn.Module, opt) -> None:
+                if epoch < E - 1:
+                    meter.reset()  # S_l is the saliency of the last epoch
+
+            res = ctx.train(
+                state["model"],
+                client,
+                last - first,
+                optimizer=state["opt"],
+                after_backward=lambda _m: meter.after_backward(),
+                on_epoch_end=on_epoch_end,
+                first_epoch=first,
+            )
+
+        change_at = 2 if client.budget_after_change is not None and E > 2 else E
+        if self._mode == "dymm" and E > 1:
+            segment(0, 1)  # one epoch on ε recording S_g
+            s_global = state["meter"].values()
+            m = state["model"]
             with ctx.timer("dymm"):
-                model.eval()
+                m.eval()
                 rep = dymm(
-                    model,
+                    m,
                     self._s_local,
                     s_global,
                     client.budget_macs,
@@ -240,34 +432,59 @@ class DynamicFL(Algorithm):
                     max_new_per_round=self.options.max_new_per_round,
                     init=self.options.init,
                 )
-                model.train()
-            apply_to_optimizer(opt, rep.change)
-            meter.refresh()
-            meter.reset()
+                change = rep.change
+                if self.options.fill_budget:
+                    filled = fill_to_budget(
+                        m, client.budget_macs, ctx.input_shape, init=self.options.init,
+                        sizes=self._sizes, current_macs=rep.macs_after,
+                    )
+                    change = change.extend(filled)
+                    report["filled"] = len(filled.added)
+                m.train()
+            apply_to_optimizer(state["opt"], change)
+            state["meter"] = self._meter(m)
             report.update(folded=len(rep.folded), grown=len(rep.grown))
-            res = ctx.train(
-                model,
-                client,
-                E - 1,
-                optimizer=opt,
-                after_backward=lambda _m: meter.after_backward(),
-                on_epoch_end=on_epoch_end,
-                first_epoch=1,
-            )
-        self._s_local = meter.values()
+            start = 1
+        else:
+            start = 0
+        segment(start, change_at)
+        if change_at < E:
+            m, opt = self._adapt_budget(ctx, client, state["model"], state["meter"], state["opt"])
+            if m is not state["model"] or opt is not state["opt"]:
+                state.update(model=m, opt=opt)
+            state["meter"] = self._meter(state["model"])
+            segment(change_at, E)
+        self._model = state["model"]
+        self._s_local = state["meter"].values()
+        report["mode"] = self._mode
         report["loss"] = res["loss"]
-        report["branches"] = sum(len(b.branch_names) for _, b in reparam.iter_blocks(model))
+        report["branches"] = sum(len(b.branch_names) for _, b in reparam.iter_blocks(self._model))
         return report
 
     def upload(self, ctx, client: ClientInfo, model: nn.Module, result: dict[str, Any]) -> ClientUpdate:
+        model = self._model  # local training may have replaced the model (budget below the plain model)
         model.eval()
         trained_macs = ctx.macs(model)
         with ctx.timer("merge"):
             plain = reparam.merge(model, target="deploy")
         if self.options.verify:
-            result["lossless_in"] = self._verify_in
+            if self._verify_in is not None:
+                result["lossless_in"] = self._verify_in
             result["lossless_out"] = self._check(ctx, plain, model)
         state = {k: v.detach().clone() for k, v in plain.state_dict().items()}
+        if self._mode == "pruned":
+            return ClientUpdate(
+                cid=client.cid,
+                num_samples=client.num_samples,
+                state=state,
+                spec=self._spec,
+                macs=trained_macs,
+                budget_macs=float(self._budget),
+                bytes_up=state_bytes(state),
+                bytes_down=state_bytes(state),  # the server sends the sub-model slice
+                tier=client.tier,
+                metrics={k: v for k, v in result.items() if k != "optimizer"},
+            )
         if list(state) != self._plain_keys:
             raise RuntimeError("dynamicfl: the merged client model does not have the global model's keys")
         ctx.store.put(
@@ -292,7 +509,18 @@ class DynamicFL(Algorithm):
         )
 
     def aggregate(self, ctx, updates: list[ClientUpdate]) -> None:
+        """Eq. 11: weighted mean of the plain uploads; pruned sub-model uploads are scattered back by
+        channel index and every weight is averaged over the clients that trained it (a weight no
+        client trained keeps its value)."""
         if not updates:
             return
         weights = ctx.aggregation_weights(updates)
-        self.global_model.load_state_dict(weighted_average([u.state for u in updates], weights))
+        if all(u.spec is None for u in updates):
+            self.global_model.load_state_dict(weighted_average([u.state for u in updates], weights))
+            return
+        from fedhetero.submodel import SubmodelAggregator
+
+        agg = SubmodelAggregator(self.global_model.state_dict(), groups=self.global_model)
+        for u, w in sorted(zip(updates, weights), key=lambda uw: uw[0].cid):
+            agg.add(u.state, u.spec, weight=w)
+        self.global_model.load_state_dict(agg.result())

@@ -64,6 +64,38 @@ def test_lossless_transfer_and_budgets(tmp_path):
 @pytest.mark.parametrize("scenario", ["decreasing", "increasing"])
 def test_dynamic_budget_followed_and_still_lossless(tmp_path, scenario):
     Engine(_cfg(scenario=scenario, rounds=3), tmp_path, progress=False).run()
-    for c in _clients(tmp_path):
+    clients = _clients(tmp_path)
+    if scenario == "decreasing":
+        # a 1x client whose budget falls to 0.95x switches to a pruned sub-model mid-round
+        assert any(c["mode"] == "pruned" and c["tier"] == "small" for c in clients)
+    for c in clients:
         assert c["macs"] <= c["budget_macs"] * (1 + 1e-12), c
-        assert c["lossless_in"] <= 1e-10 and c["lossless_out"] <= 1e-10, c
+        assert c.get("lossless_in", 0.0) <= 1e-10 and c["lossless_out"] <= 1e-10, c
+
+
+def test_mixed_tiers_below_and_above_the_plain_model(tmp_path):
+    tiers = [
+        {"name": n, "ratio": r, "share": 0.2}
+        for n, r in (("q", 0.25), ("h", 0.5), ("one", 1.0), ("two", 2.0), ("three", 3.0))
+    ]
+    cfg = from_dict(
+        {
+            "seed": 2,
+            "data": {"dataset": "synthetic", "synthetic_size": 300, "num_clients": 10, "min_partition_size": 5},
+            "model": {"name": "cnn", "width": 0.5},
+            "train": {"rounds": 2, "sample_rate": 1.0, "local_epochs": 2, "batch_size": 32},
+            "budget": {"tiers": tiers},
+            "algorithm": {"name": "dynamicfl", "options": {"verify": True}},
+        }
+    )
+    res = Engine(cfg, tmp_path, progress=False).run()
+    clients = _clients(tmp_path)
+    assert {c["tier"] for c in clients} == {"q", "h", "one", "two", "three"}
+    for c in clients:
+        assert c["macs"] <= c["budget_macs"] * (1 + 1e-12), c
+        assert c["lossless_out"] <= 1e-4, c  # float32 run: upload equals the trained model
+        if c["tier"] in ("q", "h"):
+            assert c["mode"] == "pruned"
+            assert c["macs"] >= 0.8 * c["budget_macs"], c  # the pruned sub-model uses its budget
+    assert res.summary["all_fit_budget"]
+    assert 0.0 <= res.summary["final_accuracy"] <= 1.0

@@ -1,0 +1,368 @@
+"""FedAP: federated adaptive structured pruning, once, at a configured round (Algorithm 3).
+
+Right after round ``prune_round`` completes (D9: before round ``prune_round + 1`` trains; default
+30, ``-1`` disables) the server:
+
+1. computes a per-dataset expected pruning rate ``p*_k`` for the server (``k = 0``) and **every**
+   device ``k = 1..N`` on the current global model ``W'`` with one batch of ``hessian_batch`` (100)
+   samples of ``D_k``: ``slq_plateau`` (default, D10; the spectral mass above the first plateau of
+   the SLQ Hessian density), ``spectral_gap`` (paper-literal ``m_k/d_k`` at the first gap wider than
+   ``4ℒ_k``, with ``W`` = the initial global model) or ``fixed``; lines 2–4;
+2. aggregates them with Formula 15, ``p* = Σ_k w_k p*_k`` with ``w_k ∝ n_k / (D(P_k) + ε)``, the
+   server included (D11, ``ε = 1e-4``); line 5;
+3. turns ``p*`` into the global magnitude threshold ``𝒱`` = the ``⌊ℳ·p*⌋``-th smallest ``|v|`` over
+   all trainable tensors (D12) and gives each conv layer ``l`` the rate ``p*_l`` = fraction of its
+   weights with ``|v| < 𝒱`` (D13), all on the unpruned model; lines 6–11;
+4. removes in each conv layer the ``⌊p*_l·d_l⌋`` filters (at least ``min_filters_per_layer`` kept)
+   whose post-ReLU feature maps on ``hrank_samples`` (500) server images have the lowest average
+   matrix rank (HRank, D14), layer after layer (``sequential``) or all ranks first; lines 12–15;
+5. physically removes them with the consumer layers' input channels (D15) — the pruned model keeps
+   the surviving weights and is trained by everybody for the remaining rounds; FedDUM's server
+   momentum buffer is sliced with the same indices.
+
+The numerical pieces live in :mod:`fedhetero.pruning` (Hessian/SLQ rates, Formula 15, threshold,
+HRank ranks, surgery); this module orchestrates them inside the round loop and records what the
+paper reports: after pruning every client's ``metrics`` carry ``prune_p_star`` and the realised
+per-layer rate ``prune_rate/<group>``; ``macs`` (forward MACs per sample) and ``params`` of every
+update drop accordingly; the full audit (every ``p*_k``, the Formula-15 weights, ``𝒱``, every
+``p*_l``, kept filter counts, MACs and parameters before/after) is :attr:`PruningMixin.prune_report`,
+part of the checkpointed algorithm state.
+
+FedAP alone (this module's :class:`FedAP`) is FedAvg with the pruning step and no server update
+(spec §7 table; authors' code ``central_train = 0``).
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+from fedhetero.algorithms.feddu import FamilyOptions, NonIIDStats, ServerDataAlgorithm, _check
+from fedhetero.data.batches import random_crop_flip
+from fedhetero.pruning.rates import (
+    aggregate_rates,
+    aggregation_weights,
+    dataset_prune_rate,
+    layer_rates_from_threshold,
+    magnitude_threshold,
+)
+from fedhetero.pruning.surgery import fedap_prune, group_producers, prunable_groups, slice_tensors
+from fedhetero.submodel import SubmodelSpec, channel_groups_of, submodel_from
+
+if TYPE_CHECKING:  # pragma: no cover
+    from fedhetero.engine import Context
+
+__all__ = [
+    "RateOptions",
+    "PruneOptions",
+    "FedAPOptions",
+    "FedAP",
+    "PruningMixin",
+    "estimate_global_rate",
+    "conv_layer_rates",
+    "rank_batches",
+]
+
+
+@dataclass(frozen=True)
+class RateOptions:
+    """Options of Algorithm 3 lines 2–11 (spec §12, flops_and_pruning.md §6.4), shared with IMC.
+
+    ``prune_round`` (30; −1 disables; pruning runs before round ``prune_round + 1``),
+    ``prune_rate_mode`` (D10), ``fixed_prune_rate`` (mode ``fixed``), ``hessian_batch``,
+    ``slq_iters``/``slq_probes`` (``null`` = 50/1 for ``slq_plateau``, 100/4 for ``spectral_gap``),
+    ``slq_grid``, ``slq_kernel_var``, ``plateau_*``, ``gap_factor``, ``lipschitz_power_iters``,
+    ``eps_formula15`` (Formula 15's ε) and ``threshold_params`` (D12).
+    """
+
+    prune_round: int = 30
+    prune_rate_mode: Literal["slq_plateau", "spectral_gap", "fixed"] = "slq_plateau"
+    fixed_prune_rate: float = 0.6
+    hessian_batch: int = 100
+    slq_iters: int | None = None
+    slq_probes: int | None = None
+    slq_grid: int = 10_000
+    slq_kernel_var: float = 1e-5
+    plateau_inc0: float = 0.1
+    plateau_tol: float = 0.005
+    plateau_len: int = 4
+    plateau_max_halvings: int = 20
+    gap_factor: float = 4.0
+    lipschitz_power_iters: int = 20
+    eps_formula15: float = 1e-4
+    threshold_params: Literal["all_trainable", "conv_weights_only"] = "all_trainable"
+
+    def __post_init__(self) -> None:
+        parent = getattr(super(), "__post_init__", None)
+        if parent is not None:
+            parent()
+        _check(self.prune_round >= -1, "prune_round", f"must be >= 0 or -1 (disabled), got {self.prune_round}")
+        _check(0 <= self.fixed_prune_rate <= 1, "fixed_prune_rate", f"must be in [0, 1], got {self.fixed_prune_rate}")
+        _check(self.hessian_batch >= 1, "hessian_batch", "must be >= 1")
+        _check(self.slq_iters is None or self.slq_iters >= 1, "slq_iters", "must be null or >= 1")
+        _check(self.slq_probes is None or self.slq_probes >= 1, "slq_probes", "must be null or >= 1")
+        _check(self.slq_grid >= 2, "slq_grid", "must be >= 2")
+        _check(self.slq_kernel_var > 0, "slq_kernel_var", "must be > 0")
+        _check(self.plateau_inc0 > 0 and self.plateau_tol > 0, "plateau_inc0", "plateau_inc0 and plateau_tol must be > 0")
+        _check(self.plateau_len >= 2, "plateau_len", "must be >= 2")
+        _check(self.plateau_max_halvings >= 0, "plateau_max_halvings", "must be >= 0")
+        _check(self.gap_factor > 0, "gap_factor", "must be > 0")
+        _check(self.lipschitz_power_iters >= 1, "lipschitz_power_iters", "must be >= 1")
+        _check(self.eps_formula15 > 0, "eps_formula15", "must be > 0")
+
+
+@dataclass(frozen=True)
+class PruneOptions(RateOptions):
+    """FedAP options: :class:`RateOptions` plus the structured part (lines 12–15).
+
+    ``layer_rate_rule`` (``threshold`` = Algorithm 3 lines 6–11; ``uniform`` = every conv gets ``p*``
+    directly, the HRank baseline), ``hrank_samples`` / ``hrank_batch`` (500 = 5 × 100 server
+    images), ``hrank_augment`` (False; True mimics the authors' code), ``prune_order`` (D14),
+    ``resnet_prune_policy`` (D15: ``block_internal_only`` never prunes residual groups, ``group``
+    prunes them with one kept set per group) and ``min_filters_per_layer``.
+    """
+
+    layer_rate_rule: Literal["threshold", "uniform"] = "threshold"
+    hrank_samples: int = 500
+    hrank_batch: int = 100
+    hrank_augment: bool = False
+    prune_order: Literal["sequential", "all_ranks_first"] = "sequential"
+    resnet_prune_policy: Literal["block_internal_only", "group"] = "block_internal_only"
+    min_filters_per_layer: int = 1
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _check(self.hrank_samples >= 1 and self.hrank_batch >= 1, "hrank_samples",
+               "hrank_samples and hrank_batch must be >= 1")
+        _check(self.min_filters_per_layer >= 1, "min_filters_per_layer", "must be >= 1")
+
+
+@dataclass(frozen=True)
+class FedAPOptions(PruneOptions, FamilyOptions):
+    """FedAP = FedAvg (plain-SGD devices, no server update) + the one-shot pruning of Algorithm 3."""
+
+
+# ==================================================================================== pieces
+def _hessian_batch(ctx: "Context", indices: np.ndarray, size: int, key: int) -> tuple[Tensor, Tensor]:
+    """``size`` samples of ``train[indices]`` drawn without replacement (clean, no augmentation)."""
+    idx = np.asarray(indices, dtype=np.int64)
+    rng = ctx.rng("algorithm", int(ctx.round), 1, int(key))
+    if len(idx) > size:
+        idx = np.sort(rng.choice(idx, size=size, replace=False))
+    t = torch.as_tensor(idx, device=ctx.data.train.images.device)
+    return ctx.data.train.images[t].to(ctx.device), ctx.data.train.labels[t].to(ctx.device)
+
+
+def estimate_global_rate(
+    ctx: "Context",
+    model: nn.Module,
+    options: Any,
+    stats: NonIIDStats,
+    *,
+    init_model: nn.Module | None = None,
+) -> dict[str, Any]:
+    """Algorithm 3 lines 2–5: every ``p*_k`` (server first, then devices ``0..N−1``) and Formula 15.
+
+    Returns a JSON-ready report with ``p_star``, ``mode``, and for ``slq_plateau``/``spectral_gap``
+    the lists ``participants``, ``sizes``, ``degrees``, ``rates``, ``weights``, ``conventions`` and
+    ``fallbacks``. In mode ``fixed`` ``p_star = fixed_prune_rate`` and nothing is computed.
+    """
+    mode = options.prune_rate_mode
+    if mode == "fixed":
+        return {"mode": "fixed", "p_star": float(options.fixed_prune_rate)}
+    server = getattr(ctx.data, "server_indices", None)
+    parts: list[tuple[str, np.ndarray, float, float]] = []
+    if server is not None and len(server):
+        parts.append(("server", np.asarray(server), float(len(server)), float(stats.server_js)))
+    for k, idx in enumerate(ctx.data.client_indices):
+        parts.append((f"client{k}", np.asarray(idx), float(len(idx)), float(stats.client_js[k])))
+    rates, conventions, fallbacks = [], [], []
+    for key, (_, idx, _, _) in enumerate(parts):
+        batch = _hessian_batch(ctx, idx, int(options.hessian_batch), key)
+        est = dataset_prune_rate(
+            model, batch, mode=mode, fixed_rate=float(options.fixed_prune_rate), init_model=init_model,
+            probes=options.slq_probes, steps=options.slq_iters, grid=int(options.slq_grid),
+            var=float(options.slq_kernel_var), plateau_inc0=float(options.plateau_inc0),
+            plateau_tol=float(options.plateau_tol), plateau_len=int(options.plateau_len),
+            plateau_max_halvings=int(options.plateau_max_halvings), gap_factor=float(options.gap_factor),
+            lipschitz_iters=int(options.lipschitz_power_iters),
+            generator=ctx.torch_generator("algorithm", int(ctx.round), 2, key),
+        )
+        rates.append(float(est.rate))
+        conventions.append(est.convention)
+        fallbacks.append(bool(est.fallback))
+    sizes = [p[2] for p in parts]
+    degrees = [p[3] for p in parts]
+    eps = float(options.eps_formula15)
+    return {
+        "mode": mode,
+        "p_star": aggregate_rates(rates, sizes, degrees, eps),
+        "participants": [p[0] for p in parts],
+        "sizes": sizes,
+        "degrees": degrees,
+        "rates": rates,
+        "weights": [float(w) for w in aggregation_weights(sizes, degrees, eps)],
+        "conventions": conventions,
+        "fallbacks": fallbacks,
+    }
+
+
+def _prunable(model: nn.Module, policy: str) -> tuple[list[str], list[str]]:
+    """``(groups, conv paths)`` FedAP may prune: conv-produced groups under ``policy``."""
+    groups = prunable_groups(model, policy)
+    modules = dict(model.named_modules())
+    convs: list[str] = []
+    for g in groups:
+        for p in group_producers(model, g):
+            if isinstance(modules.get(p), nn.Conv2d) and p not in convs:
+                convs.append(p)
+    return groups, convs
+
+
+def conv_layer_rates(
+    model: nn.Module, p_star: float, options: Any
+) -> tuple[dict[str, float], float | None]:
+    """Per-conv target rates ``p*_l`` (lines 6–11) and the threshold ``𝒱`` (``None`` for ``uniform``).
+
+    ``threshold``: ``𝒱`` = ``⌊ℳ·p*⌋``-th smallest ``|v|`` over ``threshold_params``; ``p*_l`` = the
+    fraction of the conv's weights (bias excluded) strictly below ``𝒱``. ``uniform``: ``p*_l = p*``.
+    Only convs FedAP may prune are listed. Computed on the given (unpruned) model.
+    """
+    _, convs = _prunable(model, options.resnet_prune_policy)
+    if options.layer_rate_rule == "uniform":
+        return {c: float(p_star) for c in convs}, None
+    thr = magnitude_threshold(model, float(p_star), options.threshold_params)
+    return layer_rates_from_threshold(model, thr, convs), thr
+
+
+def rank_batches(ctx: "Context", options: Any) -> list[Tensor]:
+    """The HRank inputs: ``hrank_samples`` server images in batches of ``hrank_batch``.
+
+    A random subset of the server set (``ctx.rng("algorithm", round, 3)``), clean unless
+    ``hrank_augment``. Without server data the first device's data is used (the paper: "one device
+    computes the ranks and uploads them").
+    """
+    server = getattr(ctx.data, "server_indices", None)
+    idx = np.asarray(server if server is not None and len(server) else ctx.data.client_indices[0], dtype=np.int64)
+    rng = ctx.rng("algorithm", int(ctx.round), 3)
+    idx = rng.permutation(idx)[: int(options.hrank_samples)]
+    x = ctx.data.train.images[torch.as_tensor(idx, device=ctx.data.train.images.device)]
+    if options.hrank_augment:
+        gen = ctx.torch_generator("algorithm", int(ctx.round), 4)
+        x = random_crop_flip(x, padding=4, flip=True, fill=ctx.data.train.pixel_fill(), generator=gen)
+    x = x.to(ctx.device)
+    b = int(options.hrank_batch)
+    return [x[i : i + b] for i in range(0, x.shape[0], b)]
+
+
+def _params(model: nn.Module) -> int:
+    return int(sum(p.numel() for p in model.parameters()))
+
+
+# ==================================================================================== mixin
+class PruningMixin:
+    """One-shot FedAP pruning inside the FedDUMAP round loop (combine with a
+    :class:`~fedhetero.algorithms.feddu.ServerDataAlgorithm` subclass; put the mixin first).
+
+    State: :attr:`prune_spec` (kept channel indices relative to the unpruned model; ``None`` before
+    pruning) and :attr:`prune_report`; both are checkpointed, and :meth:`load_state_dict` rebuilds
+    the pruned architecture before loading the weights.
+    """
+
+    prune_spec: SubmodelSpec | None = None
+    prune_report: dict[str, Any] | None = None
+    _initial_state: dict[str, Tensor] | None = None
+
+    def setup(self, ctx: "Context") -> None:
+        super().setup(ctx)  # type: ignore[misc]
+        if self.options.prune_rate_mode == "spectral_gap":  # type: ignore[attr-defined]
+            self._initial_state = {k: v.detach().clone() for k, v in self.global_model.state_dict().items()}  # type: ignore[attr-defined]
+
+    def before_round(self, ctx: "Context", clients: list[Any]) -> None:
+        super().before_round(ctx, clients)  # type: ignore[misc]
+        pr = int(self.options.prune_round)  # type: ignore[attr-defined]
+        if pr >= 0 and int(ctx.round) == pr + 1 and self.prune_spec is None:
+            with ctx.timer("fedap"):
+                self.prune_now(ctx)
+        if self.prune_report is not None:
+            rm = self.round_metrics  # type: ignore[attr-defined]
+            rm["prune_p_star"] = float(self.prune_report["p_star"])
+            for g, r in self.prune_report["group_rates"].items():
+                rm[f"prune_rate/{g}"] = float(r)
+
+    def prune_now(self, ctx: "Context") -> None:
+        """Run Algorithm 3 on the current global model and replace it by the pruned model."""
+        o = self.options  # type: ignore[attr-defined]
+        model: nn.Module = self.global_model  # type: ignore[attr-defined]
+        init_model = None
+        if o.prune_rate_mode == "spectral_gap":
+            init_model = copy.deepcopy(model)
+            init_model.load_state_dict(self._initial_state)
+        report = estimate_global_rate(ctx, model, o, self.stats, init_model=init_model)  # type: ignore[attr-defined]
+        layer_rates, thr = conv_layer_rates(model, report["p_star"], o)
+        batches = rank_batches(ctx, o)
+        pruned, spec = fedap_prune(model, layer_rates, batches, order=o.prune_order, policy=o.resnet_prune_policy,
+                                   min_channels=int(o.min_filters_per_layer), max_batches=None)
+        groups, _ = _prunable(model, o.resnet_prune_policy)
+        before = channel_groups_of(model).sizes
+        kept = spec.sizes
+        report.update({
+            "round": int(ctx.round) - 1,
+            "threshold": thr,
+            "layer_rule": o.layer_rate_rule,
+            "layer_target_rates": {k: float(v) for k, v in layer_rates.items()},
+            "group_rates": {g: 1.0 - kept[g] / before[g] for g in groups},
+            "filters_before": {g: int(before[g]) for g in groups},
+            "filters_kept": {g: int(kept[g]) for g in groups},
+            "macs_before": int(ctx.macs(model)),
+            "macs_after": int(ctx.macs(pruned)),
+            "params_before": _params(model),
+            "params_after": _params(pruned),
+        })
+        buf = getattr(self, "server_momentum_buffer", None)
+        if buf:
+            self.server_momentum_buffer = slice_tensors(buf, spec)  # type: ignore[attr-defined]
+        self._on_pruned(spec)
+        self.global_model = pruned  # type: ignore[attr-defined]
+        self.prune_spec = spec
+        self.prune_report = report
+        self._initial_state = None
+
+    def _on_pruned(self, spec: SubmodelSpec) -> None:
+        """Hook for other per-parameter server state to slice (default: nothing)."""
+
+    def state_dict(self) -> dict[str, Any]:
+        out = super().state_dict()  # type: ignore[misc]
+        out["prune_spec"] = None if self.prune_spec is None else self.prune_spec.state_dict()
+        out["prune_report"] = self.prune_report
+        if self._initial_state is not None:
+            out["initial_state"] = self._initial_state
+        return out
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        spec_state = state.get("prune_spec")
+        if spec_state is not None and self.prune_spec is None:
+            spec = SubmodelSpec.from_dict(spec_state)
+            self.global_model = submodel_from(self.global_model, SubmodelSpec(self.global_model, spec.indices))  # type: ignore[attr-defined]
+            self.prune_spec = spec
+        super().load_state_dict(state)  # type: ignore[misc]
+        self.prune_report = state.get("prune_report")
+        init = state.get("initial_state")
+        if init is not None:
+            self._initial_state = dict(init)
+        elif spec_state is not None:
+            self._initial_state = None
+
+
+class FedAP(PruningMixin, ServerDataAlgorithm):
+    """FedAP (Algorithm 3, Formula 15): FedAvg with plain-SGD devices and no server update, pruned
+    once after ``prune_round`` rounds with layer-adaptive rates from the Hessian spectrum and HRank
+    filter choice on server data."""
+
+    name = "fedap"
+    Options = FedAPOptions

@@ -1,0 +1,211 @@
+"""FedDF: ensemble distillation for robust model fusion (Lin, Kong, Stich, Jaggi; NeurIPS 2020).
+
+Model prototypes are our tiers: each tier owns one model, the configured architecture at the
+largest width whose forward MACs fit the tier's budget (``ratio × plain MACs``), parameterised
+independently; the largest is the global (server) model, as the DynamicFL paper prescribes for its
+KD baselines. One round:
+
+1. every sampled client trains its tier's model locally with plain cross-entropy (the shared
+   trainer), starting from the tier's current model;
+2. per tier, the student starts from the FedAvg of the returned models of that tier — uniform
+   weights (buffers included) as in the FedDF code; ``student_init="samples"`` weights by sample
+   count; a tier without returned models starts from its previous model;
+3. the teachers are all returned client models, of every tier, in eval mode; the distillation
+   target of a public image is the mean of the teachers' logits ("AvgLogits");
+4. each tier's student minimises ``T²·KL(softmax(target/T) ‖ softmax(student/T))`` on batches of
+   the unlabeled public split (``data.public_fraction``), with Adam (lr 1e-3) cosine-annealed over
+   the step budget, gradient-norm clipping at 5, for up to ``kd_steps`` steps; when the server
+   holds labeled data (``data.server_fraction > 0``) the student is validated every
+   ``validate_every`` steps, training stops after ``patience`` steps without improvement and the
+   best student is kept (the FedDF README's protocol); without it the full step budget runs;
+5. each tier's student is sent to that tier's clients next round.
+
+Differences from upstream: the teachers' ensemble logits are computed once per round on the whole
+public split (the teachers are fixed during distillation, so this equals computing them per batch);
+the student trains in train mode (its BN statistics follow the public data, as upstream).
+
+Dynamic budgets: a client receives, at the start of a round, the largest family member that fits
+its budget (its own tier's member in static runs); it cannot change model in the middle of local
+training, so ``adapts_to`` is only ``static`` (DynamicFL paper, Table 2).
+
+Communication: each client downloads and uploads its full tier model (parameters and buffers).
+The public data is assumed to be pre-shared and is not counted.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+from torch import nn
+
+from fedhetero.algorithms._kd import (
+    ModelFamily,
+    distill,
+    kd_loss,
+    logits_on,
+    public_batches,
+    public_indices,
+    public_source,
+)
+from fedhetero.algorithms.base import Algorithm, ClientInfo, ClientUpdate, state_bytes, weighted_average
+
+if TYPE_CHECKING:  # pragma: no cover
+    from fedhetero.engine import Context
+
+__all__ = ["FedDF", "FedDFOptions"]
+
+
+@dataclass(frozen=True)
+class FedDFOptions:
+    """FedDF options (defaults: the FedDF README / code)."""
+
+    kd_steps: int = 10_000  # step budget per tier student (the dynamicfl_paper preset uses 1000)
+    kd_batch_size: int = 128
+    kd_lr: float = 1e-3  # Adam, cosine-annealed over kd_steps
+    temperature: float = 1.0
+    clip_grad: float = 5.0
+    validate_every: int = 100  # only with labeled server data
+    patience: int = 1_000  # steps without improvement before stopping (README value)
+    early_stopping: bool = True  # needs data.server_fraction > 0
+    student_init: Literal["uniform", "samples"] = "uniform"
+
+    def __post_init__(self) -> None:
+        for name in ("kd_steps", "kd_batch_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"algorithm.options.{name}: must be at least 1, got {getattr(self, name)}")
+        if self.kd_lr <= 0:
+            raise ValueError(f"algorithm.options.kd_lr: must be > 0, got {self.kd_lr}")
+        if self.temperature <= 0:
+            raise ValueError(f"algorithm.options.temperature: must be > 0, got {self.temperature}")
+        if self.clip_grad <= 0:
+            raise ValueError(f"algorithm.options.clip_grad: must be > 0, got {self.clip_grad}")
+        if self.validate_every < 1 or self.patience < 0:
+            raise ValueError("algorithm.options.validate_every must be >= 1 and patience >= 0")
+
+
+class FedDF(Algorithm):
+    """FedDF with one prototype per tier and AvgLogits ensemble distillation on public data."""
+
+    name = "feddf"
+    Options = FedDFOptions
+    adapts_to = frozenset({"static"})
+
+    def setup(self, ctx: "Context") -> None:
+        self.public = public_indices(ctx, self.name)
+        self.family = ModelFamily(ctx)
+        self.tier_models: dict[str, nn.Module] = {}
+        for member in self.family.members:
+            self.tier_models[member.tier] = self.family.build(ctx, member.width)
+        self.global_model = self.tier_models[self.family.server.tier]
+        self._teachers: list[nn.Module] = []
+        self._last_kd: dict[str, Any] = {}
+
+    # ------------------------------------------------------------------ clients
+    def client_model(self, ctx: "Context", client: ClientInfo) -> nn.Module:
+        member = self.family.for_budget(client.budget_macs, client.tier)
+        model = copy.deepcopy(self.tier_models[member.tier])
+        model._fedhetero_member = member.tier  # type: ignore[attr-defined]
+        return model
+
+    def upload(self, ctx: "Context", client: ClientInfo, model: nn.Module, result: dict[str, Any]) -> ClientUpdate:
+        member = getattr(model, "_fedhetero_member")
+        state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        macs = ctx.macs(model)
+        metrics = {k: v for k, v in result.items() if k != "optimizer"}
+        metrics["member"] = member
+        if client.budget_after_change is not None:
+            metrics["fits_after_change"] = bool(macs <= client.budget_after_change * (1 + 1e-9))
+        model.eval()
+        self._teachers.append(model)
+        nbytes = state_bytes(state)
+        return ClientUpdate(
+            cid=client.cid,
+            num_samples=client.num_samples,
+            state=state,
+            macs=macs,
+            budget_macs=client.budget_macs,
+            bytes_up=nbytes,
+            bytes_down=nbytes,
+            tier=client.tier,
+            metrics=metrics,
+            payload={"member": member},
+        )
+
+    # ------------------------------------------------------------------ server
+    def aggregate(self, ctx: "Context", updates: list[ClientUpdate]) -> None:
+        """Per tier: the student initialisation (FedAvg of the tier's returned models)."""
+        for tier, model in self.tier_models.items():
+            mine = [u for u in updates if u.payload.get("member") == tier]
+            if not mine:
+                continue
+            if self.options.student_init == "samples":
+                weights = [float(u.num_samples) for u in mine]
+            else:
+                weights = [1.0] * len(mine)
+            model.load_state_dict(weighted_average([u.state for u in mine], weights))
+
+    def server_update(self, ctx: "Context") -> None:
+        """Distil the teachers' averaged logits into every tier's student."""
+        teachers, self._teachers = self._teachers, []
+        if not teachers:
+            return
+        opts = self.options
+        with ctx.timer("distill"):
+            target = self._ensemble_logits(ctx, teachers)
+            val = getattr(ctx.data, "server_indices", None)
+            use_val = opts.early_stopping and val is not None and len(val) > 0
+            self._last_kd = {}
+            for k, member in enumerate(self.family.members):
+                student = self.tier_models[member.tier]
+                gen = ctx.torch_generator("server", ctx.round, k)
+                batches = public_batches(ctx, self.public, opts.kd_batch_size, gen)
+
+                def loss_fn(out: torch.Tensor, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+                    return kd_loss(out, target[pos].to(out.device), opts.temperature)
+
+                optimizer = torch.optim.Adam(student.parameters(), lr=opts.kd_lr)
+                self._last_kd[member.tier] = distill(
+                    ctx,
+                    student,
+                    batches,
+                    loss_fn,
+                    opts.kd_steps,
+                    optimizer=optimizer,
+                    cosine=True,
+                    clip_grad=opts.clip_grad,
+                    validate_every=opts.validate_every if use_val else 0,
+                    patience=opts.patience,
+                    val_indices=val if use_val else None,
+                )
+
+    @torch.no_grad()
+    def _ensemble_logits(self, ctx: "Context", teachers: list[nn.Module]) -> torch.Tensor:
+        """Mean teacher logits on every public image (row ``i`` = ``self.public[i]``)."""
+        images = public_source(ctx).images
+        idx = torch.as_tensor(self.public)
+        bs = ctx.cfg.train.eval_batch_size
+        chunks = []
+        for start in range(0, len(idx), bs):
+            x = images[idx[start : start + bs].to(images.device)].to(ctx.device)
+            acc = torch.zeros((x.shape[0], ctx.num_classes), dtype=torch.float64, device=ctx.device)
+            for t in teachers:
+                acc += logits_on(t, x).to(torch.float64)
+            chunks.append((acc / len(teachers)).to(torch.float32).cpu())
+        return torch.cat(chunks)
+
+    # ------------------------------------------------------------------ evaluation & state
+    def eval_models(self, ctx: "Context") -> dict[str, nn.Module]:
+        out: dict[str, nn.Module] = {"global": self.tier_models[self.family.server.tier]}
+        for tier, model in self.tier_models.items():
+            out[f"tier:{tier}"] = model
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"tier_models": {t: m.state_dict() for t, m in self.tier_models.items()}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for t, s in state["tier_models"].items():
+            self.tier_models[t].load_state_dict(s)

@@ -1,0 +1,242 @@
+"""FedET: heterogeneous ensemble knowledge transfer (Cho, Manoel, Joshi, Sim, Dimitriadis; IJCAI 2022).
+
+Small client models of several sizes train a larger server model by **weighted consensus
+distillation with diversity regularisation** on unlabeled public data (the paper's abstract); the
+DynamicFL paper calls it a bi-directional transfer between server and client models. No official
+code exists; the round below follows spec §2.5 (structure of a third-party implementation,
+unverified against the paper).
+
+Models: one model per tier (the configured architecture at the largest width fitting the tier's
+FLOPs budget, parameterised independently) and one server model with the largest tier's
+architecture. Every model ends in a **shared representation layer** of identical shape: the
+zoo model's classifier is replaced by a projection ``Linear(features, D)`` + ReLU (tier-specific)
+followed by the shared ``Linear(D, K)`` classifier (``head``). The projection and head are part of
+every model's measured MACs, so each tier's model still fits its budget.
+
+Round:
+
+1. each sampled client trains its tier's model with cross-entropy (the shared trainer);
+2. the server's shared layer starts as the mean of the returned models' shared layers;
+3. every public sample ``x`` and returned model ``m``: ``p_m(x) = softmax``; confidence
+   ``c_m(x)`` = variance of ``p_m(x)`` across classes (``confidence="logprob"``: of the
+   log-probabilities, as the third-party code); weight ``w_m = c_m / Σ c``;
+4. consensus label ``y*(x) = argmax_k Σ_m w_m(x)·p_m(x)_k``;
+5. diversity target ``d(x)``: confidence-weighted mean of the logits of the models whose own argmax
+   differs from ``y*``; no diversity term where every model agrees;
+6. the server model trains ``server_steps`` batches of the public data on
+   ``CE(f(x), y*) + λ·KL(softmax(d) ‖ softmax(f))`` (SGD, ``server_lr``);
+7. each tier model becomes the within-tier FedAvg of its returned models (sample-weighted or
+   uniform per ``train.aggregation``) and receives the server's shared layer
+   (``transfer_back="share"``); ``transfer_back="kd"`` instead distils the server model into
+   every tier model on the public data for ``server_steps`` batches.
+
+Evaluation: the global model is the server model; each tier deploys its tier model.
+Dynamic budgets: a client gets, at round start, the largest tier model fitting its budget; it
+cannot change model during local training, so ``adapts_to = {static}`` (paper Table 2).
+Communication: each client downloads and uploads its full tier model; public data is pre-shared.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fedhetero.algorithms._kd import ModelFamily, distill, kd_loss, logits_on, public_batches, public_indices
+from fedhetero.algorithms.base import Algorithm, ClientInfo, ClientUpdate, state_bytes, weighted_average
+
+if TYPE_CHECKING:  # pragma: no cover
+    from fedhetero.engine import Context
+
+__all__ = ["FedET", "FedETOptions", "SharedHeadModel", "consensus_targets", "with_shared_head"]
+
+
+class SharedHeadModel(nn.Module):
+    """``head(body(x))``: a backbone ending in a ``D``-dim representation and the shared classifier."""
+
+    def __init__(self, body: nn.Module, head: nn.Linear) -> None:
+        super().__init__()
+        self.body = body
+        self.head = head
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(x))
+
+
+def with_shared_head(model: nn.Module, dim: int, num_classes: int) -> SharedHeadModel:
+    """Replace ``model``'s classifier (the layer producing the ``classes`` group) by
+    ``Linear(features, dim)`` + ReLU and append the shared ``Linear(dim, num_classes)`` head."""
+    groups = model.channel_groups()  # type: ignore[operator]
+    paths = [
+        k[: -len(".weight")]
+        for k, (d0, _) in groups.dims.items()
+        if k.endswith(".weight") and d0 is not None and any(g == "classes" for g, _ in d0)
+    ]
+    linears = [p for p in paths if isinstance(model.get_submodule(p), nn.Linear)]
+    if len(linears) != 1:
+        raise ValueError(f"FedET needs exactly one Linear classifier producing the classes, found {paths}")
+    path = linears[0]
+    old = model.get_submodule(path)
+    assert isinstance(old, nn.Linear)
+    proj = nn.Sequential(nn.Linear(old.in_features, dim), nn.ReLU())
+    parent_path, _, child = path.rpartition(".")
+    setattr(model.get_submodule(parent_path) if parent_path else model, child, proj)
+    return SharedHeadModel(model, nn.Linear(dim, num_classes))
+
+
+@torch.no_grad()
+def consensus_targets(
+    teacher_logits: torch.Tensor, confidence: str = "prob"
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Weighted consensus and diversity targets from ``(M, B, K)`` teacher logits.
+
+    Returns ``(y_star (B,), diversity_logits (B, K), has_diversity (B,) bool)``: ``w_m ∝`` variance
+    across classes of each teacher's probabilities (or log-probabilities), ``y* = argmax Σ w·p``,
+    diversity = confidence-weighted mean logits of the teachers disagreeing with ``y*``.
+    """
+    probs = F.softmax(teacher_logits, dim=2)
+    score = probs if confidence == "prob" else F.log_softmax(teacher_logits, dim=2)
+    conf = score.var(dim=2, unbiased=False)  # (M, B)
+    w = conf / conf.sum(0, keepdim=True).clamp_min(1e-12)
+    y_star = (w.unsqueeze(2) * probs).sum(0).argmax(1)
+    disagree = teacher_logits.argmax(2) != y_star.unsqueeze(0)  # (M, B)
+    wd = conf * disagree
+    total = wd.sum(0)
+    has = total > 0
+    div = (wd.unsqueeze(2) * teacher_logits).sum(0) / total.clamp_min(1e-12).unsqueeze(1)
+    return y_star, div, has
+
+
+@dataclass(frozen=True)
+class FedETOptions:
+    """FedET options (third-party defaults, unverified against the paper; spec §2.5)."""
+
+    rep_dim: int = 128  # D: size of the shared representation
+    server_steps: int = 128  # τ
+    server_lr: float = 5e-3  # SGD
+    server_batch_size: int = 64
+    diversity_weight: float = 0.05  # λ
+    temperature: float = 1.0
+    confidence: Literal["prob", "logprob"] = "prob"
+    transfer_back: Literal["share", "kd"] = "share"
+
+    def __post_init__(self) -> None:
+        for name in ("rep_dim", "server_steps", "server_batch_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"algorithm.options.{name}: must be at least 1, got {getattr(self, name)}")
+        if self.server_lr <= 0 or self.temperature <= 0 or self.diversity_weight < 0:
+            raise ValueError("algorithm.options: server_lr and temperature must be > 0, diversity_weight >= 0")
+
+
+class FedET(Algorithm):
+    """FedET: tier models with a shared head; a larger server model trained by weighted consensus
+    distillation with diversity regularisation."""
+
+    name = "fedet"
+    Options = FedETOptions
+    adapts_to = frozenset({"static"})
+
+    def setup(self, ctx: "Context") -> None:
+        self.public = public_indices(ctx, self.name)
+        dim, k = self.options.rep_dim, ctx.num_classes
+
+        def builder(width: float) -> nn.Module:
+            return with_shared_head(ctx.build_model(width=width), dim, k)
+
+        self.family = ModelFamily(ctx, builder)
+        self.tier_models: dict[str, nn.Module] = {m.tier: self.family.build(ctx, m.width) for m in self.family.members}
+        self.server_model = self.family.build(ctx, self.family.server.width)
+        self.global_model = self.server_model
+        self._teachers: list[nn.Module] = []
+
+    # ------------------------------------------------------------------ clients
+    def client_model(self, ctx: "Context", client: ClientInfo) -> nn.Module:
+        member = self.family.for_budget(client.budget_macs, client.tier)
+        model = copy.deepcopy(self.tier_models[member.tier])
+        model._fedhetero_member = member.tier  # type: ignore[attr-defined]
+        return model
+
+    def upload(self, ctx: "Context", client: ClientInfo, model: nn.Module, result: dict[str, Any]) -> ClientUpdate:
+        member = getattr(model, "_fedhetero_member")
+        state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        macs = ctx.macs(model)
+        metrics = {k: v for k, v in result.items() if k != "optimizer"}
+        metrics["member"] = member
+        if client.budget_after_change is not None:
+            metrics["fits_after_change"] = bool(macs <= client.budget_after_change * (1 + 1e-9))
+        model.eval()
+        self._teachers.append(model)
+        nbytes = state_bytes(state)
+        return ClientUpdate(
+            cid=client.cid, num_samples=client.num_samples, state=state, macs=macs,
+            budget_macs=client.budget_macs, bytes_up=nbytes, bytes_down=nbytes, tier=client.tier,
+            metrics=metrics, payload={"member": member},
+        )
+
+    # ------------------------------------------------------------------ server
+    def aggregate(self, ctx: "Context", updates: list[ClientUpdate]) -> None:
+        """Server head ← mean of the returned heads; tier models ← within-tier FedAvg."""
+        if not updates:
+            return
+        heads = [{k[len("head."):]: v for k, v in u.state.items() if k.startswith("head.")} for u in updates]
+        self.server_model.head.load_state_dict(weighted_average(heads, [1.0] * len(heads)))
+        for tier, model in self.tier_models.items():
+            mine = [u for u in sorted(updates, key=lambda u: u.cid) if u.payload.get("member") == tier]
+            if mine:
+                model.load_state_dict(weighted_average([u.state for u in mine], ctx.aggregation_weights(mine)))
+
+    def server_update(self, ctx: "Context") -> None:
+        teachers, self._teachers = self._teachers, []
+        if not teachers:
+            return
+        opts = self.options
+        with ctx.timer("distill"):
+            gen = ctx.torch_generator("server", ctx.round, 0)
+            batches = public_batches(ctx, self.public, opts.server_batch_size, gen)
+
+            def server_loss(out: torch.Tensor, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+                logits = torch.stack([logits_on(t, x) for t in teachers])
+                y_star, div, has = consensus_targets(logits, opts.confidence)
+                loss = F.cross_entropy(out, y_star)
+                if opts.diversity_weight > 0 and bool(has.any()):
+                    loss = loss + opts.diversity_weight * kd_loss(out[has], div[has], opts.temperature)
+                return loss
+
+            opt = torch.optim.SGD(self.server_model.parameters(), lr=opts.server_lr)
+            self._last_kd = distill(ctx, self.server_model, batches, server_loss, opts.server_steps, optimizer=opt)
+            head = self.server_model.head.state_dict()
+            for k, (tier, model) in enumerate(self.tier_models.items()):
+                if opts.transfer_back == "share":
+                    model.head.load_state_dict(head)
+                    continue
+                teacher = self.server_model
+                g = ctx.torch_generator("server", ctx.round, k + 1)
+
+                def back_loss(out: torch.Tensor, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+                    return kd_loss(out, logits_on(teacher, x), opts.temperature)
+
+                opt_t = torch.optim.SGD(model.parameters(), lr=opts.server_lr)
+                distill(ctx, model, public_batches(ctx, self.public, opts.server_batch_size, g), back_loss,
+                        opts.server_steps, optimizer=opt_t)
+
+    # ------------------------------------------------------------------ evaluation & state
+    def eval_models(self, ctx: "Context") -> dict[str, nn.Module]:
+        out: dict[str, nn.Module] = {"global": self.server_model}
+        for tier, model in self.tier_models.items():
+            out[f"tier:{tier}"] = model
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "server_model": self.server_model.state_dict(),
+            "tier_models": {t: m.state_dict() for t, m in self.tier_models.items()},
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.server_model.load_state_dict(state["server_model"])
+        for t, s in state["tier_models"].items():
+            self.tier_models[t].load_state_dict(s)

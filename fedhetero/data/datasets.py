@@ -1,0 +1,708 @@
+"""Datasets held in memory as tensors.
+
+Every loader returns an :class:`ArrayDataset`: ``images`` is a float32 ``N×C×H×W`` tensor,
+normalised per channel with the dataset's mean and standard deviation, and ``labels`` an int64
+tensor of length ``N``. Training code indexes these tensors directly (see
+:func:`fedhetero.data.iterate_batches`); there is no ``DataLoader`` and no per-sample Python work on
+the hot path.
+
+Datasets
+--------
+``digits``
+    scikit-learn's bundled ``load_digits`` (1,797 real 8×8 grey-scale images, 10 classes), works
+    offline. Served as ``1×32×32`` (bilinear upsampling by default) so that the CIFAR-sized models
+    run unchanged. The train/test split is a fixed stratified 80/20 split (seed 0): 1,438 training
+    and 359 test images.
+``cifar10`` / ``cifar100``
+    The python-pickle release (``cifar-10-batches-py/data_batch_1..5, test_batch``;
+    ``cifar-100-python/train, test``), parsed here with a restricted unpickler that only accepts
+    plain containers and numpy arrays. torchvision is not imported unless ``download=True``.
+``dermamnist``
+    The MedMNIST ``dermamnist.npz`` file (7 classes, ``3×28×28``). The ``size`` option selects the
+    MedMNIST+ files ``dermamnist_{64,128,224}.npz``; ``resize`` resamples to any square size.
+``synthetic``
+    Seeded class-conditional Gaussian images of any shape and class count, for tests.
+
+Normalisation statistics: CIFAR uses the published per-channel training-set statistics; the other
+datasets compute them from their own training split, so the test split is always normalised with
+training statistics. ``normalize=False`` serves raw ``[0, 1]`` pixels (the FedDUMAP authors' code
+does not normalise).
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import tarfile
+import warnings
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Callable, Mapping, Sequence
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from .errors import DataConfigError, DatasetFormatError, DatasetNotFoundError
+
+__all__ = [
+    "ArrayDataset",
+    "DATASETS",
+    "SPLITS",
+    "DEFAULT_DATA_DIR",
+    "DATA_DIR_ENV",
+    "CIFAR10_MEAN",
+    "CIFAR10_STD",
+    "CIFAR100_MEAN",
+    "CIFAR100_STD",
+    "load_dataset",
+    "resolve_data_dir",
+]
+
+DATASETS: tuple[str, ...] = ("digits", "cifar10", "cifar100", "dermamnist", "synthetic")
+SPLITS: tuple[str, ...] = ("train", "test")
+DATA_DIR_ENV = "FEDHETERO_DATA_DIR"
+DEFAULT_DATA_DIR = "data"
+
+# Published per-channel statistics of the CIFAR training sets (pixels in [0, 1]).
+CIFAR10_MEAN = (0.4914, 0.4822, 0.4465)
+CIFAR10_STD = (0.2470, 0.2435, 0.2616)
+CIFAR100_MEAN = (0.5071, 0.4865, 0.4409)
+CIFAR100_STD = (0.2673, 0.2564, 0.2762)
+
+CIFAR10_CLASSES = (
+    "airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck",
+)
+DERMAMNIST_CLASSES = (
+    "actinic keratoses and intraepithelial carcinoma",
+    "basal cell carcinoma",
+    "benign keratosis-like lesions",
+    "dermatofibroma",
+    "melanoma",
+    "melanocytic nevi",
+    "vascular lesions",
+)
+
+_CIFAR10_URL = "https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz"
+_CIFAR10_MD5 = "c58f30108f718f92721af3b95e74349a"
+_CIFAR100_URL = "https://www.cs.toronto.edu/~kriz/cifar-100-python.tar.gz"
+_CIFAR100_MD5 = "eb9058c3a382ffc7106e4002c42a8d85"
+_MEDMNIST_RECORD = "https://zenodo.org/records/10519652"
+
+
+# --------------------------------------------------------------------------------------------------
+# The container
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass(eq=False)
+class ArrayDataset:
+    """An image-classification split held as two in-memory tensors.
+
+    Attributes
+    ----------
+    images:
+        float32 tensor ``N×C×H×W`` (normalised per channel when ``mean``/``std`` are set).
+    labels:
+        int64 tensor of length ``N`` with values in ``[0, num_classes)``.
+    num_classes:
+        number of classes of the dataset (not only those present in this split).
+    name, split:
+        dataset name and split (``"train"``/``"test"``), informational.
+    mean, std:
+        per-channel statistics used to normalise ``images`` (``None`` when not normalised). A raw
+        pixel value ``v`` is stored as ``(v - mean[c]) / std[c]``.
+    class_names:
+        optional human-readable class names.
+    default_augment:
+        whether training on this dataset uses crop+flip augmentation by default (CIFAR: True).
+    """
+
+    images: Tensor
+    labels: Tensor
+    num_classes: int
+    name: str = ""
+    split: str = ""
+    mean: tuple[float, ...] | None = None
+    std: tuple[float, ...] | None = None
+    class_names: tuple[str, ...] | None = None
+    default_augment: bool = False
+    _labels_np: np.ndarray | None = field(default=None, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.images, Tensor) or self.images.ndim != 4:
+            raise DataConfigError(
+                f"images must be a 4-D tensor N×C×H×W, got "
+                f"{type(self.images).__name__} with shape {getattr(self.images, 'shape', None)}"
+            )
+        if self.images.dtype != torch.float32:
+            raise DataConfigError(f"images must be float32, got {self.images.dtype}")
+        if not isinstance(self.labels, Tensor) or self.labels.ndim != 1:
+            raise DataConfigError("labels must be a 1-D int64 tensor")
+        if self.labels.dtype != torch.int64:
+            raise DataConfigError(f"labels must be int64, got {self.labels.dtype}")
+        if self.labels.shape[0] != self.images.shape[0]:
+            raise DataConfigError(
+                f"images and labels disagree in length: {self.images.shape[0]} vs "
+                f"{self.labels.shape[0]}"
+            )
+        if not isinstance(self.num_classes, int) or self.num_classes < 1:
+            raise DataConfigError(f"num_classes must be a positive int, got {self.num_classes!r}")
+        if self.labels.numel() and (
+            int(self.labels.min()) < 0 or int(self.labels.max()) >= self.num_classes
+        ):
+            raise DataConfigError(
+                f"labels must lie in [0, {self.num_classes}), got range "
+                f"[{int(self.labels.min())}, {int(self.labels.max())}]"
+            )
+
+    def __len__(self) -> int:
+        return int(self.labels.shape[0])
+
+    @property
+    def input_shape(self) -> tuple[int, int, int]:
+        """``(C, H, W)`` of one image."""
+        c, h, w = self.images.shape[1:]
+        return int(c), int(h), int(w)
+
+    @property
+    def labels_np(self) -> np.ndarray:
+        """The labels as a read-only int64 numpy array (cached)."""
+        if self._labels_np is None:
+            arr = self.labels.detach().cpu().numpy().astype(np.int64, copy=True)
+            arr.setflags(write=False)
+            self._labels_np = arr
+        return self._labels_np
+
+    @property
+    def device(self) -> torch.device:
+        return self.images.device
+
+    def label_histogram(self, indices: np.ndarray | Sequence[int] | None = None) -> np.ndarray:
+        """Counts per class (length ``num_classes``, int64) of the whole split or of ``indices``."""
+        lab = self.labels_np if indices is None else self.labels_np[np.asarray(indices, np.int64)]
+        return np.bincount(lab, minlength=self.num_classes).astype(np.int64)
+
+    def pixel_fill(self) -> tuple[float, ...]:
+        """Stored value of a raw black pixel (0) in each channel: ``-mean/std``, or 0 unnormalised."""
+        c = self.input_shape[0]
+        if self.mean is None or self.std is None:
+            return (0.0,) * c
+        return tuple(-m / s for m, s in zip(self.mean, self.std))
+
+    def to(self, device: torch.device | str) -> "ArrayDataset":
+        """A copy with both tensors on ``device`` (the same object when already there)."""
+        device = torch.device(device)
+        if self.images.device == device and self.labels.device == device:
+            return self
+        return replace(self, images=self.images.to(device), labels=self.labels.to(device))
+
+    def subset(self, indices: np.ndarray | Sequence[int] | Tensor) -> "ArrayDataset":
+        """A new dataset holding only ``indices`` (copies the selected rows)."""
+        idx = torch.as_tensor(np.asarray(indices, dtype=np.int64), device=self.images.device)
+        return replace(self, images=self.images[idx], labels=self.labels[idx])
+
+
+# --------------------------------------------------------------------------------------------------
+# Helpers
+# --------------------------------------------------------------------------------------------------
+
+
+def resolve_data_dir(data_dir: str | os.PathLike[str] | None) -> Path:
+    """The directory loaders search: ``data_dir``, else ``$FEDHETERO_DATA_DIR``, else ``./data``."""
+    if data_dir is None:
+        data_dir = os.environ.get(DATA_DIR_ENV) or DEFAULT_DATA_DIR
+    return Path(data_dir).expanduser()
+
+
+def _normalize_(x: Tensor, mean: Sequence[float], std: Sequence[float]) -> Tensor:
+    m = torch.tensor(mean, dtype=x.dtype).view(1, -1, 1, 1)
+    s = torch.tensor(std, dtype=x.dtype).view(1, -1, 1, 1)
+    return x.sub_(m).div_(s)
+
+
+def _channel_stats(x: Tensor) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """Per-channel mean and (population) std of ``x`` (N×C×H×W), computed in float64."""
+    xd = x.to(torch.float64).transpose(0, 1).reshape(x.shape[1], -1)
+    mean = xd.mean(dim=1)
+    std = xd.std(dim=1, unbiased=False).clamp_min(1e-12)
+    return tuple(float(v) for v in mean), tuple(float(v) for v in std)
+
+
+def _resize(x: Tensor, size: int, mode: str) -> Tensor:
+    if x.shape[-1] == size and x.shape[-2] == size:
+        return x
+    kwargs: dict[str, Any] = {"align_corners": False} if mode == "bilinear" else {}
+    return torch.nn.functional.interpolate(x, size=(size, size), mode=mode, **kwargs)
+
+
+def _check_options(name: str, options: Mapping[str, Any], accepted: Mapping[str, Any]) -> dict:
+    unknown = sorted(set(options) - set(accepted))
+    if unknown:
+        acc = ", ".join(sorted(accepted)) or "none"
+        raise DataConfigError(
+            f"unknown option(s) {unknown} for dataset {name!r}; accepted options: {acc}"
+        )
+    out = dict(accepted)
+    out.update(options)
+    return out
+
+
+def _positive_int(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise DataConfigError(f"{name} must be a positive int, got {value!r}")
+    return int(value)
+
+
+def _uint8_hwc_to_float(arr: np.ndarray) -> Tensor:
+    """uint8 ``N×H×W×C`` (or ``N×H×W``) → float32 ``N×C×H×W`` in [0, 1]."""
+    if arr.ndim == 3:
+        arr = arr[..., None]
+    t = torch.from_numpy(np.ascontiguousarray(arr)).permute(0, 3, 1, 2).contiguous()
+    return t.to(torch.float32).div_(255.0)
+
+
+# --------------------------------------------------------------------------------------------------
+# digits (scikit-learn, offline)
+# --------------------------------------------------------------------------------------------------
+
+_DIGITS_OPTIONS = {"size": 32, "test_fraction": 0.2, "split_seed": 0, "interpolation": "bilinear"}
+
+
+def _load_digits(split: str, normalize: bool, options: Mapping[str, Any]) -> ArrayDataset:
+    opts = _check_options("digits", options, _DIGITS_OPTIONS)
+    size = _positive_int("size", opts["size"])
+    frac = float(opts["test_fraction"])
+    if not 0.0 < frac < 1.0:
+        raise DataConfigError(f"test_fraction must lie in (0, 1), got {opts['test_fraction']!r}")
+    mode = opts["interpolation"]
+    if mode not in ("bilinear", "nearest"):
+        raise DataConfigError(f"interpolation must be 'bilinear' or 'nearest', got {mode!r}")
+    from sklearn.datasets import load_digits
+
+    bunch = load_digits()
+    x_all = np.asarray(bunch.images, dtype=np.float32) / 16.0  # N×8×8 in [0, 1]
+    y_all = np.asarray(bunch.target, dtype=np.int64)
+
+    # Fixed stratified split: per class, a seeded permutation; the first round(n_c·frac) are test.
+    rng = np.random.default_rng(int(opts["split_seed"]))
+    test_mask = np.zeros(len(y_all), dtype=bool)
+    for c in range(10):
+        idx = np.flatnonzero(y_all == c)
+        n_test = int(round(len(idx) * frac))
+        test_mask[rng.permutation(idx)[:n_test]] = True
+
+    def prepare(mask: np.ndarray) -> Tensor:
+        t = torch.from_numpy(x_all[mask]).unsqueeze(1)
+        return _resize(t, size, mode).contiguous()
+
+    train_x = prepare(~test_mask)
+    mean, std = _channel_stats(train_x)
+    x = train_x if split == "train" else prepare(test_mask)
+    y = y_all[~test_mask] if split == "train" else y_all[test_mask]
+    if normalize:
+        _normalize_(x, mean, std)
+    return ArrayDataset(
+        images=x,
+        labels=torch.from_numpy(y.copy()),
+        num_classes=10,
+        name="digits",
+        split=split,
+        mean=mean if normalize else None,
+        std=std if normalize else None,
+        class_names=tuple(str(i) for i in range(10)),
+        default_augment=False,
+    )
+
+
+# --------------------------------------------------------------------------------------------------
+# CIFAR (python pickle release)
+# --------------------------------------------------------------------------------------------------
+
+_PICKLE_ALLOWED = {
+    ("numpy.core.multiarray", "_reconstruct"),
+    ("numpy._core.multiarray", "_reconstruct"),
+    ("numpy.core.multiarray", "scalar"),
+    ("numpy._core.multiarray", "scalar"),
+    ("numpy", "ndarray"),
+    ("numpy", "dtype"),
+    ("_codecs", "encode"),
+    ("copyreg", "_reconstructor"),
+    ("builtins", "object"),
+}
+
+
+class _ArrayUnpickler(pickle.Unpickler):
+    """Unpickler that only resolves numpy array reconstruction (never arbitrary callables)."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) not in _PICKLE_ALLOWED:
+            raise pickle.UnpicklingError(f"refusing to load {module}.{name} from a dataset file")
+        if module.startswith("numpy.core") and hasattr(np, "_core"):
+            module = "numpy._core" + module[len("numpy.core"):]
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            return super().find_class(module, name)
+
+
+def _read_pickle(path: Path) -> dict:
+    try:
+        with open(path, "rb") as fh:
+            obj = _ArrayUnpickler(fh, encoding="bytes").load()
+    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError) as exc:
+        raise DatasetFormatError(f"{path} is not a CIFAR python-pickle batch: {exc}") from exc
+    if not isinstance(obj, dict):
+        raise DatasetFormatError(f"{path} must hold a dict, found {type(obj).__name__}")
+    # Files pickled by Python 3 have str keys; the official release (Python 2) has bytes keys.
+    return {(k.encode() if isinstance(k, str) else k): v for k, v in obj.items()}
+
+
+def _safe_extract(archive: Path, dest: Path) -> None:
+    with tarfile.open(archive, "r:*") as tar:
+        if hasattr(tarfile, "data_filter"):
+            tar.extractall(dest, filter="data")
+            return
+        root = dest.resolve()
+        for member in tar.getmembers():
+            target = (dest / member.name).resolve()
+            if not (member.isfile() or member.isdir()) or root not in (target, *target.parents):
+                raise DatasetFormatError(f"refusing to extract {member.name!r} from {archive}")
+        tar.extractall(dest)  # noqa: S202 - members checked above
+
+
+def _try_download(url: str, root: Path, md5: str | None, extract: bool) -> str | None:
+    """Download with torchvision's downloader; returns an error string instead of raising."""
+    try:
+        from fedhetero._compat import import_torchvision
+
+        tv = import_torchvision()
+        root.mkdir(parents=True, exist_ok=True)
+        if extract:
+            tv.datasets.utils.download_and_extract_archive(url, str(root), md5=md5)
+        else:
+            tv.datasets.utils.download_url(url, str(root), md5=md5)
+        return None
+    except Exception as exc:  # noqa: BLE001 - any failure becomes part of one clear error
+        return f"{type(exc).__name__}: {exc}"
+
+
+def _find_folder(root: Path, folder: str, required: Sequence[str]) -> Path | None:
+    for cand in (root / folder, root):
+        if all((cand / f).is_file() for f in required):
+            return cand
+    return None
+
+
+def _cifar_folder(
+    root: Path,
+    *,
+    title: str,
+    folder: str,
+    archive: str,
+    url: str,
+    md5: str,
+    required: Sequence[str],
+    download: bool,
+) -> Path:
+    found = _find_folder(root, folder, required)
+    if found is not None:
+        return found
+    note = ""
+    if (root / archive).is_file():
+        _safe_extract(root / archive, root)
+        found = _find_folder(root, folder, required)
+        if found is not None:
+            return found
+        note = f"\n{root / archive} was extracted but did not contain {folder}/."
+    elif download:
+        err = _try_download(url, root, md5, extract=True)
+        found = _find_folder(root, folder, required)
+        if found is not None:
+            return found
+        note = f"\nDownload failed ({err or 'archive did not contain the expected files'})."
+    missing = [f for f in required if not (root / folder / f).is_file()]
+    raise DatasetNotFoundError(
+        f"{title} not found: missing {', '.join(missing)} in {root / folder}.\n"
+        f"Put the folder '{folder}/' (the python version of {title}: {', '.join(required)}) under "
+        f"{root}, or point the loader at the directory that contains it with --data-dir DIR "
+        f"(config: data.data_dir).\n"
+        f"Download {url} and extract it there (or just place '{archive}' in that directory: it "
+        f"is extracted on first use), or load with download=True on a machine with network "
+        f"access." + note
+    )
+
+
+def _cifar_arrays(batches: Sequence[dict], label_key: bytes, path_hint: str) -> tuple[Tensor, Tensor]:
+    xs, ys = [], []
+    for b in batches:
+        if b"data" not in b or label_key not in b:
+            raise DatasetFormatError(
+                f"{path_hint}: batch lacks key b'data' or {label_key!r} (keys: {sorted(b)})"
+            )
+        data = np.asarray(b[b"data"])
+        if data.dtype != np.uint8 or data.ndim != 2 or data.shape[1] != 3072:
+            raise DatasetFormatError(
+                f"{path_hint}: b'data' must be uint8 N×3072, got {data.dtype} {data.shape}"
+            )
+        labels = np.asarray(b[label_key], dtype=np.int64).reshape(-1)
+        if labels.shape[0] != data.shape[0]:
+            raise DatasetFormatError(f"{path_hint}: {data.shape[0]} images but {labels.shape[0]} labels")
+        xs.append(data)
+        ys.append(labels)
+    x = np.concatenate(xs).reshape(-1, 3, 32, 32)
+    images = torch.from_numpy(x).to(torch.float32).div_(255.0)
+    return images, torch.from_numpy(np.concatenate(ys))
+
+
+def _load_cifar(
+    name: str, root: Path, split: str, download: bool, normalize: bool, options: Mapping[str, Any]
+) -> ArrayDataset:
+    _check_options(name, options, {})
+    if name == "cifar10":
+        files = [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]
+        folder = _cifar_folder(
+            root, title="CIFAR-10", folder="cifar-10-batches-py", archive="cifar-10-python.tar.gz",
+            url=_CIFAR10_URL, md5=_CIFAR10_MD5, required=files, download=download,
+        )
+        use = files[:5] if split == "train" else ["test_batch"]
+        images, labels = _cifar_arrays([_read_pickle(folder / f) for f in use], b"labels", str(folder))
+        num_classes, mean, std = 10, CIFAR10_MEAN, CIFAR10_STD
+        class_names: tuple[str, ...] | None = CIFAR10_CLASSES
+        meta = folder / "batches.meta"
+        meta_key = b"label_names"
+    else:
+        folder = _cifar_folder(
+            root, title="CIFAR-100", folder="cifar-100-python", archive="cifar-100-python.tar.gz",
+            url=_CIFAR100_URL, md5=_CIFAR100_MD5, required=["train", "test"], download=download,
+        )
+        use = ["train"] if split == "train" else ["test"]
+        images, labels = _cifar_arrays(
+            [_read_pickle(folder / f) for f in use], b"fine_labels", str(folder)
+        )
+        num_classes, mean, std = 100, CIFAR100_MEAN, CIFAR100_STD
+        class_names = None
+        meta = folder / "meta"
+        meta_key = b"fine_label_names"
+    if meta.is_file():
+        try:
+            names = _read_pickle(meta).get(meta_key)
+            if names is not None and len(names) == num_classes:
+                class_names = tuple(n.decode() if isinstance(n, bytes) else str(n) for n in names)
+        except DatasetFormatError:
+            pass  # class names are cosmetic
+    if normalize:
+        _normalize_(images, mean, std)
+    return ArrayDataset(
+        images=images,
+        labels=labels,
+        num_classes=num_classes,
+        name=name,
+        split=split,
+        mean=mean if normalize else None,
+        std=std if normalize else None,
+        class_names=class_names,
+        default_augment=True,
+    )
+
+
+# --------------------------------------------------------------------------------------------------
+# DermaMNIST (MedMNIST .npz)
+# --------------------------------------------------------------------------------------------------
+
+_DERMA_OPTIONS = {"size": 28, "resize": None, "include_val": False}
+_DERMA_KEYS = ("train_images", "train_labels", "val_images", "val_labels", "test_images", "test_labels")
+
+
+def _load_dermamnist(
+    root: Path, split: str, download: bool, normalize: bool, options: Mapping[str, Any]
+) -> ArrayDataset:
+    opts = _check_options("dermamnist", options, _DERMA_OPTIONS)
+    size = opts["size"]
+    if size not in (28, 64, 128, 224):
+        raise DataConfigError(f"size must be one of 28, 64, 128, 224 for dermamnist, got {size!r}")
+    resize = opts["resize"]
+    if resize is not None:
+        resize = _positive_int("resize", resize)
+    fname = "dermamnist.npz" if size == 28 else f"dermamnist_{size}.npz"
+    candidates = [root / fname, root / "dermamnist" / fname, root / "medmnist" / fname]
+    path = next((p for p in candidates if p.is_file()), None)
+    note = ""
+    if path is None and download:
+        err = _try_download(f"{_MEDMNIST_RECORD}/files/{fname}", root, None, extract=False)
+        path = root / fname if (root / fname).is_file() else None
+        note = f"\nDownload failed ({err or 'file not created'})."
+    if path is None:
+        raise DatasetNotFoundError(
+            f"DermaMNIST not found: missing {fname} in {root}.\n"
+            f"Put the MedMNIST file '{fname}' (keys {', '.join(_DERMA_KEYS)}) directly under {root}, "
+            f"or point the loader at the directory that contains it with --data-dir DIR "
+            f"(config: data.data_dir).\n"
+            f"Download it from {_MEDMNIST_RECORD} (file {fname}), or with the 'medmnist' package "
+            f"(`python -m medmnist download`, then copy {fname} from its root), or load with "
+            f"download=True on a machine with network access." + note
+        )
+    with np.load(path, allow_pickle=False) as npz:
+        missing = [k for k in _DERMA_KEYS if k not in npz.files]
+        if missing:
+            raise DatasetFormatError(f"{path} lacks key(s) {missing}; found {sorted(npz.files)}")
+        arrays = {k: npz[k] for k in _DERMA_KEYS}
+
+    def images_of(prefix: str) -> np.ndarray:
+        arr = arrays[f"{prefix}_images"]
+        if arr.dtype != np.uint8 or arr.ndim not in (3, 4):
+            raise DatasetFormatError(
+                f"{path}: {prefix}_images must be uint8 N×H×W×C, got {arr.dtype} {arr.shape}"
+            )
+        return arr
+
+    def labels_of(prefix: str) -> np.ndarray:
+        return np.asarray(arrays[f"{prefix}_labels"]).reshape(-1).astype(np.int64)
+
+    train_parts = ["train", "val"] if opts["include_val"] else ["train"]
+    parts = train_parts if split == "train" else ["test"]
+    train_x = _uint8_hwc_to_float(np.concatenate([images_of(p) for p in train_parts]))
+    if resize is not None:
+        train_x = _resize(train_x, resize, "bilinear").contiguous()
+    mean, std = _channel_stats(train_x)
+    if split == "train":
+        x = train_x
+    else:
+        x = _uint8_hwc_to_float(np.concatenate([images_of(p) for p in parts]))
+        if resize is not None:
+            x = _resize(x, resize, "bilinear").contiguous()
+    y = np.concatenate([labels_of(p) for p in parts])
+    if y.shape[0] != x.shape[0]:
+        raise DatasetFormatError(f"{path}: {x.shape[0]} {split} images but {y.shape[0]} labels")
+    if normalize:
+        _normalize_(x, mean, std)
+    return ArrayDataset(
+        images=x,
+        labels=torch.from_numpy(y),
+        num_classes=len(DERMAMNIST_CLASSES),
+        name="dermamnist",
+        split=split,
+        mean=mean if normalize else None,
+        std=std if normalize else None,
+        class_names=DERMAMNIST_CLASSES,
+        default_augment=False,
+    )
+
+
+# --------------------------------------------------------------------------------------------------
+# synthetic
+# --------------------------------------------------------------------------------------------------
+
+_SYNTH_OPTIONS = {
+    "num_samples": 1000,
+    "num_test": 200,
+    "num_classes": 10,
+    "input_shape": (3, 32, 32),
+    "noise": 1.0,
+    "seed": 0,
+}
+
+
+def _load_synthetic(split: str, normalize: bool, options: Mapping[str, Any]) -> ArrayDataset:
+    opts = _check_options("synthetic", options, _SYNTH_OPTIONS)
+    n_train = _positive_int("num_samples", opts["num_samples"])
+    n_test = _positive_int("num_test", opts["num_test"])
+    num_classes = _positive_int("num_classes", opts["num_classes"])
+    shape = tuple(opts["input_shape"])
+    if len(shape) != 3 or any(isinstance(s, bool) or not isinstance(s, (int, np.integer)) or s < 1 for s in shape):
+        raise DataConfigError(f"input_shape must be three positive ints (C, H, W), got {opts['input_shape']!r}")
+    shape = tuple(int(s) for s in shape)
+    noise = float(opts["noise"])
+    if noise < 0:
+        raise DataConfigError(f"noise must be >= 0, got {opts['noise']!r}")
+    seed = int(opts["seed"])
+
+    def stream(k: int) -> np.random.Generator:
+        return np.random.default_rng(np.random.SeedSequence(seed, spawn_key=(k,)))
+
+    prototypes = stream(0).standard_normal((num_classes, *shape)).astype(np.float32)
+
+    def make(k: int, n: int) -> tuple[Tensor, Tensor]:
+        rng = stream(k)
+        y = rng.permutation(np.arange(n, dtype=np.int64) % num_classes)
+        x = prototypes[y] + noise * rng.standard_normal((n, *shape)).astype(np.float32)
+        return torch.from_numpy(x.astype(np.float32)), torch.from_numpy(y)
+
+    train_x, train_y = make(1, n_train)
+    mean, std = _channel_stats(train_x)
+    x, y = (train_x, train_y) if split == "train" else make(2, n_test)
+    if normalize:
+        _normalize_(x, mean, std)
+    return ArrayDataset(
+        images=x,
+        labels=y,
+        num_classes=num_classes,
+        name="synthetic",
+        split=split,
+        mean=mean if normalize else None,
+        std=std if normalize else None,
+        default_augment=False,
+    )
+
+
+# --------------------------------------------------------------------------------------------------
+# Entry point
+# --------------------------------------------------------------------------------------------------
+
+
+def load_dataset(
+    name: str,
+    *,
+    data_dir: str | os.PathLike[str] | None = None,
+    split: str = "train",
+    download: bool = False,
+    normalize: bool = True,
+    **options: Any,
+) -> ArrayDataset:
+    """Load one split of a dataset into memory.
+
+    Parameters
+    ----------
+    name:
+        one of :data:`DATASETS`.
+    data_dir:
+        directory holding the files (CIFAR, DermaMNIST); default ``$FEDHETERO_DATA_DIR`` or
+        ``./data``. Ignored by ``digits`` and ``synthetic``.
+    split:
+        ``"train"`` or ``"test"``.
+    download:
+        try to download missing files (through torchvision's downloader; needs network).
+    normalize:
+        normalise per channel (default). ``False`` serves pixels in ``[0, 1]``.
+    **options:
+        dataset-specific options; unknown ones are an error. ``digits``: ``size`` (32),
+        ``test_fraction`` (0.2), ``split_seed`` (0), ``interpolation`` (``"bilinear"`` |
+        ``"nearest"``). ``dermamnist``: ``size`` (28 | 64 | 128 | 224: which file),
+        ``resize`` (None or an int), ``include_val`` (False: the val split is not in "train").
+        ``synthetic``: ``num_samples`` (1000), ``num_test`` (200), ``num_classes`` (10),
+        ``input_shape`` ((3, 32, 32)), ``noise`` (1.0), ``seed`` (0).
+
+    Returns
+    -------
+    ArrayDataset
+        deterministic: the same arguments always give bit-identical tensors.
+
+    Raises
+    ------
+    DatasetNotFoundError
+        files are missing; the message says which files to put in which directory.
+    DataConfigError
+        an unknown name, split or option.
+    """
+    if not isinstance(name, str) or name.lower() not in DATASETS:
+        raise DataConfigError(f"unknown dataset {name!r}; accepted: {', '.join(DATASETS)}")
+    name = name.lower()
+    if split not in SPLITS:
+        raise DataConfigError(f"split must be one of {', '.join(SPLITS)}, got {split!r}")
+    loaders: dict[str, Callable[[], ArrayDataset]] = {
+        "digits": lambda: _load_digits(split, normalize, options),
+        "cifar10": lambda: _load_cifar("cifar10", resolve_data_dir(data_dir), split, download, normalize, options),
+        "cifar100": lambda: _load_cifar("cifar100", resolve_data_dir(data_dir), split, download, normalize, options),
+        "dermamnist": lambda: _load_dermamnist(resolve_data_dir(data_dir), split, download, normalize, options),
+        "synthetic": lambda: _load_synthetic(split, normalize, options),
+    }
+    return loaders[name]()

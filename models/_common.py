@@ -1,0 +1,169 @@
+"""Shared building blocks and argument checks for the model zoo (torch only)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from .groups import GroupLayout, scale_channels
+
+__all__ = [
+    "NORMS",
+    "INITS",
+    "ModelOptions",
+    "ConvBNAct",
+    "resolve_options",
+    "conv_out",
+    "check_spatial",
+    "apply_init",
+]
+
+NORMS = ("bn", "none")
+INITS = ("torch", "kaiming_out")
+
+
+class ModelOptions:
+    """Validated constructor options shared by every zoo model."""
+
+    __slots__ = (
+        "num_classes",
+        "in_channels",
+        "width",
+        "norm",
+        "input_size",
+        "conv_bias",
+        "track_running_stats",
+        "init",
+    )
+
+    def __init__(
+        self,
+        num_classes: int,
+        in_channels: int,
+        width: float,
+        norm: str,
+        input_size: int,
+        conv_bias: bool,
+        track_running_stats: bool,
+        init: str,
+    ) -> None:
+        self.num_classes = num_classes
+        self.in_channels = in_channels
+        self.width = width
+        self.norm = norm
+        self.input_size = input_size
+        self.conv_bias = conv_bias
+        self.track_running_stats = track_running_stats
+        self.init = init
+
+    def ch(self, channels: int) -> int:
+        """Hidden channel count scaled by ``width`` (see :func:`models.groups.scale_channels`)."""
+        return scale_channels(channels, self.width)
+
+
+def _check_int(name: str, value: object, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+    return value
+
+
+def resolve_options(
+    *,
+    num_classes: int = 10,
+    in_channels: int = 3,
+    width: float = 1.0,
+    norm: str = "bn",
+    input_size: int = 32,
+    conv_bias: bool | None = None,
+    track_running_stats: bool = True,
+    init: str = "torch",
+) -> ModelOptions:
+    """Validate the common options; ``conv_bias=None`` means "bias exactly when ``norm='none'``"."""
+    _check_int("num_classes", num_classes, 1)
+    _check_int("in_channels", in_channels, 1)
+    _check_int("input_size", input_size, 1)
+    if isinstance(width, bool) or not isinstance(width, (int, float)) or not width > 0:
+        raise ValueError(f"width must be a positive number, got {width!r}")
+    if norm not in NORMS:
+        raise ValueError(f"norm must be one of {NORMS}, got {norm!r}")
+    if init not in INITS:
+        raise ValueError(f"init must be one of {INITS}, got {init!r}")
+    if conv_bias is None:
+        conv_bias = norm == "none"
+    if not isinstance(conv_bias, bool):
+        raise ValueError(f"conv_bias must be True, False or None, got {conv_bias!r}")
+    if not isinstance(track_running_stats, bool):
+        raise ValueError(f"track_running_stats must be a bool, got {track_running_stats!r}")
+    return ModelOptions(
+        num_classes, in_channels, float(width), norm, input_size, conv_bias, track_running_stats, init
+    )
+
+
+def conv_out(size: int, kernel: int, stride: int = 1, padding: int = 0, *, ceil: bool = False) -> int:
+    """Output length of a conv/pool along one axis (dilation 1), with torch's rounding rule: floor,
+    or ceil where the last window must start inside the input or the left padding."""
+    num = size + 2 * padding - kernel + ((stride - 1) if ceil else 0)
+    out = num // stride + 1
+    if ceil and (out - 1) * stride >= size + padding:
+        out -= 1
+    return max(out, 0)
+
+
+def check_spatial(model: str, input_size: int, sizes: Sequence[int]) -> None:
+    """Raise a clear error when a feature map of ``model`` would vanish at ``input_size``."""
+    if min(sizes) < 1:
+        raise ValueError(
+            f"input_size={input_size} is too small for {model} (feature map sizes {list(sizes)})"
+        )
+
+
+class ConvBNAct(nn.Module):
+    """``Conv2d`` → ``BatchNorm2d`` (or nothing when ``norm='none'``) → ``ReLU`` (optional).
+
+    Standard modules only, so the conv+BN pair is found by ``reparam``'s fx/hook pair detection.
+    """
+
+    def __init__(
+        self,
+        in_channels: int,
+        out_channels: int,
+        kernel_size: int,
+        stride: int = 1,
+        padding: int = 0,
+        *,
+        opts: ModelOptions,
+        act: bool = True,
+    ) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(
+            in_channels, out_channels, kernel_size, stride=stride, padding=padding, bias=opts.conv_bias
+        )
+        self.bn: nn.Module = (
+            nn.BatchNorm2d(out_channels, track_running_stats=opts.track_running_stats)
+            if opts.norm == "bn"
+            else nn.Identity()
+        )
+        self.act: nn.Module = nn.ReLU() if act else nn.Identity()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.act(self.bn(self.conv(x)))
+
+    def declare(self, lay: GroupLayout, path: str, inputs: str | Sequence[str], out: str) -> None:
+        """Declare this unit's channel groups (conv reads ``inputs`` and writes ``out``)."""
+        lay.conv(f"{path}.conv", inputs, out)
+        if isinstance(self.bn, nn.BatchNorm2d):
+            lay.norm(f"{path}.bn", out)
+
+
+def apply_init(model: nn.Module, init: str) -> None:
+    """Re-initialise convs: ``"torch"`` keeps PyTorch defaults; ``"kaiming_out"`` draws conv weights
+    from N(0, 2/(k_h·k_w·C_out)) with zero conv bias (the FedDUMAP authors' CNN/VGG init)."""
+    if init == "torch":
+        return
+    for m in model.modules():
+        if isinstance(m, nn.Conv2d):
+            nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
+            if m.bias is not None:
+                nn.init.zeros_(m.bias)

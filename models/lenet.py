@@ -1,0 +1,77 @@
+"""LeNet-5 for 32×32 (and 28×28) images.
+
+conv5×5(C→6)–ReLU–MaxPool2 → conv5×5(6→16)–ReLU–MaxPool2 → FC(16·s²→120)–ReLU → FC(120→84)–ReLU →
+FC(84→classes), ``s = ((input_size − 4)//2 − 4)//2`` (5 at 32×32, 4 at 28×28). With ``norm="bn"`` a
+``BatchNorm2d`` follows each conv. No activation on the logits (the FedDUMAP authors' stray ReLU is
+dropped). At 3×32×32, 10 classes, ``norm="none"``: 62,006 parameters and 651,720 MACs.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ._common import ConvBNAct, apply_init, check_spatial, conv_out, resolve_options
+from .groups import CLASSES, INPUT, ChannelGroups, GroupLayout
+
+__all__ = ["LeNet5"]
+
+
+class LeNet5(nn.Module):
+    """LeNet-5 (see the module docstring). ``width`` scales 6, 16, 120 and 84."""
+
+    def __init__(
+        self,
+        *,
+        num_classes: int = 10,
+        in_channels: int = 3,
+        width: float = 1.0,
+        norm: str = "bn",
+        input_size: int = 32,
+        conv_bias: bool | None = None,
+        track_running_stats: bool = True,
+        init: str = "torch",
+    ) -> None:
+        super().__init__()
+        o = resolve_options(
+            num_classes=num_classes, in_channels=in_channels, width=width, norm=norm,
+            input_size=input_size, conv_bias=conv_bias, track_running_stats=track_running_stats,
+            init=init,
+        )
+        self.num_classes, self.in_channels, self.width, self.input_size = (
+            num_classes, in_channels, o.width, input_size,
+        )
+        s1 = conv_out(input_size, 5)
+        p1 = s1 // 2
+        s2 = conv_out(p1, 5)
+        p2 = s2 // 2
+        check_spatial("lenet5", input_size, [s1, p1, s2, p2])
+        self._flat_hw = p2 * p2
+        c1, c2, f1, f2 = o.ch(6), o.ch(16), o.ch(120), o.ch(84)
+        self.conv1 = ConvBNAct(in_channels, c1, 5, opts=o)
+        self.conv2 = ConvBNAct(c1, c2, 5, opts=o)
+        self.pool = nn.MaxPool2d(2)
+        self.fc1 = nn.Linear(c2 * self._flat_hw, f1)
+        self.fc2 = nn.Linear(f1, f2)
+        self.fc3 = nn.Linear(f2, num_classes)
+        self.relu = nn.ReLU()
+        apply_init(self, o.init)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.pool(self.conv1(x))
+        x = self.pool(self.conv2(x))
+        x = torch.flatten(x, 1)
+        x = self.relu(self.fc1(x))
+        x = self.relu(self.fc2(x))
+        return self.fc3(x)
+
+    def channel_groups(self) -> ChannelGroups:
+        """Groups ``conv1``, ``conv2``, ``fc1``, ``fc2`` plus fixed ``input``/``classes``;
+        ``fc1`` reads ``conv2`` with repeat ``s²``."""
+        lay = GroupLayout(self)
+        self.conv1.declare(lay, "conv1", INPUT, "conv1")
+        self.conv2.declare(lay, "conv2", "conv1", "conv2")
+        lay.linear("fc1", "conv2", "fc1", repeat=self._flat_hw)
+        lay.linear("fc2", "fc1", "fc2")
+        lay.linear("fc3", "fc2", CLASSES)
+        return lay.build()

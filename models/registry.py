@@ -1,0 +1,91 @@
+"""Model registry: ``build_model(name, ...)`` and ``list_models()``."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from torch import nn
+
+from .cnn import CNN
+from .googlenet import GoogLeNet
+from .lenet import LeNet5
+from .resnet import ResNet18
+from .vgg import VGG11
+
+__all__ = ["build_model", "list_models", "canonical_name"]
+
+_MODELS: dict[str, Callable[..., nn.Module]] = {
+    "lenet5": LeNet5,
+    "cnn": CNN,
+    "vgg11": VGG11,
+    "resnet18": ResNet18,
+    "googlenet": GoogLeNet,
+}
+_ALIASES = {"lenet": "lenet5", "vgg": "vgg11", "resnet": "resnet18", "feddumapcnn": "cnn"}
+
+
+def list_models() -> list[str]:
+    """Canonical names accepted by :func:`build_model` (sorted)."""
+    return sorted(_MODELS)
+
+
+def canonical_name(name: str) -> str:
+    """Normalise ``name`` (case, ``-``/``_`` ignored, aliases ``lenet``, ``vgg``, ``resnet``).
+
+    Raises ``ValueError`` listing the accepted names when ``name`` is unknown.
+    """
+    if not isinstance(name, str):
+        raise ValueError(f"model name must be a string, one of {list_models()}, got {name!r}")
+    key = name.lower().replace("-", "").replace("_", "")
+    key = _ALIASES.get(key, key)
+    if key not in _MODELS:
+        raise ValueError(f"unknown model {name!r}; expected one of {list_models()}")
+    return key
+
+
+def build_model(
+    name: str,
+    *,
+    num_classes: int = 10,
+    in_channels: int = 3,
+    width: float = 1.0,
+    norm: str = "bn",
+    input_size: int = 32,
+    conv_bias: bool | None = None,
+    track_running_stats: bool = True,
+    init: str = "torch",
+) -> nn.Module:
+    """Build a zoo model.
+
+    Parameters
+    ----------
+    name:
+        one of :func:`list_models` (``lenet5``, ``cnn``, ``vgg11``, ``resnet18``, ``googlenet``).
+    num_classes, in_channels:
+        logits and image channels (never scaled by ``width``).
+    width:
+        multiplier of every hidden channel/unit count; sizes are ``max(1, ceil(c·width))``.
+    norm:
+        ``"bn"`` (conv → BatchNorm2d → ReLU) or ``"none"`` (conv with bias → ReLU; the FedDUMAP models).
+    input_size:
+        square input side (32 for CIFAR, 28 for DermaMNIST); flatten sizes follow from it.
+    conv_bias:
+        conv biases; ``None`` = exactly when ``norm="none"``.
+    track_running_stats:
+        passed to every BatchNorm2d (``False`` for HeteroFL's static BN during local training).
+    init:
+        ``"torch"`` (PyTorch defaults) or ``"kaiming_out"`` (conv N(0, 2/(k²·C_out)), bias 0).
+
+    The result is deterministic given ``torch.manual_seed`` and exposes ``channel_groups()``.
+    """
+    cls = _MODELS[canonical_name(name)]
+    return cls(
+        num_classes=num_classes,
+        in_channels=in_channels,
+        width=width,
+        norm=norm,
+        input_size=input_size,
+        conv_bias=conv_bias,
+        track_running_stats=track_running_stats,
+        init=init,
+    )

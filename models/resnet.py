@@ -1,0 +1,147 @@
+"""CIFAR ResNet-18.
+
+Stem: conv3×3(C→64, stride 1, padding 1)–BN–ReLU, no max-pool. Four stages of two ``BasicBlock``s with
+widths 64/128/256/512, stride 2 at the start of stages 2–4; a block whose shape changes gets a
+``downsample`` shortcut (conv1×1 + BN). Global average pooling, then FC(512→classes). With
+``norm="none"`` every BN is dropped and convs get biases; ``conv_bias=True`` with ``norm="bn"`` gives the
+FedDUMAP authors' variant (convs with bias followed by BN). Forward MACs at 3×32×32: 555,417,600 in the
+convs plus ``512·classes`` in the FC (555,468,800 with 100 classes).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from ._common import ModelOptions, apply_init, check_spatial, conv_out, resolve_options
+from .groups import CLASSES, INPUT, ChannelGroups, GroupLayout
+
+__all__ = ["BasicBlock", "ResNet", "ResNet18"]
+
+
+def _norm(channels: int, o: ModelOptions) -> nn.Module:
+    if o.norm == "bn":
+        return nn.BatchNorm2d(channels, track_running_stats=o.track_running_stats)
+    return nn.Identity()
+
+
+class BasicBlock(nn.Module):
+    """Two 3×3 conv+BN with an identity or ``downsample`` (1×1 conv + BN) shortcut."""
+
+    def __init__(self, in_channels: int, channels: int, stride: int, o: ModelOptions) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(in_channels, channels, 3, stride, 1, bias=o.conv_bias)
+        self.bn1 = _norm(channels, o)
+        self.conv2 = nn.Conv2d(channels, channels, 3, 1, 1, bias=o.conv_bias)
+        self.bn2 = _norm(channels, o)
+        self.relu = nn.ReLU()
+        self.downsample: nn.Module | None = None
+        if stride != 1 or in_channels != channels:
+            self.downsample = nn.Sequential(
+                nn.Conv2d(in_channels, channels, 1, stride, bias=o.conv_bias), _norm(channels, o)
+            )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.relu(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+        shortcut = x if self.downsample is None else self.downsample(x)
+        return self.relu(out + shortcut)
+
+    def declare(self, lay: GroupLayout, path: str, inputs: str, out: str) -> None:
+        """Block-internal group ``<path>.conv1``; output group ``out`` (tied to ``inputs`` when the
+        shortcut is the identity)."""
+        mid = f"{path}.conv1"
+        lay.conv(f"{path}.conv1", inputs, mid)
+        if isinstance(self.bn1, nn.BatchNorm2d):
+            lay.norm(f"{path}.bn1", mid)
+        lay.conv(f"{path}.conv2", mid, out)
+        if isinstance(self.bn2, nn.BatchNorm2d):
+            lay.norm(f"{path}.bn2", out)
+        if self.downsample is not None:
+            lay.conv(f"{path}.downsample.0", inputs, out)
+            if isinstance(self.downsample[1], nn.BatchNorm2d):
+                lay.norm(f"{path}.downsample.1", out)
+        elif inputs != out:
+            raise ValueError(f"{path}: identity shortcut must tie {inputs!r} and {out!r}")
+
+
+class ResNet(nn.Module):
+    """CIFAR-style ResNet with ``BasicBlock``s (see the module docstring)."""
+
+    def __init__(
+        self,
+        num_blocks: Sequence[int] = (2, 2, 2, 2),
+        *,
+        num_classes: int = 10,
+        in_channels: int = 3,
+        width: float = 1.0,
+        norm: str = "bn",
+        input_size: int = 32,
+        conv_bias: bool | None = None,
+        track_running_stats: bool = True,
+        init: str = "torch",
+    ) -> None:
+        super().__init__()
+        o = resolve_options(
+            num_classes=num_classes, in_channels=in_channels, width=width, norm=norm,
+            input_size=input_size, conv_bias=conv_bias, track_running_stats=track_running_stats,
+            init=init,
+        )
+        if len(num_blocks) != 4 or any(int(n) < 1 for n in num_blocks):
+            raise ValueError(f"num_blocks must be 4 positive integers, got {tuple(num_blocks)!r}")
+        self.num_classes, self.in_channels, self.width, self.input_size = (
+            num_classes, in_channels, o.width, input_size,
+        )
+        size, sizes = input_size, []
+        for _ in range(3):
+            size = conv_out(size, 3, 2, 1)
+            sizes.append(size)
+        check_spatial("resnet", input_size, sizes)
+        c = o.ch(64)
+        self.conv1 = nn.Conv2d(in_channels, c, 3, 1, 1, bias=o.conv_bias)
+        self.bn1 = _norm(c, o)
+        self.relu = nn.ReLU()
+        c_in = c
+        for stage, (base, n) in enumerate(zip((64, 128, 256, 512), num_blocks), start=1):
+            c_out = o.ch(base)
+            blocks = []
+            for i in range(int(n)):
+                stride = 2 if (i == 0 and stage > 1) else 1
+                blocks.append(BasicBlock(c_in, c_out, stride, o))
+                c_in = c_out
+            self.add_module(f"layer{stage}", nn.Sequential(*blocks))
+        self.avgpool = nn.AdaptiveAvgPool2d(1)
+        self.fc = nn.Linear(c_in, num_classes)
+        apply_init(self, o.init)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.relu(self.bn1(self.conv1(x)))
+        x = self.layer4(self.layer3(self.layer2(self.layer1(x))))
+        x = torch.flatten(self.avgpool(x), 1)
+        return self.fc(x)
+
+    def channel_groups(self) -> ChannelGroups:
+        """Residual groups ``layer1``..``layer4`` (``layer1`` also holds the stem output), one
+        block-internal group ``layerK.i.conv1`` per block, plus fixed ``input``/``classes``."""
+        lay = GroupLayout(self)
+        lay.conv("conv1", INPUT, "layer1")
+        if isinstance(self.bn1, nn.BatchNorm2d):
+            lay.norm("bn1", "layer1")
+        prev = "layer1"
+        for stage in range(1, 5):
+            layer = self.get_submodule(f"layer{stage}")
+            out = f"layer{stage}"
+            for i, block in enumerate(layer):
+                block.declare(lay, f"{out}.{i}", prev, out)
+                prev = out
+        lay.linear("fc", prev, CLASSES)
+        return lay.build()
+
+
+class ResNet18(ResNet):
+    """CIFAR ResNet-18: :class:`ResNet` with ``num_blocks=(2, 2, 2, 2)``."""
+
+    def __init__(self, **kwargs: object) -> None:
+        super().__init__((2, 2, 2, 2), **kwargs)  # type: ignore[arg-type]

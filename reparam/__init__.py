@@ -1,0 +1,118 @@
+"""reparam: lossless Diverse Branch Block (DBB) structural re-parameterization for PyTorch.
+
+Expand any conv(+BN) of any model into a multi-branch block for training and merge it back into one
+plain conv. Expansion (zero-γ growth) is bit-exact in train and eval mode; merging, folding and
+re-solving are exact in eval mode (they use BatchNorm running statistics).
+
+Quick start::
+
+    import reparam
+    big = reparam.expand(model)                  # deep copy with blocks; same function
+    ...train big...
+    plain = reparam.merge(big.eval())            # one biased conv per block, BNs folded
+    reparam.testing.assert_equivalent(big, plain, x)
+
+Depends on torch only.
+"""
+
+from __future__ import annotations
+
+from . import testing, transforms
+from .block import ANCHOR_NORMS, DEFAULT_BRANCHES, DEPTHWISE_BRANCHES, DiverseBranchBlock
+from .branches import (
+    KINDS,
+    AvgBranch,
+    ConvBNBranch,
+    FrozenIdentityBN,
+    IdentityBasedConv1x1,
+    IdentityBranch,
+    OneByOneKxKBranch,
+    applicability,
+)
+from .changes import StructureChange, apply_to_optimizer
+from .convert import (
+    ConvScan,
+    build,
+    detect_form,
+    expand,
+    find_conv_bn_pairs,
+    iter_blocks,
+    merge,
+    merge_state_dict,
+    rep_to_local,
+    strip_prefixes,
+    structure,
+)
+from .errors import AlignmentError, NotMergeableError, ReparamError, ReparamModeError
+from .geometry import ConvGeometry
+from .testing import assert_equivalent, randomize_bn_, rel_err
+
+__all__ = [
+    # errors
+    "ReparamError",
+    "AlignmentError",
+    "NotMergeableError",
+    "ReparamModeError",
+    # geometry, transforms, branches
+    "ConvGeometry",
+    "transforms",
+    "KINDS",
+    "DEFAULT_BRANCHES",
+    "DEPTHWISE_BRANCHES",
+    "ANCHOR_NORMS",
+    "applicability",
+    "FrozenIdentityBN",
+    "IdentityBasedConv1x1",
+    "ConvBNBranch",
+    "OneByOneKxKBranch",
+    "AvgBranch",
+    "IdentityBranch",
+    # block and whole-model API
+    "DiverseBranchBlock",
+    "StructureChange",
+    "apply_to_optimizer",
+    "ConvScan",
+    "find_conv_bn_pairs",
+    "expand",
+    "merge",
+    "structure",
+    "build",
+    "merge_state_dict",
+    "detect_form",
+    "strip_prefixes",
+    "iter_blocks",
+    "rep_to_local",
+    # testing
+    "testing",
+    "assert_equivalent",
+    "randomize_bn_",
+    "rel_err",
+]
+
+# ---------------------------------------------------------------------------------------------
+# Names of reparam.saliency / reparam.dymm / reparam.flops / reparam.changes are appended below
+# this line (imports and __all__ additions).
+# ---------------------------------------------------------------------------------------------
+
+from . import dymm, flops, saliency  # reparam.dymm.dymm(...) is the DYMM operation
+from .dymm import DymmReport, classify_branches, plan_bottom_up, shrink_to_budget, update_optimizer
+from .flops import block_macs, branch_macs, conv_macs, input_sizes, model_macs, train_macs
+from .saliency import SaliencyMeter
+
+__all__ += [
+    "dymm",
+    "flops",
+    "saliency",
+    "conv_macs",
+    "branch_macs",
+    "block_macs",
+    "input_sizes",
+    "model_macs",
+    "train_macs",
+    "SaliencyMeter",
+    "plan_bottom_up",
+    "classify_branches",
+    "shrink_to_budget",
+    "DymmReport",
+    "update_optimizer",
+]

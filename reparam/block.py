@@ -1,0 +1,954 @@
+"""The Diverse Branch Block: named branches around an anchor conv, with exact growth, merge,
+fold and re-solve.
+
+Exactness guarantees (spec sections 5-8):
+
+* :meth:`DiverseBranchBlock.from_conv` and :meth:`~DiverseBranchBlock.add_branch` with
+  ``init="zero_gamma"`` are **bit-exact in train and eval mode**: the anchor is the original conv
+  (+ original BN, or a :class:`~reparam.branches.FrozenIdentityBN`), and every new branch ends in a
+  BN with ``γ = β = 0`` that outputs exact zeros; running statistics of the anchor evolve exactly as
+  those of the original layer.
+* :meth:`~DiverseBranchBlock.merge`, :meth:`~DiverseBranchBlock.remove_branch` and
+  :meth:`~DiverseBranchBlock.load_plain` are **exact in eval mode** (up to rounding: float64
+  ``rel_err`` ~1e-15, float32 ~1e-7); they use running statistics. ``merge`` computes in float64 and
+  casts back, and refuses (``ReparamModeError``) while a BN of the block is in training mode unless
+  ``require_eval=False``.
+* ``anchor_norm="calibrated"`` and ``"batchnorm"`` are eval-exact up to rounding only.
+
+Forward order is fixed (``KINDS``) and the branch outputs are summed with plain ``+``; there is no
+data-dependent control flow, so ``torch.fx`` and ``torch.compile`` work on the block.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Iterable, Mapping, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .branches import (
+    KINDS,
+    AvgBranch,
+    ConvBNBranch,
+    FrozenIdentityBN,
+    IdentityBasedConv1x1,
+    OneByOneKxKBranch,
+    applicability,
+    conv_kernel_bias,
+    make_branch,
+)
+from .changes import StructureChange
+from .errors import AlignmentError, NotMergeableError, ReparamError, ReparamModeError
+from .geometry import ConvGeometry
+from .transforms import BNStats, add_branches, bn_stats, fuse_bn
+
+__all__ = ["DiverseBranchBlock", "DEFAULT_BRANCHES", "DEPTHWISE_BRANCHES", "ANCHOR_NORMS", "INITS"]
+
+logger = logging.getLogger("reparam")
+
+DEFAULT_BRANCHES: tuple[str, ...] = ("kxk", "1x1", "1x1_kxk", "1x1_avg", "identity")
+DEPTHWISE_BRANCHES: tuple[str, ...] = ("kxk", "1x1_kxk", "1x1_avg", "identity")
+ANCHOR_NORMS: tuple[str, ...] = ("frozen_identity", "calibrated", "batchnorm")
+INITS: tuple[str, ...] = ("zero_gamma", "random_resolve")
+ANCHOR_STATS: tuple[str, ...] = ("keep", "adopt", "identity")
+
+BranchRequest = "Iterable[str] | Mapping[str, Mapping[str, Any] | None] | str | None"
+
+
+def _is_bn(m: nn.Module) -> bool:
+    return isinstance(m, nn.modules.batchnorm._BatchNorm)
+
+
+def _writable_beta(bn: nn.Module) -> bool:
+    return not isinstance(bn, FrozenIdentityBN) and getattr(bn, "bias", None) is not None
+
+
+def _normalise_request(main: ConvGeometry, branches: Any) -> tuple[dict[str, dict[str, Any]], bool]:
+    """-> ({kind: options} in KINDS order without 'kxk', explicit?)."""
+    default = DEPTHWISE_BRANCHES if main.is_depthwise else DEFAULT_BRANCHES
+    if branches is None or (isinstance(branches, str) and branches == "default"):
+        return {k: {} for k in default if k != "kxk"}, False
+    if isinstance(branches, str):
+        if branches == "all":
+            return {k: {} for k in KINDS if k != "kxk"}, False
+        if branches in KINDS:
+            branches = [branches]
+        else:
+            raise ReparamError(
+                f"branches must be None, 'default', 'all', a kind or an iterable of kinds from {KINDS}; "
+                f"got {branches!r}"
+            )
+    if isinstance(branches, Mapping):
+        items = [(k, dict(v or {})) for k, v in branches.items()]
+    else:
+        try:
+            items = [(k, {}) for k in branches]
+        except TypeError as exc:
+            raise ReparamError(f"branches must be an iterable of kinds from {KINDS}, got {branches!r}") from exc
+    out: dict[str, dict[str, Any]] = {}
+    for k, opts in items:
+        if not isinstance(k, str) or k not in KINDS:
+            raise ReparamError(f"unknown branch kind {k!r}; accepted values: {KINDS}")
+        if k != "kxk":
+            out[k] = opts
+    return {k: out[k] for k in KINDS if k in out}, True
+
+
+class DiverseBranchBlock(nn.Module):
+    """A conv expanded into named parallel branches whose sum equals one conv in eval mode.
+
+    Attributes:
+        geometry: the main conv geometry (also the geometry of the merged conv).
+        mode: ``"conv_bn"`` (anchor = host conv + host BN) or ``"conv"`` (host conv without BN).
+        anchor_norm: ``"original"`` (conv_bn mode), ``"frozen_identity"``, ``"calibrated"`` or ``"batchnorm"``.
+        branches: ``nn.ModuleDict`` keyed by kind, in ``KINDS`` order; ``"kxk"`` (the anchor) is
+            present until the block is deployed (:meth:`switch_to_deploy`), after which it is empty.
+        bn_path / host_path: module paths of the host BN and conv (set by ``reparam.expand``).
+        depth / max_depth: nesting depth of this block and the limit for nested growth.
+        gamma_floor: γ guard of the anchor inverse (spec 8.4).
+
+    State-dict keys: ``branches.<kind>.<sub>.<param>``, e.g. ``branches.1x1_kxk.bn2.running_var``.
+    """
+
+    KINDS: tuple[str, ...] = KINDS
+
+    def __init__(
+        self,
+        geometry: ConvGeometry,
+        branches: Mapping[str, nn.Module],
+        *,
+        mode: str = "conv_bn",
+        anchor_norm: str = "original",
+        depth: int = 0,
+        max_depth: int = 2,
+        gamma_floor: float = 1e-3,
+        bn_path: str | None = None,
+        host_path: str | None = None,
+        new_bias: bool = False,
+    ) -> None:
+        super().__init__()
+        if mode not in ("conv_bn", "conv"):
+            raise ReparamError(f"mode must be 'conv_bn' or 'conv', got {mode!r}")
+        if "kxk" not in branches:
+            raise ReparamError("a DiverseBranchBlock needs the anchor branch 'kxk'")
+        unknown = [k for k in branches if k not in KINDS]
+        if unknown:
+            raise ReparamError(f"unknown branch kinds {unknown}; accepted values: {KINDS}")
+        self.geometry = geometry
+        self.mode = mode
+        self.anchor_norm = anchor_norm
+        self.depth = int(depth)
+        self.max_depth = int(max_depth)
+        self.gamma_floor = float(gamma_floor)
+        self.bn_path = bn_path
+        self.host_path = host_path
+        self.new_bias = bool(new_bias)
+        self.branches = nn.ModuleDict({k: branches[k] for k in KINDS if k in branches})
+        self.register_module("reparam_conv", None)
+        self._order: tuple[str, ...] = tuple(self.branches.keys())
+
+    # ------------------------------------------------------------------------------ construction
+    @classmethod
+    def from_conv(
+        cls,
+        conv: nn.Conv2d,
+        bn: nn.Module | None = None,
+        branches: Any = None,
+        *,
+        anchor_norm: str = "frozen_identity",
+        calibration_input: Tensor | Iterable[Tensor] | None = None,
+        init: str = "zero_gamma",
+        allow_new_bias: bool = False,
+        generator: torch.Generator | None = None,
+        gamma_floor: float = 1e-3,
+        max_depth: int = 2,
+        depth: int = 0,
+    ) -> "DiverseBranchBlock":
+        """Expand ``conv`` (+ ``bn``) into a block computing exactly the same function.
+
+        Args:
+            conv: the host ``nn.Conv2d``; it becomes the anchor conv (same object and parameters).
+            bn: the BatchNorm consuming only ``conv``'s output (``conv_bn`` mode; same object and
+                statistics), or ``None`` (``conv`` mode: the conv must have a bias).
+            branches: ``None``/``"default"`` (the default set, inapplicable kinds skipped with an
+                INFO log), ``"all"`` (every applicable kind), or an iterable of kinds / a mapping
+                ``kind -> options`` (explicit: an inapplicable kind raises ``AlignmentError``).
+                Options: ``1x1_kxk``: ``internal``, ``identity_init``; ``1x1_avg``: ``path``.
+            anchor_norm: ``conv`` mode only: ``"frozen_identity"`` (bit-exact train+eval),
+                ``"calibrated"`` (a real BN set from ``calibration_input``, eval-exact up to
+                rounding) or ``"batchnorm"`` (BN reset to γ=1, β=0, μ=0, v=1−eps; eval-exact).
+            calibration_input: input batch (or iterable of batches) of ``conv`` for ``"calibrated"``.
+            init: ``"zero_gamma"`` (bit-exact train+eval) or ``"random_resolve"`` (ordinary last-BN
+                init, anchor re-solved; eval-exact only).
+            allow_new_bias: accept a conv without bias and without BN by giving it a zero bias
+                (changes the host layer's parameter set).
+            generator: RNG of the new branches' conv initialisation.
+
+        Raises:
+            NotMergeableError: not a plain ``Conv2d``; BN without running statistics; no bias and
+                no BN without ``allow_new_bias``.
+            AlignmentError: an explicitly requested branch is not applicable.
+        """
+        geometry = ConvGeometry.from_conv(conv)
+        if init not in INITS:
+            raise ReparamError(f"init must be one of {INITS}, got {init!r}")
+        p = conv.weight
+        factory: dict[str, Any] = {"device": p.device, "dtype": p.dtype}
+        new_bias = False
+        if bn is not None:
+            bn_stats(bn)  # refuses norms without running statistics
+            n = getattr(bn, "num_features", None) or bn.running_mean.numel()
+            if n != geometry.out_channels:
+                raise ReparamError(f"bn has {n} channels but the conv has {geometry.out_channels} outputs")
+            mode, anchor_name, norm = "conv_bn", "original", bn
+            eps = float(bn.eps)
+        else:
+            if anchor_norm not in ANCHOR_NORMS:
+                raise ReparamError(f"anchor_norm must be one of {ANCHOR_NORMS}, got {anchor_norm!r}")
+            if conv.bias is None:
+                if not allow_new_bias:
+                    raise NotMergeableError(
+                        "conv has no bias and no following BatchNorm: the merged bias of the block would "
+                        "have nowhere to go; pass allow_new_bias=True (adds a bias to the layer) or expand "
+                        "it together with its BN"
+                    )
+                conv.bias = nn.Parameter(torch.zeros(geometry.out_channels, **factory))
+                geometry = geometry.replace(bias=True)
+                new_bias = True
+            mode, anchor_name, eps = "conv", anchor_norm, 1e-5
+            norm = cls._make_anchor_norm(conv, anchor_norm, calibration_input, eps, factory)
+        requested, explicit = _normalise_request(geometry, branches)
+        reasons = applicability(geometry)
+        kinds: dict[str, dict[str, Any]] = {}
+        for kind, opts in requested.items():
+            if reasons[kind] is not None:
+                if explicit:
+                    raise AlignmentError(reasons[kind])
+                logger.info("skipping branch %s: %s", kind, reasons[kind])
+                continue
+            kinds[kind] = opts
+        anchor = ConvBNBranch("kxk", conv, norm)
+        block = cls(
+            geometry,
+            {"kxk": anchor},
+            mode=mode,
+            anchor_norm=anchor_name,
+            depth=depth,
+            max_depth=max_depth,
+            gamma_floor=gamma_floor,
+            new_bias=new_bias,
+        )
+        block._set_mode_flag(conv.training)
+        target = None
+        if init == "random_resolve":
+            target = block._merged_pair(torch.float64)
+        for kind, opts in kinds.items():
+            block._insert(kind, block._new_branch(kind, opts, eps, zero_last=init == "zero_gamma", generator=generator))
+        if target is not None and len(block._order) > 1:
+            block._solve_for_total(*target, stats="keep")
+        return block
+
+    @classmethod
+    def from_spec(
+        cls, conv: nn.Conv2d, bn: nn.Module | None, spec: Mapping[str, Any]
+    ) -> "DiverseBranchBlock":
+        """Rebuild the structure recorded by :meth:`spec` around ``conv`` (+ ``bn``), with fresh
+        branch parameters (load a state dict afterwards)."""
+        try:
+            mode = spec["mode"]
+            anchor_norm = spec.get("anchor_norm", "original")
+            branch_specs = dict(spec["branches"])
+        except (KeyError, TypeError) as exc:
+            raise ReparamError(f"invalid block spec {spec!r}: {exc}") from exc
+        if mode == "conv_bn" and bn is None:
+            raise ReparamError("block spec has mode 'conv_bn' but no BatchNorm was given")
+        if mode == "conv":
+            bn = None
+            if conv.bias is None and spec.get("new_bias", False):
+                conv.bias = nn.Parameter(torch.zeros(conv.out_channels, device=conv.weight.device, dtype=conv.weight.dtype))
+        geometry = ConvGeometry.from_conv(conv)
+        recorded = spec.get("geometry")
+        if recorded is not None and ConvGeometry.from_dict(recorded) != geometry:
+            raise ReparamError(
+                f"conv geometry {geometry.to_dict()} does not match the spec's geometry {recorded}"
+            )
+        p = conv.weight
+        factory: dict[str, Any] = {"device": p.device, "dtype": p.dtype}
+        eps = float(spec.get("eps", bn.eps if bn is not None else 1e-5))
+        if mode == "conv_bn":
+            norm = bn
+        elif anchor_norm == "frozen_identity":
+            norm = FrozenIdentityBN(geometry.out_channels, eps, **factory)
+        elif anchor_norm in ("calibrated", "batchnorm"):
+            norm = nn.BatchNorm2d(geometry.out_channels, eps=eps, **factory)
+        else:
+            raise ReparamError(f"unknown anchor_norm {anchor_norm!r} in block spec")
+        block = cls(
+            geometry,
+            {"kxk": ConvBNBranch("kxk", conv, norm)},
+            mode=mode,
+            anchor_norm=anchor_norm,
+            depth=int(spec.get("depth", 0)),
+            max_depth=int(spec.get("max_depth", 2)),
+            gamma_floor=float(spec.get("gamma_floor", 1e-3)),
+            bn_path=spec.get("bn_path"),
+            new_bias=bool(spec.get("new_bias", False)),
+        )
+        block._set_mode_flag(conv.training)
+        for kind in KINDS:
+            if kind == "kxk" or kind not in branch_specs:
+                continue
+            opts = dict(branch_specs[kind] or {})
+            if kind == "1x1_avg" and "path" in opts:
+                opts = {"path": opts["path"]}
+            block._insert(kind, block._new_branch(kind, opts, eps, zero_last=True, generator=None))
+        for name, sub in dict(spec.get("nested", {}) or {}).items():
+            block.grow_nested(name, spec=sub)
+        if spec.get("deployed", False):
+            block.switch_to_deploy(require_eval=False)
+        return block
+
+    @staticmethod
+    def _make_anchor_norm(
+        conv: nn.Conv2d,
+        anchor_norm: str,
+        calibration_input: Tensor | Iterable[Tensor] | None,
+        eps: float,
+        factory: dict[str, Any],
+    ) -> nn.Module:
+        o = conv.out_channels
+        if anchor_norm == "frozen_identity":
+            return FrozenIdentityBN(o, eps, **factory)
+        bn = nn.BatchNorm2d(o, eps=eps, **factory)
+        bn.train(conv.training)
+        with torch.no_grad():
+            bn.running_mean.zero_()
+            bn.running_var.fill_(1.0 - eps)
+            bn.weight.fill_(1.0)
+            bn.bias.zero_()
+        if anchor_norm == "batchnorm":
+            return bn
+        if calibration_input is None:
+            raise ReparamError("anchor_norm='calibrated' needs calibration_input (input batches of the conv)")
+        batches = [calibration_input] if isinstance(calibration_input, Tensor) else list(calibration_input)
+        if not batches:
+            raise ReparamError("calibration_input is empty")
+        count = 0
+        mean = torch.zeros(o, dtype=torch.float64, device=conv.weight.device)
+        m2 = torch.zeros_like(mean)
+        with torch.no_grad():
+            for x in batches:
+                if not isinstance(x, Tensor):
+                    raise ReparamError(f"calibration_input must hold tensors, got {type(x).__name__}")
+                z = conv(x.to(device=conv.weight.device, dtype=conv.weight.dtype)).double()
+                n_b = z.numel() // o
+                bm = z.mean(dim=(0, 2, 3))
+                bm2 = ((z - bm.view(1, -1, 1, 1)) ** 2).sum(dim=(0, 2, 3))
+                delta = bm - mean
+                total = count + n_b
+                mean = mean + delta * (n_b / total)
+                m2 = m2 + bm2 + delta**2 * (count * n_b / total)
+                count = total
+            var = m2 / count
+            ok = var > eps
+            rm = torch.where(ok, mean, torch.zeros_like(mean)).to(bn.running_mean.dtype)
+            rv = torch.where(ok, var - eps, torch.full_like(var, 1.0 - eps)).to(bn.running_var.dtype)
+            bn.running_mean.copy_(rm)
+            bn.running_var.copy_(rv)
+            bn.weight.copy_(torch.where(ok.to(rv.device), torch.sqrt(rv + eps), torch.ones_like(rv)))
+            bn.bias.copy_(rm)
+        n_fallback = int((~ok).sum())
+        if n_fallback:
+            logger.info("calibrated anchor: %d channel(s) with variance <= eps use identity statistics", n_fallback)
+        return bn
+
+    def _set_mode_flag(self, training: bool) -> None:
+        """Set the train/eval flag of the block and its branch containers without touching the host
+        modules' own flags (a host BN kept in eval mode inside a training model stays so)."""
+        self.training = training
+        self.branches.training = training
+        for branch in self.branches.values():
+            branch.training = training
+
+    def _factory(self) -> dict[str, Any]:
+        if self.reparam_conv is not None:
+            p = self.reparam_conv.weight
+        else:
+            conv = self.anchor.conv
+            p = conv._factory_weight() if hasattr(conv, "_equivalent") else conv.weight
+        return {"device": p.device, "dtype": p.dtype}
+
+    def _factory_weight(self) -> Tensor:
+        if self.reparam_conv is not None:
+            return self.reparam_conv.weight
+        conv = self.anchor.conv
+        return conv._factory_weight() if hasattr(conv, "_equivalent") else conv.weight
+
+    def _new_branch(
+        self, kind: str, opts: Mapping[str, Any], eps: float, *, zero_last: bool, generator: torch.Generator | None
+    ) -> nn.Module:
+        allowed = {"1x1_kxk": {"internal", "identity_init"}, "1x1_avg": {"path"}}.get(kind, set())
+        bad = set(opts) - allowed
+        if bad:
+            raise ReparamError(f"unknown options {sorted(bad)} for branch {kind!r}; accepted: {sorted(allowed)}")
+        branch = make_branch(
+            kind,
+            self.geometry,
+            eps=eps,
+            momentum=0.1,
+            internal=opts.get("internal"),
+            identity_init=opts.get("identity_init"),
+            avg_path=opts.get("path"),
+            zero_last=zero_last,
+            generator=generator,
+            **self._factory(),
+        )
+        branch.train(self.training)
+        return branch
+
+    def _insert(self, kind: str, branch: nn.Module) -> None:
+        items = dict(self.branches.items())
+        items[kind] = branch
+        for k in list(self.branches.keys()):
+            del self.branches[k]
+        for k in KINDS:
+            if k in items:
+                self.branches[k] = items[k]
+        self._order = tuple(self.branches.keys())
+
+    def _delete(self, kind: str) -> nn.Module:
+        branch = self.branches[kind]
+        del self.branches[kind]
+        self._order = tuple(self.branches.keys())
+        return branch
+
+    # ------------------------------------------------------------------------------ properties
+    @property
+    def anchor(self) -> ConvBNBranch:
+        """The ``kxk`` branch (host conv → norm)."""
+        if "kxk" not in self.branches:
+            raise ReparamError("the block is deployed; it has no branches left")
+        return self.branches["kxk"]  # type: ignore[return-value]
+
+    @property
+    def branch_names(self) -> list[str]:
+        """Present kinds in forward order (empty once deployed)."""
+        return list(self._order)
+
+    @property
+    def is_merged(self) -> bool:
+        """True after :meth:`switch_to_deploy` (the block then holds one conv)."""
+        return self.reparam_conv is not None
+
+    deployed = is_merged
+
+    def applicable(self) -> list[str]:
+        """Kinds applicable to this geometry (spec 4.2), in forward order."""
+        return [k for k, r in applicability(self.geometry).items() if r is None]
+
+    def extra_repr(self) -> str:
+        g = self.geometry
+        return (
+            f"{g.in_channels}, {g.out_channels}, kernel_size={g.kernel_size}, stride={g.stride}, "
+            f"padding={g.padding}, dilation={g.dilation}, groups={g.groups}, mode={self.mode!r}, "
+            f"anchor_norm={self.anchor_norm!r}, deployed={self.is_merged}"
+        )
+
+    # ------------------------------------------------------------------------------ forward
+    def forward(self, x: Tensor) -> Tensor:
+        if self.reparam_conv is not None:
+            return self.reparam_conv(x)
+        order = self._order
+        out = self.branches[order[0]](x)
+        if len(order) > 1:
+            out = out + self.branches[order[1]](x)  # a fresh tensor: later sums accumulate in place
+            for name in order[2:]:
+                out = out.add_(self.branches[name](x))
+        return out
+
+    # ------------------------------------------------------------------------------ equivalent pairs
+    def _equivalent(self, dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor]:
+        if self.reparam_conv is not None:
+            w, b = self.reparam_conv.weight, self.reparam_conv.bias
+            return (w, b) if dtype is None else (w.to(dtype), b.to(dtype))
+        pairs = [self.branches[n].equivalent_kernel_bias(self.geometry, dtype) for n in self._order]  # type: ignore[operator]
+        return add_branches(pairs)
+
+    @torch.no_grad()
+    def _merged_pair(self, dtype: torch.dtype = torch.float64, names: Iterable[str] | None = None) -> tuple[Tensor, Tensor]:
+        """Non-differentiable equivalent pair accumulated in place in ``dtype`` (the merge path).
+
+        ``names`` restricts the sum to some branches (default: all present).
+        """
+        if self.reparam_conv is not None:
+            return self.reparam_conv.weight.to(dtype), self.reparam_conv.bias.to(dtype)
+        chosen = self._order if names is None else [n for n in self._order if n in set(names)]
+        device = self._factory()["device"]
+        bias = torch.zeros(self.geometry.out_channels, dtype=dtype, device=device)
+        acc: Tensor | None = None
+        for n in chosen:
+            acc = self.branches[n].accumulate_(acc, bias, self.geometry)  # type: ignore[operator]
+        if acc is None:
+            acc = torch.zeros(self.geometry.weight_shape, dtype=dtype, device=device)
+        return acc, bias
+
+    def get_equivalent_kernel_bias(self) -> tuple[Tensor, Tensor]:
+        """``(K, b)`` of the whole block in the parameter dtype; differentiable; eval-exact."""
+        return self._equivalent(None)
+
+    def branch_kernel_bias(self, name: str, dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor]:
+        """Equivalent pair of one branch at the main kernel size (differentiable, eval-exact)."""
+        self._require_branch(name)
+        return self.branches[name].equivalent_kernel_bias(self.geometry, dtype)  # type: ignore[operator]
+
+    def branch_parameters(self, name: str) -> list[nn.Parameter]:
+        """Trainable parameters of one branch (for the anchor: the host conv and BN parameters)."""
+        self._require_branch(name)
+        return [p for p in self.branches[name].parameters() if p.requires_grad]
+
+    def _require_branch(self, name: str) -> None:
+        if name not in KINDS:
+            raise ReparamError(f"unknown branch {name!r}; accepted values: {KINDS}")
+        if name not in self.branches:
+            raise ReparamError(f"branch {name!r} is not present (present: {self.branch_names})")
+
+    # ------------------------------------------------------------------------------ merge
+    def _check_eval(self) -> None:
+        for name, m in self.named_modules():
+            if _is_bn(m) and m.training:
+                raise ReparamModeError(
+                    f"BatchNorm {name!r} of the block is in training mode; merging is exact in eval mode "
+                    "only (it uses running statistics): call model.eval() first, or pass require_eval=False"
+                )
+
+    def merge(self, *, require_eval: bool = True, compute_dtype: torch.dtype = torch.float64) -> nn.Conv2d:
+        """The plain ``nn.Conv2d`` (with bias) equal to this block in eval mode.
+
+        Built with keyword arguments from :attr:`geometry`, computed in ``compute_dtype`` (float64)
+        and cast to the parameter dtype and device; the parameters are trainable. The block itself is
+        not modified. Idempotent: a deployed block returns its conv.
+
+        Raises:
+            ReparamModeError: a BN of the block is in training mode and ``require_eval`` is True.
+        """
+        if self.reparam_conv is not None:
+            return self.reparam_conv
+        if require_eval:
+            self._check_eval()
+        factory = self._factory()
+        with torch.no_grad():
+            k, b = self._merged_pair(compute_dtype)
+            conv = self.geometry.make_conv(bias=True, initialize=False, **factory)
+            conv.weight.copy_(k)
+            conv.bias.copy_(b)
+        conv.train(self.training)
+        return conv
+
+    def switch_to_deploy(self, *, require_eval: bool = True) -> None:
+        """In place: replace the branches by one merged conv (``reparam_conv``). Idempotent."""
+        if self.reparam_conv is not None:
+            return
+        conv = self.merge(require_eval=require_eval)
+        for k in list(self.branches.keys()):
+            del self.branches[k]
+        self._order = ()
+        self.reparam_conv = conv
+
+    def reparameterize(self) -> None:
+        """Alias of :meth:`switch_to_deploy` (timm's verb)."""
+        self.switch_to_deploy()
+
+    # ------------------------------------------------------------------------------ anchor solve
+    def _solve_anchor(self, k_t: Tensor, b_t: Tensor, stats: str | BNStats = "keep", conv_bias_t: Tensor | None = None) -> list[nn.Parameter]:
+        """Set the anchor so that its eval pair is ``(k_t, b_t)`` (float64). Returns overwritten params."""
+        anchor = self.anchor
+        conv, bn = anchor.conv, anchor.bn
+        overwritten: list[nn.Parameter] = []
+        f64 = torch.float64
+
+        def write(t: Tensor | None, value: Tensor) -> None:
+            if t is None:
+                raise ReparamError("internal: nowhere to write an anchor value")
+            t.copy_(value.to(t.dtype))
+            if isinstance(t, nn.Parameter) and not any(t is q for q in overwritten):
+                overwritten.append(t)
+
+        with torch.no_grad():
+            if isinstance(stats, BNStats) or stats == "identity":
+                if isinstance(bn, FrozenIdentityBN):
+                    if isinstance(stats, BNStats):
+                        raise ReparamError(
+                            "anchor_stats='adopt' needs a BatchNorm anchor; this block's anchor norm is a "
+                            "FrozenIdentityBN (use 'keep')"
+                        )
+                else:
+                    n = bn.running_mean.numel()
+                    eps = float(bn.eps)
+                    if isinstance(stats, BNStats):
+                        mean, var = stats.mean, stats.var
+                        gamma = stats.gamma if stats.gamma is not None else torch.ones(n)
+                        beta = stats.beta if stats.beta is not None else torch.zeros(n)
+                        if abs(stats.eps - eps) > 0:
+                            bn.eps = stats.eps
+                    else:
+                        mean, var = torch.zeros(n), torch.full((n,), 1.0 - eps, dtype=f64)
+                        gamma, beta = torch.ones(n), torch.zeros(n)
+                    bn.running_mean.copy_(mean.to(bn.running_mean.dtype))
+                    bn.running_var.copy_(var.to(bn.running_var.dtype))
+                    if getattr(bn, "weight", None) is not None:
+                        write(bn.weight, gamma)
+                    if getattr(bn, "bias", None) is not None:
+                        write(bn.bias, beta)
+                    if isinstance(stats, BNStats) and conv_bias_t is not None and not hasattr(conv, "_equivalent") and conv.bias is not None:
+                        write(conv.bias, conv_bias_t)
+            # gamma guard (spec 8.4)
+            gamma_t = getattr(bn, "weight", None)
+            if gamma_t is not None and not isinstance(bn, FrozenIdentityBN):
+                small = gamma_t.abs() < self.gamma_floor
+                n_small = int(small.sum())
+                if n_small:
+                    sign = torch.where(gamma_t < 0, -torch.ones_like(gamma_t), torch.ones_like(gamma_t))
+                    write(gamma_t, torch.where(small, sign * self.gamma_floor, gamma_t))
+                    logger.info("gamma guard: %d anchor channel(s) clamped to |gamma| = %g", n_small, self.gamma_floor)
+            s = bn_stats(bn)
+            dev = k_t.device
+            n = k_t.shape[0]
+            mu = s.mean.to(f64)
+            sigma = torch.sqrt(s.var.to(f64) + s.eps)
+            gamma = s.gamma.to(f64) if s.gamma is not None else torch.ones(n, dtype=f64, device=dev)
+            beta = s.beta.to(f64) if s.beta is not None else torch.zeros(n, dtype=f64, device=dev)
+            w = k_t * (sigma / gamma).reshape(-1, 1, 1, 1)
+            nested = hasattr(conv, "_equivalent")
+            if _writable_beta(bn) and not nested:
+                c = conv.bias.to(f64) if conv.bias is not None else torch.zeros_like(mu)
+                write(bn.bias, b_t - (gamma / sigma) * (c - mu))
+                write(conv.weight, w)
+            elif nested or conv.bias is not None:
+                c = mu + (sigma / gamma) * (b_t - beta)
+                if nested:
+                    change = conv.load_plain(w, c, anchor_stats="keep")
+                    for p in change.overwritten:
+                        if not any(p is q for q in overwritten):
+                            overwritten.append(p)
+                else:
+                    write(conv.bias, c)
+                    write(conv.weight, w)
+            else:
+                # BN without affine parameters and conv without bias: move the running mean
+                bn.running_mean.copy_((-(sigma / gamma) * (b_t - beta)).to(bn.running_mean.dtype))
+                write(conv.weight, w)
+        return overwritten
+
+    def _pairs_except(self, names: Sequence[str], dtype: torch.dtype) -> tuple[Tensor, Tensor] | None:
+        rest = [n for n in self._order if n not in names]
+        return self._merged_pair(dtype, rest) if rest else None
+
+    def _solve_for_total(self, k_total: Tensor, b_total: Tensor, *, stats: str | BNStats = "keep", conv_bias_t: Tensor | None = None) -> list[nn.Parameter]:
+        """Re-solve the anchor so the whole block's eval pair is ``(k_total, b_total)``."""
+        with torch.no_grad():
+            rest = self._pairs_except(["kxk"], torch.float64)
+            k_t, b_t = k_total.to(torch.float64), b_total.to(torch.float64)
+            if rest is not None:
+                k_t = k_t - rest[0]
+                b_t = b_t - rest[1]
+        return self._solve_anchor(k_t, b_t, stats, conv_bias_t)
+
+    def _path_list(self) -> list[str]:
+        return [self.host_path] if self.host_path is not None else []
+
+    # ------------------------------------------------------------------------------ structure changes
+    def _reference(self, p: nn.Parameter, owner: nn.Module) -> nn.Parameter:
+        """The anchor parameter whose optimizer group a new parameter ``p`` of module ``owner`` joins:
+        conv weights -> anchor conv weight; BN weights -> anchor BN weight; BN biases -> anchor BN
+        bias (conv mode: anchor conv bias); the anchor conv weight when no such parameter exists."""
+        conv = self.anchor.conv
+        conv_w = conv._factory_weight() if hasattr(conv, "_equivalent") else conv.weight
+        if isinstance(owner, nn.Conv2d):
+            return conv_w
+        bn = self.anchor.bn
+        is_weight = getattr(owner, "weight", None) is p
+        candidates = [getattr(bn, "weight", None)] if is_weight else [getattr(bn, "bias", None), getattr(conv, "bias", None)]
+        for c in candidates:
+            if isinstance(c, nn.Parameter):
+                return c
+        return conv_w
+
+    def _added(self, branch: nn.Module) -> list[tuple[nn.Parameter, nn.Parameter]]:
+        out = []
+        for m in branch.modules():
+            for p in m.parameters(recurse=False):
+                out.append((p, self._reference(p, m)))
+        return out
+
+    def add_branch(
+        self,
+        kind: str,
+        *,
+        init: str = "zero_gamma",
+        generator: torch.Generator | None = None,
+        **options: Any,
+    ) -> StructureChange:
+        """Add a branch of ``kind``.
+
+        ``init="zero_gamma"``: the new branch's last BN has ``γ = β = 0``; the block output is
+        bit-identical in train and eval mode. ``init="random_resolve"``: ordinary init and the anchor
+        re-solved so the eval output is unchanged (eval-exact only; DynamicFL Eq. 16).
+
+        Returns:
+            StructureChange: the new parameters (each with the anchor parameter of the same kind as
+            reference) and, for ``random_resolve``, the overwritten anchor parameters.
+
+        Raises:
+            ReparamError: unknown or already present kind, deployed block.
+            AlignmentError: the kind is not applicable to this geometry.
+        """
+        if self.reparam_conv is not None:
+            raise ReparamError("cannot add a branch to a deployed block")
+        if kind not in KINDS:
+            raise ReparamError(f"unknown branch kind {kind!r}; accepted values: {KINDS}")
+        if kind in self.branches:
+            raise ReparamError(f"branch {kind!r} is already present")
+        if init not in INITS:
+            raise ReparamError(f"init must be one of {INITS}, got {init!r}")
+        reason = applicability(self.geometry)[kind]
+        if reason is not None:
+            raise AlignmentError(reason)
+        target = None
+        if init == "random_resolve":
+            target = self._merged_pair(torch.float64)
+        eps = float(getattr(self.anchor.bn, "eps", 1e-5))
+        branch = self._new_branch(kind, options, eps, zero_last=init == "zero_gamma", generator=generator)
+        self._insert(kind, branch)
+        change = StructureChange(added=self._added(branch), paths=self._path_list())
+        if target is not None:
+            change.overwritten.extend(self._solve_for_total(*target, stats="keep"))
+        return change
+
+    def remove_branch(self, name: str) -> StructureChange:
+        """Fold branch ``name`` into the anchor and delete it (eval-exact).
+
+        ``W_a ← W_a + (σ_a/γ_a)·K_r``, ``β_a ← β_a + b_r`` (conv mode: conv bias). The anchor BN's
+        running statistics are untouched; ``γ`` only changes where the γ guard clamps it.
+
+        Raises:
+            ReparamError: ``name`` is the anchor, absent, or the block is deployed.
+        """
+        if self.reparam_conv is not None:
+            raise ReparamError("cannot remove a branch from a deployed block")
+        if name == "kxk":
+            raise ReparamError("the anchor branch 'kxk' cannot be removed")
+        self._require_branch(name)
+        k_a, b_a = self._merged_pair(torch.float64, ["kxk"])
+        k_r, b_r = self._merged_pair(torch.float64, [name])
+        branch = self._delete(name)
+        overwritten = self._solve_anchor(k_a + k_r, b_a + b_r, "keep")
+        removed = list(branch.parameters())
+        return StructureChange(removed=removed, overwritten=overwritten, paths=self._path_list())
+
+    def fold_all(self) -> StructureChange:
+        """Fold every non-anchor branch into the anchor at once (eval-exact)."""
+        if self.reparam_conv is not None:
+            raise ReparamError("cannot fold a deployed block")
+        others = [n for n in self._order if n != "kxk"]
+        if not others:
+            return StructureChange(paths=self._path_list())
+        k, b = self._merged_pair(torch.float64)
+        removed: list[nn.Parameter] = []
+        for n in others:
+            removed.extend(self._delete(n).parameters())
+        overwritten = self._solve_anchor(k, b, "keep")
+        return StructureChange(removed=removed, overwritten=overwritten, paths=self._path_list())
+
+    def load_plain(
+        self,
+        weight: Tensor,
+        bias: Tensor | None,
+        *,
+        anchor_stats: str = "keep",
+        target_bn: Any = None,
+    ) -> StructureChange:
+        """Re-solve the anchor so the block equals the plain layer ``conv(weight, bias)`` (followed by
+        ``target_bn`` when given) in eval mode; every other branch keeps its parameters and BN
+        statistics (DynamicFL ``REP(global, local)``, spec 8).
+
+        Args:
+            weight, bias: the target conv's parameters (main geometry shape; ``bias`` may be None).
+            anchor_stats: ``"keep"`` (anchor BN keeps γ, μ, v and conv bias), ``"adopt"`` (anchor BN
+                takes ``target_bn``'s statistics and the anchor conv the target bias) or
+                ``"identity"`` (anchor BN reset to γ=1, β=0, μ=0, v=1−eps).
+            target_bn: BatchNorm (module or :class:`BNStats`) following the target conv, if any.
+
+        Exact in eval mode up to rounding; the γ guard (spec 8.4) clamps |γ| < ``gamma_floor``.
+
+        Raises:
+            ReparamError: shape mismatch, unknown ``anchor_stats``, ``"adopt"`` without ``target_bn``.
+        """
+        if anchor_stats not in ANCHOR_STATS:
+            raise ReparamError(f"anchor_stats must be one of {ANCHOR_STATS}, got {anchor_stats!r}")
+        shape = self.geometry.weight_shape
+        if tuple(weight.shape) != shape:
+            raise ReparamError(f"weight has shape {tuple(weight.shape)}, expected {shape}")
+        if bias is not None and tuple(bias.shape) != (shape[0],):
+            raise ReparamError(f"bias has shape {tuple(bias.shape)}, expected ({shape[0]},)")
+        dev = self._factory()["device"]
+        f64 = torch.float64
+        w_t = weight.detach().to(device=dev, dtype=f64)
+        b_conv = torch.zeros(shape[0], dtype=f64, device=dev) if bias is None else bias.detach().to(device=dev, dtype=f64)
+        tstats = None
+        if target_bn is not None:
+            s = bn_stats(target_bn)
+            tstats = BNStats(
+                s.mean.detach().to(dev, f64), s.var.detach().to(dev, f64),
+                None if s.gamma is None else s.gamma.detach().to(dev, f64),
+                None if s.beta is None else s.beta.detach().to(dev, f64), s.eps,
+            )
+            k_t, b_t = fuse_bn(w_t, b_conv, tstats)
+        else:
+            k_t, b_t = w_t, b_conv
+        if anchor_stats == "adopt" and tstats is None:
+            raise ReparamError("anchor_stats='adopt' needs target_bn (the target layer's BatchNorm)")
+        if self.reparam_conv is not None:
+            with torch.no_grad():
+                self.reparam_conv.weight.copy_(k_t)
+                self.reparam_conv.bias.copy_(b_t)
+            return StructureChange(overwritten=[self.reparam_conv.weight, self.reparam_conv.bias], paths=self._path_list())
+        stats: str | BNStats = tstats if anchor_stats == "adopt" else anchor_stats  # type: ignore[assignment]
+        overwritten = self._solve_for_total(k_t, b_t, stats=stats, conv_bias_t=b_conv if anchor_stats == "adopt" else None)
+        return StructureChange(overwritten=overwritten, paths=self._path_list())
+
+    # ------------------------------------------------------------------------------ nesting
+    def grow_nested(self, name: str, branches: Any = None, *, spec: Mapping[str, Any] | None = None,
+                    generator: torch.Generator | None = None) -> StructureChange:
+        """Expand the K×K conv of branch ``name`` (``"kxk"`` or ``"1x1_kxk"``) into a nested block in
+        ``conv`` mode (zero-γ growth: bit-exact in train and eval mode). A bias-free conv gets a zero
+        bias, which the host branch's BN absorbs when flattened. Limited by ``max_depth``."""
+        if self.reparam_conv is not None:
+            raise ReparamError("cannot grow a deployed block")
+        if name not in ("kxk", "1x1_kxk"):
+            raise ReparamError(f"nested growth is defined for 'kxk' and '1x1_kxk', got {name!r}")
+        self._require_branch(name)
+        if self.depth + 1 >= self.max_depth:
+            raise ReparamError(f"max_depth={self.max_depth} reached (this block has depth {self.depth})")
+        branch = self.branches[name]
+        attr = "conv" if name == "kxk" else "conv2"
+        conv = getattr(branch, attr)
+        if not isinstance(conv, nn.Conv2d) or hasattr(conv, "_equivalent"):
+            raise ReparamError(f"the conv of branch {name!r} is already nested")
+        if max(conv.kernel_size) <= 1:
+            raise ReparamError("only KxK convs with max(K) > 1 can be grown")
+        had_bias = conv.bias is not None
+        if spec is not None:
+            nested = DiverseBranchBlock.from_spec(conv, None, {**dict(spec), "new_bias": not had_bias})
+        else:
+            nested = DiverseBranchBlock.from_conv(
+                conv, None, branches, allow_new_bias=True, generator=generator,
+                depth=self.depth + 1, max_depth=self.max_depth, gamma_floor=self.gamma_floor,
+            )
+        nested.depth = self.depth + 1
+        nested.max_depth = self.max_depth
+        setattr(branch, attr, nested)
+        added = [(p, self._reference(p, m)) for m in nested.modules() for p in m.parameters(recurse=False)
+                 if not any(p is q for q in conv.parameters())]
+        return StructureChange(added=added, paths=self._path_list())
+
+    def flatten_nested(self, name: str) -> StructureChange:
+        """Merge the nested block of branch ``name`` back into a plain conv (eval-exact).
+
+        The host conv object is kept (its weight is overwritten). When the nested block gave a
+        bias-free conv a bias, that bias is absorbed into the branch BN's running mean
+        (``μ ← μ − b``, exact in eval mode; in train mode a per-channel constant before a BN cancels).
+        """
+        self._require_branch(name)
+        branch = self.branches[name]
+        attr = "conv" if name == "kxk" else "conv2"
+        nested = getattr(branch, attr)
+        if not hasattr(nested, "_equivalent"):
+            raise ReparamError(f"branch {name!r} has no nested block")
+        k, b = nested._merged_pair(torch.float64)
+        host = None if nested.is_merged else nested.anchor.conv
+        if host is None or hasattr(host, "_equivalent"):
+            host = nested.geometry.make_conv(bias=not nested.new_bias, initialize=False, **nested._factory())
+        kept = {id(p) for p in host.parameters()}
+        removed = [p for p in nested.parameters() if id(p) not in kept]
+        with torch.no_grad():
+            host.weight.copy_(k)
+            if nested.new_bias:
+                bn = branch.bn if name == "kxk" else branch.bn2
+                bn.running_mean.copy_((bn.running_mean.to(torch.float64) - b).to(bn.running_mean.dtype))
+                if host.bias is not None:
+                    removed.append(host.bias)
+                    host.bias = None
+            else:
+                host.bias.copy_(b)
+        host.train(nested.training)
+        setattr(branch, attr, host)
+        overwritten = [p for p in host.parameters() if id(p) in kept]
+        added = [(p, self._reference(p, host)) for p in host.parameters() if id(p) not in kept]
+        return StructureChange(added=added, removed=removed, overwritten=overwritten, paths=self._path_list())
+
+    # ------------------------------------------------------------------------------ host form
+    def to_host(self, *, require_eval: bool = True) -> tuple[nn.Conv2d, nn.Module | None]:
+        """In place: the host layer(s) this block replaced, holding the block's function (eval-exact).
+
+        ``conv_bn`` mode: every branch is folded into the anchor (its BN statistics untouched) and
+        ``(anchor conv, anchor BN)`` is returned; ``conv`` mode: ``(biased conv, None)``.
+        """
+        if require_eval:
+            self._check_eval()
+        if self.reparam_conv is not None:
+            conv = self.reparam_conv
+            if self.mode == "conv":
+                return conv, None
+            host_conv = self.geometry.make_conv(**self._factory())
+            bn = nn.BatchNorm2d(self.geometry.out_channels, **self._factory())
+            with torch.no_grad():
+                host_conv.weight.copy_(conv.weight)
+                if host_conv.bias is not None:
+                    host_conv.bias.zero_()
+                bn.running_var.fill_(1.0 - bn.eps)
+                bn.bias.copy_(conv.bias)
+            host_conv.train(self.training)
+            bn.train(self.training)
+            return host_conv, bn
+        if self.mode == "conv":
+            return self.merge(require_eval=False), None
+        if hasattr(self.anchor.conv, "_equivalent"):
+            self.flatten_nested("kxk")
+        self.fold_all()
+        return self.anchor.conv, self.anchor.bn
+
+    # ------------------------------------------------------------------------------ spec
+    def spec(self) -> dict[str, Any]:
+        """JSON-serialisable record of this block's structure (spec section 12)."""
+        branches: dict[str, dict[str, Any]] = {}
+        nested: dict[str, Any] = {}
+        for name in self._order:
+            br = self.branches[name]
+            opts: dict[str, Any] = {}
+            if isinstance(br, OneByOneKxKBranch):
+                opts = {"internal": br.internal, "identity_init": isinstance(br.conv1, IdentityBasedConv1x1)}
+                if hasattr(br.conv2, "_equivalent"):
+                    nested[name] = br.conv2.spec()
+            elif isinstance(br, AvgBranch):
+                opts = {"path": br.path}
+            elif name == "kxk" and hasattr(br.conv, "_equivalent"):
+                nested[name] = br.conv.spec()
+            branches[name] = opts
+        anchor_bn = self.branches["kxk"].bn if "kxk" in self.branches else None
+        out: dict[str, Any] = {
+            "mode": self.mode,
+            "bn_path": self.bn_path,
+            "depth": self.depth,
+            "max_depth": self.max_depth,
+            "geometry": self.geometry.to_dict(),
+            "anchor_norm": self.anchor_norm,
+            "eps": float(getattr(anchor_bn, "eps", 1e-5)) if anchor_bn is not None else 1e-5,
+            "gamma_floor": self.gamma_floor,
+            "new_bias": self.new_bias,
+            "branches": branches,
+            "nested": nested,
+            "deployed": self.is_merged,
+        }
+        return out

@@ -1,0 +1,704 @@
+"""Branch modules of the Diverse Branch Block (spec section 4).
+
+Each branch is a small ``nn.Module`` with
+
+* ``forward(x)``: the branch's training-time computation (no activation inside);
+* ``equivalent_kernel_bias(geometry, dtype=None)``: a pair ``(K, b)`` at the **main** kernel size
+  such that, in eval mode, ``branch(x) == conv2d(x, K, b, main geometry)``; differentiable, computed
+  in ``dtype`` (default: the parameter dtype);
+* ``last_bn``: the BatchNorm whose ``γ = β = 0`` makes a new branch output exactly 0 in train and
+  eval mode (zero-γ growth).
+
+The forward of every branch is exact as written; the equivalent pair is exact in eval mode only
+(it uses running statistics). :class:`FrozenIdentityBN` is the identity bit for bit in every mode.
+
+Branch kinds (``KINDS`` is also the fixed forward order):
+
+============  ====================================================================================
+``kxk``       anchor: host conv → host BN (``conv_bn`` mode) or → :class:`FrozenIdentityBN` / BN
+``1x1``       ``Conv2d(C, O, 1, stride s, padding P − d(K−1)/2, groups g)`` → BN
+``1x1_kxk``   ``1×1 (C→D)`` → BN → value pad ``P`` → ``K×K (D→O, stride s, dilation d)`` → BN
+``1x1_avg``   dense: ``1×1 (C→O)`` → BN → value pad → ``AvgPool(K, s)`` → BN; depthwise: pool → BN
+``1xk``       ``Conv2d(C, O, (1, K_w))`` → BN;   ``kx1``: ``Conv2d(C, O, (K_h, 1))`` → BN
+``identity``  ``BatchNorm2d(C)``
+============  ====================================================================================
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.fx
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .errors import AlignmentError, ReparamError
+from .geometry import ConvGeometry
+from .transforms import (
+    bn_stats,
+    check_alignment,
+    check_identity,
+    embed_kernel,
+    fuse_bn,
+    identity_kernel,
+    avg_kernel,
+    merge_1x1_kxk,
+    value_pad,
+)
+
+__all__ = [
+    "KINDS",
+    "FrozenIdentityBN",
+    "IdentityBasedConv1x1",
+    "ConvBNBranch",
+    "OneByOneKxKBranch",
+    "AvgBranch",
+    "IdentityBranch",
+    "branch_geometry",
+    "applicability",
+    "make_branch",
+    "conv_kernel_bias",
+]
+
+KINDS: tuple[str, ...] = ("kxk", "1x1", "1x1_kxk", "1x1_avg", "1xk", "kx1", "identity")
+
+# value padding is a leaf for torch.fx (it slice-assigns into a fresh tensor)
+torch.fx.wrap("value_pad")
+
+_PAD_MODE = {"reflect": "reflect", "replicate": "replicate", "circular": "circular"}
+
+
+# ---------------------------------------------------------------------------------------------
+# norm and conv building blocks
+
+
+class FrozenIdentityBN(nn.Module):
+    """A BatchNorm-shaped identity: ``weight = 1, bias = 0, running_mean = 0, running_var = 1 − eps``.
+
+    Its forward always evaluates the eval-mode BN formula and never updates statistics. Because
+    ``sqrt((1 − eps) + eps)`` rounds to exactly 1, the output equals the input bit for bit (float64,
+    float32; bfloat16/float16 round back to the input). It is **not** a ``BatchNorm`` subclass, so
+    SyncBatchNorm conversion and "freeze BN" utilities leave it alone. It has no trainable
+    parameters; ``is_norm = True`` lets optimizer-grouping code treat it as a norm layer.
+    """
+
+    is_norm = True
+
+    def __init__(
+        self,
+        num_features: int,
+        eps: float = 1e-5,
+        *,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        if num_features <= 0:
+            raise ReparamError(f"num_features must be positive, got {num_features}")
+        self.num_features = int(num_features)
+        self.eps = float(eps)
+        kw: dict[str, Any] = {"device": device, "dtype": dtype}
+        self.register_buffer("weight", torch.ones(num_features, **kw))
+        self.register_buffer("bias", torch.zeros(num_features, **kw))
+        self.register_buffer("running_mean", torch.zeros(num_features, **kw))
+        self.register_buffer("running_var", torch.full((num_features,), 1.0 - self.eps, **kw))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.batch_norm(x, self.running_mean, self.running_var, self.weight, self.bias, False, 0.0, self.eps)
+
+    def _apply(self, fn: Any, recurse: bool = True) -> "FrozenIdentityBN":  # type: ignore[override]
+        # keep running_var == 1 - eps exactly in the new dtype (a float32 value cast to float64 is not)
+        rv = self.running_var
+        was_identity = rv.is_floating_point() and rv.device.type != "meta" and bool(
+            torch.all(rv == torch.tensor(1.0 - self.eps, dtype=rv.dtype, device=rv.device))
+        )
+        out = super()._apply(fn, recurse)
+        if was_identity and self.running_var.is_floating_point() and self.running_var.device.type != "meta":
+            with torch.no_grad():
+                self.running_var.fill_(1.0 - self.eps)
+        return out
+
+    def extra_repr(self) -> str:
+        return f"{self.num_features}, eps={self.eps}"
+
+
+class IdentityBasedConv1x1(nn.Conv2d):
+    """A 1×1 conv ``C → C`` (groups ``g``) whose effective weight is ``weight + I``.
+
+    ``weight`` is the residual ``R`` (initialised to 0); ``I`` is a non-persistent buffer created
+    with the weight's dtype and device, so it follows ``.to()`` and is absent from ``state_dict()``.
+    """
+
+    def __init__(
+        self,
+        channels: int,
+        groups: int = 1,
+        *,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__(
+            in_channels=channels,
+            out_channels=channels,
+            kernel_size=1,
+            stride=1,
+            padding=0,
+            groups=groups,
+            bias=False,
+            device=device,
+            dtype=dtype,
+        )
+        nn.init.zeros_(self.weight)
+        self.register_buffer(
+            "id_tensor",
+            identity_kernel(channels, 1, groups, dtype=self.weight.dtype, device=self.weight.device),
+            persistent=False,
+        )
+
+    def effective_weight(self) -> Tensor:
+        """``R + I`` in the weight's dtype."""
+        return self.weight + self.id_tensor.to(self.weight.dtype)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.conv2d(x, self.effective_weight(), None, 1, 0, 1, self.groups)
+
+
+def conv_kernel_bias(
+    module: nn.Module, dtype: torch.dtype | None = None, *, fast: bool = False
+) -> tuple[Tensor, Tensor | None]:
+    """Effective ``(weight, bias)`` of a conv-like module: a plain ``Conv2d``, an
+    :class:`IdentityBasedConv1x1` (``R + I``) or a nested block (its equivalent pair; ``fast`` uses
+    the non-differentiable float64 accumulation of :meth:`DiverseBranchBlock.merge`)."""
+    if hasattr(module, "_equivalent"):  # nested DiverseBranchBlock
+        if fast:
+            return module._merged_pair(dtype or torch.float64)  # type: ignore[operator]
+        return module._equivalent(dtype)  # type: ignore[operator]
+    if isinstance(module, IdentityBasedConv1x1):
+        w = module.effective_weight()
+        b = None
+    elif isinstance(module, nn.Conv2d):
+        w, b = module.weight, module.bias
+    else:
+        raise ReparamError(f"expected a conv module, got {type(module).__name__}")
+    if dtype is not None:
+        w = w.to(dtype)
+        b = None if b is None else b.to(dtype)
+    return w, b
+
+
+def bn_scale_shift(bn: nn.Module, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """``(t, shift)`` with ``BN(z) = t·z + shift`` in eval mode (``t = γ/σ``, ``shift = β − t·μ``)."""
+    s = bn_stats(bn)
+    t = torch.rsqrt(s.var.to(dtype) + s.eps)
+    if s.gamma is not None:
+        t = s.gamma.to(dtype) * t
+    shift = -t * s.mean.to(dtype)
+    if s.beta is not None:
+        shift = shift + s.beta.to(dtype)
+    return t, shift
+
+
+def _zeros_acc(geometry: ConvGeometry, like: Tensor) -> Tensor:
+    return torch.zeros(geometry.weight_shape, dtype=like.dtype, device=like.device)
+
+
+def _new_bn(n: int, eps: float, momentum: float | None, factory: dict[str, Any]) -> nn.BatchNorm2d:
+    return nn.BatchNorm2d(n, eps=eps, momentum=momentum, affine=True, **factory)
+
+
+def _pad_value(bn: nn.Module) -> Tensor:
+    """Per-channel output of ``bn`` for a zero input, from running statistics (value-padding rule)."""
+    mean, var = bn.running_mean, bn.running_var
+    weight, bias = bn.weight, bn.bias
+    scale = torch.rsqrt(var + bn.eps)
+    if weight is not None:
+        scale = weight * scale
+    value = -mean * scale
+    if bias is not None:
+        value = bias + value
+    return value
+
+
+def _box_mean(z: Tensor, kernel_size: tuple[int, int]) -> Tensor:
+    """Stride-1 ``K_h × K_w`` mean filter without padding, as shifted sums (the same function as
+    ``F.avg_pool2d(z, K, 1)``; several times faster on CPU, and not a multiply-accumulate for FLOP
+    counters, like pooling)."""
+    kh, kw = kernel_size
+    if kw > 1:
+        acc = z[..., : 1 - kw] + z[..., 1 : (2 - kw) or None]
+        for j in range(2, kw):
+            acc = acc.add_(z[..., j : (j + 1 - kw) or None])
+        z = acc
+    if kh > 1:
+        acc = z[..., : 1 - kh, :] + z[..., 1 : (2 - kh) or None, :]
+        for i in range(2, kh):
+            acc = acc.add_(z[..., i : (i + 1 - kh) or None, :])
+        z = acc
+    return z * (1.0 / (kh * kw))
+
+
+def _pad_intermediate(z: Tensor, padding: tuple[int, int], mode: str, bn: nn.Module) -> Tensor:
+    if padding == (0, 0):
+        return z
+    if mode == "zeros":
+        return value_pad(z, padding, _pad_value(bn))
+    ph, pw = padding
+    return F.pad(z, (pw, pw, ph, ph), mode=_PAD_MODE[mode])
+
+
+# ---------------------------------------------------------------------------------------------
+# branches
+
+
+class ConvBNBranch(nn.Module):
+    """``conv → bn`` (kinds ``kxk``, ``1x1``, ``1xk``, ``kx1``).
+
+    ``offset`` is the embedding position of the branch kernel inside the main kernel.
+    """
+
+    def __init__(self, kind: str, conv: nn.Module, bn: nn.Module, offset: tuple[int, int] = (0, 0)) -> None:
+        super().__init__()
+        self.kind = kind
+        self.conv = conv
+        self.bn = bn
+        self.offset = (int(offset[0]), int(offset[1]))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.bn(self.conv(x))
+
+    @property
+    def last_bn(self) -> nn.Module:
+        return self.bn
+
+    def equivalent_kernel_bias(self, geometry: ConvGeometry, dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor]:
+        w, c = conv_kernel_bias(self.conv, dtype)
+        k, b = fuse_bn(w, c, self.bn)
+        return embed_kernel(k, geometry.kernel_size, self.offset), b
+
+    @torch.no_grad()
+    def accumulate_(self, acc: Tensor | None, bias: Tensor, geometry: ConvGeometry) -> Tensor:
+        """Add this branch's equivalent pair to ``acc`` (``(O, C/g, K_h, K_w)``, the compute dtype)
+        and ``bias`` in place, without autograd. Returns ``acc`` (allocated when ``None``)."""
+        dt = bias.dtype
+        w, c = conv_kernel_bias(self.conv, fast=True)
+        t, shift = bn_scale_shift(self.bn, dt)
+        bias.add_(shift)
+        if c is not None:
+            bias.add_(t * c.to(dt))
+        kh, kw = w.shape[2:]
+        scale = t.view(-1, 1, 1, 1)
+        if acc is None and (kh, kw) == geometry.kernel_size:
+            return torch.mul(w, scale)  # promotes to the compute dtype in one pass
+        if acc is None:
+            acc = _zeros_acc(geometry, bias)
+        oh, ow = self.offset
+        acc[:, :, oh : oh + kh, ow : ow + kw].addcmul_(w, scale)
+        return acc
+
+class OneByOneKxKBranch(nn.Module):
+    """``1×1 (C→D, groups g) → BN → value pad P → K×K (D→O, stride s, dilation d, padding 0) → BN``.
+
+    With ``D == C`` the first stage is an :class:`IdentityBasedConv1x1` (the branch starts as a
+    ``K×K`` conv); otherwise (depthwise default ``D = 2C``) a plain 1×1 conv.
+    """
+
+    kind = "1x1_kxk"
+
+    def __init__(
+        self,
+        conv1: nn.Conv2d,
+        bn1: nn.Module,
+        conv2: nn.Module,
+        bn2: nn.Module,
+        padding: tuple[int, int],
+        padding_mode: str,
+    ) -> None:
+        super().__init__()
+        self.conv1 = conv1
+        self.bn1 = bn1
+        self.conv2 = conv2
+        self.bn2 = bn2
+        self.padding = (int(padding[0]), int(padding[1]))
+        self.padding_mode = padding_mode
+
+    @property
+    def internal(self) -> int:
+        """Internal width ``D``."""
+        return int(self.bn1.num_features)
+
+    @property
+    def internal_channels(self) -> int:
+        return self.internal
+
+    @property
+    def last_bn(self) -> nn.Module:
+        return self.bn2
+
+    def forward(self, x: Tensor) -> Tensor:
+        z = self.bn1(self.conv1(x))
+        z = _pad_intermediate(z, self.padding, self.padding_mode, self.bn1)
+        return self.bn2(self.conv2(z))
+
+    def equivalent_kernel_bias(self, geometry: ConvGeometry, dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor]:
+        w1, c1 = conv_kernel_bias(self.conv1, dtype)
+        k1, b1 = fuse_bn(w1, c1, self.bn1)
+        w2, c2 = conv_kernel_bias(self.conv2, dtype)
+        k2, b2 = fuse_bn(w2, c2, self.bn2)
+        return merge_1x1_kxk(k1, b1, k2, b2, geometry.groups)
+
+    @torch.no_grad()
+    def accumulate_(self, acc: Tensor | None, bias: Tensor, geometry: ConvGeometry) -> Tensor:
+        """In-place accumulation of T-III; see :meth:`ConvBNBranch.accumulate_`.
+
+        With an identity-based first stage ``A = R + I`` the identity part is an elementwise
+        multiply-add; the batched matrix product runs only for the non-zero residual ``R`` (or for a
+        plain first stage)."""
+        dt = bias.dtype
+        g = geometry.groups
+        o, cg, kh, kw = geometry.weight_shape
+        t1, b1 = bn_scale_shift(self.bn1, dt)
+        w2, c2 = conv_kernel_bias(self.conv2, fast=True)
+        t2, shift2 = bn_scale_shift(self.bn2, dt)
+        d = w2.shape[1] * g
+        dg = d // g
+        if acc is None:
+            acc = _zeros_acc(geometry, bias)
+        acc_g = acc.view(g, o // g, cg, kh * kw)
+        if isinstance(self.conv1, IdentityBasedConv1x1):
+            # identity part: K[o, c', :] += t2[o] * t1[d=c'] * W2[o, c', :]
+            scale = (t2.view(g, o // g, 1) * t1.view(g, 1, dg)).view(o, dg, 1, 1)
+            acc.addcmul_(w2, scale)
+            residual = self.conv1.weight
+            a = residual if bool(residual.detach().ne(0).any()) else None
+        else:
+            a = conv_kernel_bias(self.conv1, fast=True)[0]
+        if a is not None:
+            a_g = (a.reshape(d, cg).to(dt) * t1.view(-1, 1)).view(g, 1, dg, cg).transpose(2, 3)  # (g, 1, C/g, D/g)
+            bs = (w2.to(dt) * t2.view(-1, 1, 1, 1)).view(g, o // g, dg, kh * kw)
+            acc_g.add_(torch.matmul(a_g, bs))
+        bias.add_(shift2)
+        if c2 is not None:
+            bias.add_(t2 * c2.to(dt))
+        c1 = conv_kernel_bias(self.conv1, fast=True)[1]
+        if c1 is not None:
+            b1 = b1 + t1 * c1.to(dt)
+        per_d = w2.sum(dim=(2, 3)).to(dt).view(g, o // g, dg)  # (g, O/g, D/g)
+        bias.add_(t2 * torch.bmm(per_d, b1.view(g, dg, 1)).view(o))
+        return acc
+
+class AvgBranch(nn.Module):
+    """Average-pool branch.
+
+    ``path="dense"``: ``1×1 (C→O, groups g) → BN → value pad P → AvgPool(K, stride s) → BN``.
+    ``path="depthwise"`` (``g == C == O``): ``pad P → AvgPool(K, stride s) → BN`` (zero or
+    ``padding_mode`` padding, ``count_include_pad=True``).
+    """
+
+    kind = "1x1_avg"
+
+    def __init__(
+        self,
+        path: str,
+        kernel_size: tuple[int, int],
+        stride: tuple[int, int],
+        padding: tuple[int, int],
+        padding_mode: str,
+        bn2: nn.Module,
+        conv: nn.Conv2d | None = None,
+        bn1: nn.Module | None = None,
+    ) -> None:
+        super().__init__()
+        if path not in ("dense", "depthwise"):
+            raise ReparamError(f"path must be 'dense' or 'depthwise', got {path!r}")
+        self.path = path
+        self.kernel_size = (int(kernel_size[0]), int(kernel_size[1]))
+        self.stride = (int(stride[0]), int(stride[1]))
+        self.padding = (int(padding[0]), int(padding[1]))
+        self.padding_mode = padding_mode
+        if path == "dense":
+            if conv is None or bn1 is None:
+                raise ReparamError("the dense average path needs conv and bn1")
+            self.conv = conv
+            self.bn1 = bn1
+            self.bn2 = bn2
+        else:
+            self.bn = bn2
+    @property
+    def last_bn(self) -> nn.Module:
+        return self.bn2 if self.path == "dense" else self.bn
+
+    def _pool(self, z: Tensor) -> Tensor:
+        """Average pool (no padding) of an already padded input."""
+        if self.stride == (1, 1):
+            return _box_mean(z, self.kernel_size)
+        return F.avg_pool2d(z, self.kernel_size, self.stride, 0, False, True, None)
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.path == "dense":
+            z = self.bn1(self.conv(x))
+            z = _pad_intermediate(z, self.padding, self.padding_mode, self.bn1)
+            return self.bn2(self._pool(z))
+        ph, pw = self.padding
+        kh, kw = self.kernel_size
+        if self.padding_mode == "zeros" and self.stride != (1, 1) and 2 * ph <= kh and 2 * pw <= kw:
+            return self.bn(F.avg_pool2d(x, self.kernel_size, self.stride, self.padding, False, True, None))
+        mode = "constant" if self.padding_mode == "zeros" else _PAD_MODE[self.padding_mode]
+        if (ph, pw) != (0, 0):
+            x = F.pad(x, (pw, pw, ph, ph), mode=mode)
+        return self.bn(self._pool(x))
+
+    def equivalent_kernel_bias(self, geometry: ConvGeometry, dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor]:
+        kh, kw = self.kernel_size
+        if self.path == "dense":
+            w1, c1 = conv_kernel_bias(self.conv, dtype)
+            k1, b1 = fuse_bn(w1, c1, self.bn1)
+            # the pool averages each channel of the intermediate separately, so T-III with the
+            # pool kernel reduces to spreading the 1x1 kernel over the window (no O x O product)
+            k = k1.expand(-1, -1, kh, kw) / (kh * kw)
+            return fuse_bn(k, b1, self.bn2)
+        ref = self.bn.running_mean
+        dt = dtype if dtype is not None else (self.bn.weight.dtype if self.bn.weight is not None else ref.dtype)
+        k = avg_kernel(geometry.out_channels, self.kernel_size, geometry.groups, dtype=dt, device=ref.device)
+        return fuse_bn(k, None, self.bn)
+
+    @torch.no_grad()
+    def accumulate_(self, acc: Tensor | None, bias: Tensor, geometry: ConvGeometry) -> Tensor:
+        """In-place accumulation (a broadcast add over the window); see :meth:`ConvBNBranch.accumulate_`."""
+        dt = bias.dtype
+        kh, kw = self.kernel_size
+        o, cg = geometry.out_channels, geometry.in_channels // geometry.groups
+        if acc is None:
+            acc = _zeros_acc(geometry, bias)
+        if self.path == "dense":
+            w1, c1 = conv_kernel_bias(self.conv, fast=True)
+            t1, b1 = bn_scale_shift(self.bn1, dt)
+            if c1 is not None:
+                b1 = b1 + t1 * c1.to(dt)
+            t2, shift2 = bn_scale_shift(self.bn2, dt)
+            k1 = w1.reshape(o, cg).to(dt) * (t1 * t2 / (kh * kw)).view(-1, 1)
+            acc.add_(k1.view(o, cg, 1, 1))
+            bias.add_(shift2 + t2 * b1)
+        else:  # depthwise: C/g == 1
+            t, shift = bn_scale_shift(self.bn, dt)
+            acc.add_((t / (kh * kw)).view(o, 1, 1, 1))
+            bias.add_(shift)
+        return acc
+
+class IdentityBranch(nn.Module):
+    """``BatchNorm2d(C)`` on the input (needs ``C == O``, stride 1, size-preserving odd kernel)."""
+
+    kind = "identity"
+
+    def __init__(self, bn: nn.Module) -> None:
+        super().__init__()
+        self.bn = bn
+
+    @property
+    def last_bn(self) -> nn.Module:
+        return self.bn
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.bn(x)
+
+    def equivalent_kernel_bias(self, geometry: ConvGeometry, dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor]:
+        ref = self.bn.running_mean
+        dt = dtype if dtype is not None else (self.bn.weight.dtype if self.bn.weight is not None else ref.dtype)
+        k = identity_kernel(geometry.in_channels, geometry.kernel_size, geometry.groups, dtype=dt, device=ref.device)
+        return fuse_bn(k, None, self.bn)
+
+    @torch.no_grad()
+    def accumulate_(self, acc: Tensor | None, bias: Tensor, geometry: ConvGeometry) -> Tensor:
+        """In-place accumulation on the centre tap of the diagonal; see :meth:`ConvBNBranch.accumulate_`."""
+        dt = bias.dtype
+        if acc is None:
+            acc = _zeros_acc(geometry, bias)
+        t, shift = bn_scale_shift(self.bn, dt)
+        c = geometry.in_channels
+        cpg = c // geometry.groups
+        kh, kw = geometry.kernel_size
+        idx = torch.arange(c, device=acc.device)
+        acc[idx, idx % cpg, kh // 2, kw // 2] += t
+        bias.add_(shift)
+        return acc
+
+
+# ---------------------------------------------------------------------------------------------
+# applicability and construction
+
+
+def _half(d: int, k: int) -> int | None:
+    """``d(k − 1)/2`` when it is an integer, else ``None``."""
+    v = d * (k - 1)
+    return None if v % 2 else v // 2
+
+
+def branch_geometry(kind: str, main: ConvGeometry) -> ConvGeometry:
+    """Geometry of the single conv of ``1x1``, ``1xk`` or ``kx1`` on ``main`` (spec 4.1).
+
+    Raises:
+        AlignmentError: the branch does not align (parity mismatch or negative padding).
+    """
+    (kh, kw), (ph, pw), (dh, dw) = main.kernel_size, main.padding, main.dilation
+    if kind == "1x1":
+        axes = ((kh, ph, dh, True), (kw, pw, dw, True))
+    elif kind == "1xk":
+        axes = ((kh, ph, dh, True), (kw, pw, dw, False))
+    elif kind == "kx1":
+        axes = ((kh, ph, dh, False), (kw, pw, dw, True))
+    else:
+        raise ReparamError(f"branch_geometry covers '1x1', '1xk', 'kx1', got {kind!r}")
+    ks, pads, dils = [], [], []
+    for axis, (k, p, d, unit) in zip(("height", "width"), axes):
+        if not unit:
+            ks.append(k)
+            pads.append(p)
+            dils.append(d)
+            continue
+        half = _half(d, k)
+        if half is None:
+            raise AlignmentError(
+                f"{kind}: parity mismatch on the {axis} axis: a size-1 branch does not centre in kernel "
+                f"size {k} with dilation {d} (even effective kernel)"
+            )
+        q = p - half
+        if q < 0:
+            raise AlignmentError(
+                f"{kind}: required branch padding on the {axis} axis is {q} < 0 (main padding {p} is not "
+                f"centred: P must be >= d(K-1)/2 = {half}); negative padding would need cropping, not supported"
+            )
+        ks.append(1)
+        pads.append(q)
+        dils.append(1)
+    geo = main.replace(kernel_size=tuple(ks), padding=tuple(pads), dilation=tuple(dils), bias=False)
+    check_alignment(main, geo)
+    return geo
+
+
+def _avg_reason(main: ConvGeometry) -> str | None:
+    for k, d, axis in zip(main.kernel_size, main.dilation, ("height", "width")):
+        if k > 1 and d > 1:
+            return f"1x1_avg: dilation {d} on the {axis} axis (average pooling has no dilation)"
+    return None
+
+
+def applicability(main: ConvGeometry) -> dict[str, str | None]:
+    """For every kind: ``None`` if it is applicable to ``main``, else the reason it is not."""
+    out: dict[str, str | None] = {"kxk": None}
+    for kind in ("1x1", "1xk", "kx1"):
+        try:
+            branch_geometry(kind, main)
+            out[kind] = None
+        except AlignmentError as exc:
+            out[kind] = str(exc)
+    out["1x1_kxk"] = None
+    out["1x1_avg"] = _avg_reason(main)
+    try:
+        check_identity(main)
+        out["identity"] = None
+    except AlignmentError as exc:
+        out["identity"] = f"identity: {exc}"
+    return {k: out[k] for k in KINDS}
+
+
+def _kaiming_(weight: Tensor, generator: torch.Generator | None) -> None:
+    # Kaiming normal, fan-out, ReLU gain (DyRep's branch init)
+    fan_out = weight.shape[0] * weight.shape[2] * weight.shape[3]
+    std = math.sqrt(2.0 / fan_out)
+    with torch.no_grad():
+        if generator is None:
+            weight.normal_(0.0, std)
+        else:
+            weight.copy_(torch.randn(weight.shape, generator=generator, dtype=weight.dtype, device=generator.device).to(weight.device) * std)
+
+
+def make_branch(
+    kind: str,
+    main: ConvGeometry,
+    *,
+    eps: float = 1e-5,
+    momentum: float | None = 0.1,
+    device: torch.device | str | None = None,
+    dtype: torch.dtype | None = None,
+    internal: int | None = None,
+    identity_init: bool | None = None,
+    avg_path: str | None = None,
+    zero_last: bool = True,
+    generator: torch.Generator | None = None,
+) -> nn.Module:
+    """Create a new (non-anchor) branch of ``kind`` for the main geometry.
+
+    Convs get Kaiming-normal fan-out init (identity-based residuals 0); inner BNs PyTorch defaults;
+    the last BN ``γ = β = 0`` when ``zero_last`` (the branch then outputs exactly 0 in train and eval
+    mode).
+
+    Raises:
+        AlignmentError: the kind is not applicable to ``main`` (reason in the message).
+        ReparamError: unknown kind, or bad ``internal`` / ``avg_path``.
+    """
+    if kind not in KINDS or kind == "kxk":
+        raise ReparamError(f"kind must be one of {KINDS[1:]}, got {kind!r}")
+    reason = applicability(main)[kind]
+    if reason is not None:
+        raise AlignmentError(reason)
+    fk: dict[str, Any] = {"device": device, "dtype": dtype}
+    c, o, g = main.in_channels, main.out_channels, main.groups
+    if kind in ("1x1", "1xk", "kx1"):
+        geo = branch_geometry(kind, main)
+        conv = geo.make_conv(bias=False, **fk)
+        _kaiming_(conv.weight, generator)
+        branch: nn.Module = ConvBNBranch(kind, conv, _new_bn(o, eps, momentum, fk), check_alignment(main, geo))
+    elif kind == "1x1_kxk":
+        d = (2 * c if main.is_depthwise else c) if internal is None else int(internal)
+        if d <= 0 or d % g:
+            raise ReparamError(f"internal must be a positive multiple of groups={g}, got {internal!r}")
+        use_id = (d == c) if identity_init is None else bool(identity_init)
+        if use_id and d != c:
+            raise ReparamError(f"identity_init needs internal == in_channels ({c}), got {d}")
+        if use_id:
+            conv1: nn.Conv2d = IdentityBasedConv1x1(c, g, **fk)
+        else:
+            conv1 = nn.Conv2d(in_channels=c, out_channels=d, kernel_size=1, groups=g, bias=False, **fk)
+            _kaiming_(conv1.weight, generator)
+        conv2 = nn.Conv2d(
+            in_channels=d,
+            out_channels=o,
+            kernel_size=main.kernel_size,
+            stride=main.stride,
+            padding=0,
+            dilation=main.dilation,
+            groups=g,
+            bias=False,
+            **fk,
+        )
+        _kaiming_(conv2.weight, generator)
+        branch = OneByOneKxKBranch(
+            conv1, _new_bn(d, eps, momentum, fk), conv2, _new_bn(o, eps, momentum, fk), main.padding, main.padding_mode
+        )
+    elif kind == "1x1_avg":
+        path = avg_path or ("depthwise" if main.is_depthwise else "dense")
+        if path == "depthwise" and not main.is_depthwise:
+            raise ReparamError("avg_path='depthwise' needs a depthwise conv (groups == in == out)")
+        if path == "dense":
+            conv = nn.Conv2d(in_channels=c, out_channels=o, kernel_size=1, groups=g, bias=False, **fk)
+            _kaiming_(conv.weight, generator)
+            branch = AvgBranch(
+                "dense", main.kernel_size, main.stride, main.padding, main.padding_mode,
+                _new_bn(o, eps, momentum, fk), conv, _new_bn(o, eps, momentum, fk),
+            )
+        elif path == "depthwise":
+            branch = AvgBranch(
+                "depthwise", main.kernel_size, main.stride, main.padding, main.padding_mode,
+                _new_bn(o, eps, momentum, fk),
+            )
+        else:
+            raise ReparamError(f"avg_path must be 'dense' or 'depthwise', got {avg_path!r}")
+    else:  # identity
+        branch = IdentityBranch(_new_bn(c, eps, momentum, fk))
+    if zero_last:
+        last = branch.last_bn  # type: ignore[attr-defined]
+        with torch.no_grad():
+            last.weight.zero_()
+            last.bias.zero_()
+    return branch

@@ -1,0 +1,354 @@
+"""Per-branch gradient saliency of Diverse Branch Blocks (DynamicFL Eqs. 12–14, DyRep metrics).
+
+For every block of a model and every branch ``k`` present in it, the meter keeps a running sum and a
+count of one scalar per optimisation step, computed from the branch's parameter set ``θ^k`` and
+gradient ``g``:
+
+=============  ==================================  ======================================
+``synflow``    ``Σ_j g_j · θ_j``  (signed)          DynamicFL Eqs. 13–14, DyRep default
+``snip``       ``Σ_j |g_j · θ_j|``                  DyRep option
+``grad_norm``  ``‖g‖₂``                             DyRep option
+``random``     ``U(0, 1)``                          control
+=============  ==================================  ======================================
+
+``params="all"`` uses every trainable parameter of the branch (conv weights and BN γ/β;
+paper-literal); ``params="conv_weights"`` uses conv weights only (DyRep), and falls back to the BN
+parameters for branches without a conv (identity, depthwise average path). For an identity-based
+1×1 stage the product uses the effective weight ``R + I`` (its gradient equals ``R``'s).
+``normalize="numel"`` divides each step's value by the number of elements of the set.
+
+Usage: call :meth:`SaliencyMeter.after_backward` once per optimisation step, after ``backward()``
+and before ``optimizer.step()``. With gradient accumulation call it only at optimizer-step
+boundaries (when the accumulated gradients are complete), never after every micro-batch. With AMP,
+pass the ``GradScaler``: if ``scaler.unscale_(optimizer)`` has already run for this step the
+gradients are used as they are, otherwise the values are divided by ``scaler.get_scale()``. Steps
+whose values are not all finite (the steps GradScaler skips) are not recorded. Accumulation uses
+tensor operations only (no host synchronisation per step, except reading the loss scale).
+
+:meth:`values` returns the mean over the recorded steps of every tracked branch. The meter follows
+structure changes: a branch added to the model starts with an empty accumulator, a removed branch is
+dropped. Changes are detected automatically at the next :meth:`after_backward`; call
+:meth:`refresh` to re-scan explicitly (e.g. before :meth:`values` right after a change).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator
+
+import torch
+from torch import nn
+
+from .errors import ReparamError
+
+__all__ = ["SaliencyMeter", "METRICS"]
+
+METRICS: tuple[str, ...] = ("synflow", "snip", "grad_norm", "random")
+_PARAM_SETS = ("all", "conv_weights")
+_NORMALIZE = (None, "numel")
+
+Key = tuple[str, str]
+
+
+def _iter_blocks(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
+    from .block import DiverseBranchBlock
+
+    for path, m in model.named_modules():
+        if isinstance(m, DiverseBranchBlock):
+            yield path, m
+
+
+def _effective_weights(branch: nn.Module) -> dict[int, Callable[[], torch.Tensor]]:
+    """``id(param) -> callable giving the effective weight`` for identity-based 1×1 stages.
+
+    A module of the branch that exposes ``effective_weight()`` (``R + I``) owns such a parameter:
+    the one of the same shape. The effective weight is re-evaluated at every step, so it follows
+    ``.to()`` (device and dtype) and in-place updates.
+    """
+    found: dict[int, Callable[[], torch.Tensor]] = {}
+    for m in branch.modules():
+        fn = getattr(m, "effective_weight", None)
+        if not callable(fn):
+            continue
+        for p in m.parameters(recurse=False):
+            with torch.no_grad():
+                eff = fn()
+            if isinstance(eff, torch.Tensor) and p.shape == eff.shape:
+                found[id(p)] = fn
+                break
+    return found
+
+
+@dataclass
+class _Tracked:
+    params: list[nn.Parameter]
+    effective: list[Callable[[], torch.Tensor] | None]
+    numel: int
+
+
+class SaliencyMeter:
+    """Accumulate a per-branch saliency metric over optimisation steps.
+
+    Args:
+        model: a model containing ``DiverseBranchBlock`` modules (a model without blocks tracks
+            nothing).
+        metric: ``"synflow"`` (default), ``"snip"``, ``"grad_norm"`` or ``"random"``.
+        params: ``"all"`` (default) or ``"conv_weights"``.
+        normalize: ``None`` (default) or ``"numel"``.
+        generator: random generator for ``metric="random"`` (optional).
+
+    Keys are ``(block path, branch name)``; the anchor ``"kxk"`` is tracked too (DYMM ignores it).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        metric: str = "synflow",
+        params: str = "all",
+        normalize: str | None = None,
+        *,
+        generator: torch.Generator | None = None,
+    ) -> None:
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+        if metric not in METRICS:
+            raise ReparamError(f"metric must be one of {METRICS}, got {metric!r}")
+        if params not in _PARAM_SETS:
+            raise ReparamError(f"params must be one of {_PARAM_SETS}, got {params!r}")
+        if normalize not in _NORMALIZE:
+            raise ReparamError(f"normalize must be one of {_NORMALIZE}, got {normalize!r}")
+        self.model = model
+        self.metric = metric
+        self.params = params
+        self.normalize = normalize
+        self.generator = generator
+        self._sums: dict[Key, torch.Tensor] = {}
+        self._counts: dict[Key, torch.Tensor] = {}
+        self._tracked: dict[Key, _Tracked] = {}
+        self._signature: tuple = ()
+        self._skipped: torch.Tensor | None = None
+        self.refresh()
+
+    # ---------------------------------------------------------------- structure
+
+    def _compute_signature(self) -> tuple:
+        return tuple(
+            (path, id(block), tuple(self._names(block))) for path, block in _iter_blocks(self.model)
+        )
+
+    @staticmethod
+    def _names(block: nn.Module) -> list[str]:
+        names = getattr(block, "branch_names", None)
+        return list(names) if names is not None else list(block.branches.keys())
+
+    def _device(self) -> torch.device:
+        for p in self.model.parameters():
+            return p.device
+        return torch.device("cpu")
+
+    def refresh(self) -> None:
+        """Re-scan the model: new branches get empty accumulators, vanished ones are dropped."""
+        tracked: dict[Key, _Tracked] = {}
+        for path, block in _iter_blocks(self.model):
+            for name in self._names(block):
+                plist = [p for p in block.branch_parameters(name) if p.requires_grad]
+                if self.params == "conv_weights":
+                    conv = [p for p in plist if p.dim() == 4]
+                    plist = conv or plist
+                eff = _effective_weights(block.branches[name])
+                tracked[(path, name)] = _Tracked(
+                    params=plist,
+                    effective=[eff.get(id(p)) for p in plist],
+                    numel=sum(p.numel() for p in plist),
+                )
+        device = self._device()
+        for key in list(self._sums):
+            if key not in tracked:
+                del self._sums[key]
+                del self._counts[key]
+        for key in tracked:
+            if key not in self._sums:
+                self._sums[key] = torch.zeros((), dtype=torch.float64, device=device)
+                self._counts[key] = torch.zeros((), dtype=torch.float64, device=device)
+        if self._skipped is None:
+            self._skipped = torch.zeros((), dtype=torch.float64, device=device)
+        self._tracked = tracked
+        self._signature = self._compute_signature()
+
+    def _ensure_current(self) -> None:
+        if self._compute_signature() != self._signature:
+            self.refresh()
+
+    # ---------------------------------------------------------------- recording
+
+    @staticmethod
+    def _scaler_inv_scale(scaler: Any, optimizer: Any, unscaled: bool | None) -> float:
+        if scaler is None:
+            return 1.0
+        is_enabled = getattr(scaler, "is_enabled", None)
+        if callable(is_enabled) and not is_enabled():
+            return 1.0
+        if unscaled is None:
+            unscaled = False
+            states = getattr(scaler, "_per_optimizer_states", None)
+            if isinstance(states, dict):
+                if optimizer is not None:
+                    chosen = [states[id(optimizer)]] if id(optimizer) in states else []
+                else:
+                    chosen = list(states.values())
+                for st in chosen:
+                    stage = st.get("stage") if isinstance(st, dict) else None
+                    if stage is not None and getattr(stage, "name", str(stage)) == "UNSCALED":
+                        unscaled = True
+        if unscaled:
+            return 1.0
+        scale = float(scaler.get_scale())
+        if not math.isfinite(scale) or scale == 0.0:
+            raise ReparamError(f"scaler.get_scale() returned {scale}; cannot unscale gradients")
+        return 1.0 / scale
+
+    def _value(self, t: _Tracked, device: torch.device) -> torch.Tensor:
+        if self.metric == "random":
+            return torch.rand((), generator=self.generator, dtype=torch.float64).to(device)
+        acc = torch.zeros((), dtype=torch.float64, device=device)
+        for p, eff in zip(t.params, t.effective):
+            g = p.grad
+            if g is None:
+                continue
+            g = g.detach()
+            if self.metric == "grad_norm":
+                acc = acc + (g * g).sum(dtype=torch.float64)
+                continue
+            if eff is None:
+                theta = p.detach()
+            else:
+                with torch.no_grad():
+                    theta = eff().detach()
+            prod = g * theta  # parameter dtype; the reduction accumulates in float64
+            acc = acc + (prod.sum(dtype=torch.float64) if self.metric == "synflow" else prod.abs().sum(dtype=torch.float64))
+        if self.metric == "grad_norm":
+            acc = acc.sqrt()
+        return acc
+
+    def after_backward(
+        self,
+        scaler: Any = None,
+        *,
+        optimizer: torch.optim.Optimizer | None = None,
+        unscaled: bool | None = None,
+    ) -> None:
+        """Record one optimisation step (call after ``backward()``, before ``optimizer.step()``).
+
+        Args:
+            scaler: a ``torch.amp.GradScaler`` (or any object with ``get_scale()``) when AMP is
+                used. Gradients that were not yet unscaled are divided by the scale.
+            optimizer: the optimizer whose unscale state is checked (default: any optimizer the
+                scaler has unscaled this step).
+            unscaled: override the detection (``True``: gradients are already unscaled).
+
+        A step whose values are not all finite is skipped (counted in :attr:`skipped_steps`).
+        """
+        self._ensure_current()
+        if not self._tracked:
+            return
+        inv = self._scaler_inv_scale(scaler, optimizer, unscaled)
+        keys = list(self._tracked)
+        device = self._device()
+        if self._skipped is not None and self._skipped.device != device:  # the model was moved
+            self._to(device)
+        vals = torch.stack([self._value(self._tracked[k], device) for k in keys])
+        if self.metric != "random":
+            if inv != 1.0:
+                vals = vals * inv
+            if self.normalize == "numel":
+                numels = torch.tensor(
+                    [max(self._tracked[k].numel, 1) for k in keys], dtype=torch.float64, device=vals.device
+                )
+                vals = vals / numels
+        finite = torch.isfinite(vals).all()
+        vals = torch.where(finite, vals, torch.zeros_like(vals))
+        inc = finite.to(torch.float64)
+        for i, k in enumerate(keys):
+            self._sums[k].add_(vals[i])
+            self._counts[k].add_(inc)
+        self._skipped.add_(1.0 - inc)
+
+    def _to(self, device: torch.device) -> None:
+        for d in (self._sums, self._counts):
+            for k in d:
+                d[k] = d[k].to(device)
+        if self._skipped is not None:
+            self._skipped = self._skipped.to(device)
+
+    # ---------------------------------------------------------------- reading
+
+    @property
+    def skipped_steps(self) -> int:
+        """Number of steps skipped because a value was not finite."""
+        return int(self._skipped.item()) if self._skipped is not None else 0
+
+    def counts(self) -> dict[Key, int]:
+        """Recorded steps per key."""
+        keys = list(self._counts)
+        if not keys:
+            return {}
+        vals = torch.stack([self._counts[k] for k in keys]).tolist()
+        return {k: int(v) for k, v in zip(keys, vals)}
+
+    def values(self) -> dict[Key, float]:
+        """Mean per recorded step of every tracked ``(block path, branch name)``.
+
+        Branches with no recorded step (e.g. added after the last step) are absent.
+        """
+        keys = list(self._sums)
+        if not keys:
+            return {}
+        sums = torch.stack([self._sums[k] for k in keys]).tolist()
+        cnts = torch.stack([self._counts[k] for k in keys]).tolist()
+        return {k: s / c for k, s, c in zip(keys, sums, cnts) if c > 0}
+
+    def reset(self) -> None:
+        """Zero every accumulator (and the skipped-step counter); tracking is kept."""
+        for k in self._sums:
+            self._sums[k].zero_()
+            self._counts[k].zero_()
+        if self._skipped is not None:
+            self._skipped.zero_()
+
+    # ---------------------------------------------------------------- persistence
+
+    def state_dict(self) -> dict:
+        """JSON-able state: settings, per-key sums and counts, skipped steps."""
+        keys = list(self._sums)
+        sums = torch.stack([self._sums[k] for k in keys]).tolist() if keys else []
+        cnts = torch.stack([self._counts[k] for k in keys]).tolist() if keys else []
+        return {
+            "metric": self.metric,
+            "params": self.params,
+            "normalize": self.normalize,
+            "entries": [[p, n, s, c] for (p, n), s, c in zip(keys, sums, cnts)],
+            "skipped": self.skipped_steps,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore accumulators saved by :meth:`state_dict` (build the model structure first).
+
+        Entries for branches that are not in the model are dropped; branches of the model without
+        an entry start empty. The settings must match this meter's.
+        """
+        if not isinstance(state, dict) or "entries" not in state:
+            raise TypeError("state must be a dict produced by SaliencyMeter.state_dict()")
+        for field in ("metric", "params", "normalize"):
+            if state.get(field, getattr(self, field)) != getattr(self, field):
+                raise ReparamError(
+                    f"state {field}={state.get(field)!r} does not match this meter's {getattr(self, field)!r}"
+                )
+        self.refresh()
+        self.reset()
+        for path, name, s, c in state["entries"]:
+            key = (path, name)
+            if key in self._sums:
+                self._sums[key].fill_(float(s))
+                self._counts[key].fill_(float(c))
+        self._skipped.fill_(float(state.get("skipped", 0)))

@@ -1,0 +1,46 @@
+"""Shared test fixtures.
+
+torchvision and timm fail to import on CPU-only torch builds whose torchvision wheel was linked
+against CUDA; ``fedhetero._compat.import_torchvision`` registers the missing operator schemas once,
+here, so every test module can ``import torchvision`` / ``import timm`` afterwards.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fedhetero._compat import import_torchvision
+
+try:
+    import_torchvision()
+    _TV_ERROR: str | None = None
+except Exception as exc:  # pragma: no cover - depends on the installed wheels
+    _TV_ERROR = f"{type(exc).__name__}: {exc}"
+
+
+@pytest.fixture
+def gen() -> torch.Generator:
+    """A CPU generator with a fixed seed (fresh for every test)."""
+    return torch.Generator().manual_seed(1234)
+
+
+@pytest.fixture
+def tv():
+    """The torchvision module (skips the test when it cannot be imported)."""
+    if _TV_ERROR is not None:
+        pytest.skip(f"torchvision unavailable: {_TV_ERROR}")
+    import torchvision
+
+    return torchvision
+
+
+@pytest.fixture
+def timm_module():
+    """The timm module (skips the test when it is not installed)."""
+    from fedhetero._compat import import_timm
+
+    try:
+        return import_timm()
+    except Exception as exc:  # pragma: no cover - depends on the installed wheels
+        pytest.skip(f"timm unavailable: {type(exc).__name__}: {exc}")

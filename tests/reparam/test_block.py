@@ -1,0 +1,801 @@
+"""DiverseBranchBlock (reparam.md §4-8, §13, §15.5).
+
+Expansion must be bit-exact (torch.equal) in train and eval mode, running statistics included;
+merge / fold / re-solve must be eval-exact: float64 rel_err <= 1e-10, float32 <= 1e-5, with
+randomised BN statistics and signed gamma on every BN (including new branches' last BN).
+"""
+
+from __future__ import annotations
+
+import copy
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import reparam
+from reparam import DiverseBranchBlock, FrozenIdentityBN, IdentityBasedConv1x1, KINDS
+from reparam.branches import applicability
+from reparam.errors import AlignmentError, NotMergeableError, ReparamError, ReparamModeError
+from reparam.geometry import ConvGeometry
+from reparam.testing import assert_equivalent, randomize_bn_, rel_err
+
+F64 = torch.float64
+
+# (id, cin, cout, kernel, stride, padding or None (centred), dilation, groups, padding_mode, input hw)
+GEOMS = [
+    ("dense", 8, 8, 3, 1, None, 1, 1, "zeros", (9, 9)),
+    ("dense_s2_up", 8, 16, 3, 2, None, 1, 1, "zeros", (10, 10)),
+    ("rgb_in", 3, 8, 3, 1, None, 1, 1, "zeros", (9, 8)),
+    ("down_s2", 16, 8, 3, 2, None, 1, 1, "zeros", (9, 9)),
+    ("grouped", 8, 8, 3, 1, None, 1, 2, "zeros", (9, 8)),
+    ("depthwise", 8, 8, 3, 1, None, 1, 8, "zeros", (10, 10)),
+    ("depthwise_s2", 8, 8, 3, 2, None, 1, 8, "zeros", (9, 9)),
+    ("multiplier", 8, 16, 3, 1, None, 1, 8, "zeros", (9, 9)),
+    ("g_out_lt_in", 16, 8, 3, 1, None, 1, 8, "zeros", (10, 10)),
+    ("k1", 8, 8, 1, 1, None, 1, 1, "zeros", (9, 9)),
+    ("k5", 8, 8, 5, 1, None, 1, 1, "zeros", (10, 10)),
+    ("k7_s2", 8, 8, 7, 2, None, 1, 1, "zeros", (10, 9)),
+    ("rect_1x3", 8, 8, (1, 3), 1, None, 1, 1, "zeros", (9, 8)),
+    ("rect_3x1", 8, 8, (3, 1), 1, None, 1, 1, "zeros", (9, 9)),
+    ("rect_3x5", 8, 8, (3, 5), 1, None, 1, 1, "zeros", (10, 10)),
+    ("dilated", 8, 8, 3, 1, None, 2, 1, "zeros", (10, 9)),
+    ("dilated_grouped_s2", 8, 16, 3, 2, None, 2, 2, "zeros", (10, 10)),
+    ("reflect", 8, 8, 3, 1, None, 1, 1, "reflect", (9, 9)),
+    ("reflect_s2", 8, 16, 3, 2, None, 1, 1, "reflect", (10, 10)),
+    ("reflect_depthwise", 8, 8, 3, 1, None, 1, 8, "reflect", (9, 8)),
+    ("even_k4_s2", 8, 8, 4, 2, 1, 1, 1, "zeros", (10, 10)),
+    ("valid", 8, 8, 3, 1, 0, 1, 1, "zeros", (9, 9)),
+]
+GEOM_IDS = [g[0] for g in GEOMS]
+
+
+def make_layer(case, gen, dtype=F64, bias=False, with_bn=True):
+    _, cin, cout, k, s, p, d, g, mode, hw = case
+    kk = (k, k) if isinstance(k, int) else k
+    if p is None:
+        p = tuple(d * (x - 1) // 2 for x in kk)
+    conv = nn.Conv2d(cin, cout, k, s, p, d, g, bias=bias, padding_mode=mode).to(dtype)
+    with torch.no_grad():
+        conv.weight.copy_(torch.randn(conv.weight.shape, generator=gen, dtype=dtype) * 0.3)
+        if bias:
+            conv.bias.copy_(torch.randn(cout, generator=gen, dtype=dtype))
+    bn = None
+    if with_bn:
+        bn = nn.BatchNorm2d(cout).to(dtype)
+        randomize_bn_(bn, gen)
+    x = torch.randn(2, cin, *hw, generator=gen, dtype=dtype)
+    return conv, bn, x
+
+
+def perturb_(block: nn.Module, gen: torch.Generator) -> nn.Module:
+    """Random BN statistics and signed gamma everywhere, non-zero identity-based residuals."""
+    randomize_bn_(block, gen)
+    with torch.no_grad():
+        for m in block.modules():
+            if isinstance(m, IdentityBasedConv1x1):
+                m.weight.copy_(torch.randn(m.weight.shape, generator=gen, dtype=m.weight.dtype) * 0.2)
+    return block
+
+
+def assert_bit_exact_expansion(conv, bn, x, kinds, **kw) -> DiverseBranchBlock:
+    """Expansion of (conv, bn) equals the original bit for bit in train and eval mode."""
+    ref = nn.Sequential(copy.deepcopy(conv), *( [copy.deepcopy(bn)] if bn is not None else []))
+    block = DiverseBranchBlock.from_conv(copy.deepcopy(conv), copy.deepcopy(bn) if bn is not None else None, kinds, **kw)
+    for train in (True, False):
+        r, b = copy.deepcopy(ref).train(train), copy.deepcopy(block).train(train)
+        for _ in range(2):  # second step sees updated running statistics
+            assert torch.equal(r(x), b(x))
+        if bn is not None:
+            anchor_bn = b.branches["kxk"].bn
+            assert torch.equal(r[1].running_mean, anchor_bn.running_mean)
+            assert torch.equal(r[1].running_var, anchor_bn.running_var)
+            if hasattr(r[1], "num_batches_tracked"):
+                assert torch.equal(r[1].num_batches_tracked, anchor_bn.num_batches_tracked)
+    return block
+
+
+def assert_merge_exact(block, x, gen, tol=1e-10) -> float:
+    perturb_(block, gen)
+    block.eval()
+    with torch.no_grad():
+        y = block(x)
+        merged = block.merge()
+        out = merged(x)
+    assert out.shape == y.shape
+    err = rel_err(out, y)
+    assert err <= tol, err
+    return err
+
+
+# ------------------------------------------------------------------------------------------ matrix
+
+
+@pytest.mark.parametrize("case", GEOMS, ids=GEOM_IDS)
+def test_block_matrix_default_full_and_single_branches(case, gen) -> None:
+    conv, bn, x = make_layer(case, gen)
+    geo = ConvGeometry.from_conv(conv)
+    reasons = applicability(geo)
+    applicable = [k for k in KINDS if reasons[k] is None]
+    sets = [None, "all"] + [["kxk", k] for k in applicable if k != "kxk"]
+    for kinds in sets:
+        block = assert_bit_exact_expansion(conv, bn, x, kinds)
+        if kinds == "all":
+            assert block.branch_names == applicable
+        assert_merge_exact(block, x, gen)
+    # inapplicable kinds, requested explicitly, raise
+    for k in KINDS:
+        if reasons[k] is not None:
+            with pytest.raises(AlignmentError):
+                DiverseBranchBlock.from_conv(copy.deepcopy(conv), copy.deepcopy(bn), ["kxk", k])
+
+
+@pytest.mark.parametrize("case", GEOMS[::3], ids=GEOM_IDS[::3])
+def test_block_merge_float32(case, gen) -> None:
+    conv, bn, x = make_layer(case, gen, dtype=torch.float32)
+    block = DiverseBranchBlock.from_conv(conv, bn, "all")
+    assert_merge_exact(block, x, gen, tol=1e-5)
+
+
+def _random_subsets(n: int = 20):
+    rng = random.Random(7)
+    out = []
+    for i in range(n):
+        case = GEOMS[rng.randrange(len(GEOMS))]
+        _, cin, cout, k, s, p, d, g, mode, hw = case
+        kk = (k, k) if isinstance(k, int) else k
+        pad = tuple(d * (x - 1) // 2 for x in kk) if p is None else p
+        geo = ConvGeometry(cin, cout, k, s, pad, d, g, mode)
+        app = [kind for kind, r in applicability(geo).items() if r is None and kind != "kxk"]
+        subset = sorted(rng.sample(app, rng.randint(1, len(app))), key=KINDS.index) if app else []
+        out.append(pytest.param(case, subset, id=f"{i}-{case[0]}-{'+'.join(subset)}"))
+    return out
+
+
+@pytest.mark.parametrize("case, subset", _random_subsets())
+def test_block_random_subsets(case, subset, gen) -> None:
+    conv, bn, x = make_layer(case, gen)
+    block = assert_bit_exact_expansion(conv, bn, x, subset)
+    assert block.branch_names == ["kxk"] + subset
+    assert_merge_exact(block, x, gen)
+
+
+# ------------------------------------------------------------------------------------------ conv mode
+
+
+@pytest.mark.parametrize("case", [GEOMS[0], GEOMS[1], GEOMS[5], GEOMS[14]], ids=lambda c: c[0])
+def test_bias_only_conv_gets_frozen_identity_bn(case, gen) -> None:
+    conv, _, x = make_layer(case, gen, bias=True, with_bn=False)
+    block = assert_bit_exact_expansion(conv, None, x, "all")
+    anchor_bn = block.branches["kxk"].bn
+    assert isinstance(anchor_bn, FrozenIdentityBN)
+    assert not isinstance(anchor_bn, nn.modules.batchnorm._BatchNorm)
+    assert block.mode == "conv"
+    assert_merge_exact(block, x, gen)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("eps", [1e-3, 1e-5, 1e-6])
+def test_frozen_identity_bn_is_identity_bit_for_bit(dtype, eps, gen) -> None:
+    bn = FrozenIdentityBN(4, eps, dtype=dtype)
+    x = (torch.randn(2, 4, 5, 5, generator=gen) * 3).to(dtype)
+    for train in (True, False):
+        assert torch.equal(bn.train(train)(x), x)
+    assert list(bn.parameters()) == []
+    assert bn.is_norm
+
+
+def test_frozen_identity_bn_stays_exact_after_dtype_cast(gen) -> None:
+    """A float32-built FrozenIdentityBN cast to float64 keeps running_var == 1 - eps exactly."""
+    bn = FrozenIdentityBN(3, 1e-5).double()
+    assert torch.equal(bn.running_var, torch.full((3,), 1 - 1e-5, dtype=F64))
+    x = torch.randn(2, 3, 4, 4, generator=gen, dtype=F64)
+    assert torch.equal(bn(x), x)
+
+
+def test_conv_without_bias_or_bn_is_refused_unless_allowed(gen) -> None:
+    conv, _, x = make_layer(GEOMS[0], gen, with_bn=False)
+    with pytest.raises(NotMergeableError, match="allow_new_bias"):
+        DiverseBranchBlock.from_conv(copy.deepcopy(conv), None)
+    block = assert_bit_exact_expansion(conv, None, x, None, allow_new_bias=True)
+    assert block.geometry.bias and block.new_bias
+    assert_merge_exact(block, x, gen)
+
+
+def test_calibrated_anchor_norm_is_eval_exact(gen) -> None:
+    conv, _, x = make_layer(GEOMS[0], gen, bias=True, with_bn=False)
+    ref = copy.deepcopy(conv)
+    batches = [torch.randn(4, 8, 9, 9, generator=gen, dtype=F64) for _ in range(3)]
+    with pytest.raises(ReparamError, match="calibration_input"):
+        DiverseBranchBlock.from_conv(copy.deepcopy(conv), None, anchor_norm="calibrated")
+    block = DiverseBranchBlock.from_conv(conv, None, anchor_norm="calibrated", calibration_input=batches)
+    bn = block.branches["kxk"].bn
+    assert isinstance(bn, nn.BatchNorm2d) and block.anchor_norm == "calibrated"
+    with torch.no_grad():
+        z = torch.cat([ref(b) for b in batches])
+        assert rel_err(bn.running_mean, z.mean((0, 2, 3))) <= 1e-10
+        assert rel_err(bn.running_var + bn.eps, z.var((0, 2, 3), unbiased=False)) <= 1e-10
+        block.eval()
+        assert rel_err(block(x), ref(x)) <= 1e-10
+    assert_merge_exact(block, x, gen)
+
+
+def test_batchnorm_anchor_norm_is_eval_exact(gen) -> None:
+    conv, _, x = make_layer(GEOMS[0], gen, bias=True, with_bn=False)
+    ref = copy.deepcopy(conv)
+    block = DiverseBranchBlock.from_conv(conv, None, anchor_norm="batchnorm").eval()
+    with torch.no_grad():
+        assert rel_err(block(x), ref(x)) <= 1e-10
+    with pytest.raises(ReparamError, match="anchor_norm"):
+        DiverseBranchBlock.from_conv(copy.deepcopy(ref), None, anchor_norm="bogus")
+
+
+# ------------------------------------------------------------------------------------------ merge properties
+
+
+def test_merged_conv_keeps_bias_and_stays_trainable(gen) -> None:
+    """DynamicFL's switch_to_deploy dropped the fused bias; DBB detached the fused conv."""
+    conv, bn, x = make_layer(GEOMS[0], gen)
+    block = perturb_(DiverseBranchBlock.from_conv(conv, bn), gen).eval()
+    merged = block.merge()
+    assert isinstance(merged, nn.Conv2d) and merged.bias is not None
+    assert merged.bias.abs().sum() > 0
+    assert merged.weight.requires_grad and merged.bias.requires_grad
+    assert merged.weight.dtype == conv.weight.dtype
+    merged(x).sum().backward()
+    assert merged.weight.grad is not None
+
+
+def test_merged_conv_built_with_keyword_geometry_keeps_shape(gen) -> None:
+    """timm's inference_mode blocks built reparam_conv without padding (14x14 -> 12x12)."""
+    for case in (GEOMS[0], GEOMS[11], GEOMS[16], GEOMS[20], GEOMS[18]):
+        conv, bn, x = make_layer(case, gen)
+        merged = DiverseBranchBlock.from_conv(conv, bn).eval().merge()
+        for attr in ("kernel_size", "stride", "padding", "dilation", "groups", "padding_mode"):
+            assert getattr(merged, attr) == getattr(conv, attr)
+        assert merged(x).shape == conv(x).shape
+
+
+def test_merge_in_train_mode_raises(gen) -> None:
+    conv, bn, x = make_layer(GEOMS[0], gen)
+    block = DiverseBranchBlock.from_conv(conv, bn).train()
+    with pytest.raises(ReparamModeError, match="eval"):
+        block.merge()
+    assert isinstance(block.merge(require_eval=False), nn.Conv2d)
+    with pytest.raises(ReparamModeError):
+        block.switch_to_deploy()
+
+
+def test_second_merge_is_noop(gen) -> None:
+    """OREPA's second switch_to_deploy raised AttributeError."""
+    conv, bn, x = make_layer(GEOMS[0], gen)
+    block = perturb_(DiverseBranchBlock.from_conv(conv, bn), gen).eval()
+    with torch.no_grad():
+        y = block(x)
+    block.switch_to_deploy()
+    conv1 = block.reparam_conv
+    block.switch_to_deploy()
+    block.reparameterize()
+    assert block.reparam_conv is conv1 and block.is_merged and block.branch_names == []
+    assert block.merge() is conv1
+    with torch.no_grad():
+        assert rel_err(block(x), y) <= 1e-10
+    assert set(block.state_dict()) == {"reparam_conv.weight", "reparam_conv.bias"}
+    with pytest.raises(ReparamError, match="deployed"):
+        block.add_branch("1xk")
+
+
+class _Equivalent(nn.Module):
+    def __init__(self, block: DiverseBranchBlock) -> None:
+        super().__init__()
+        self.block = block
+
+    def forward(self):
+        return self.block.get_equivalent_kernel_bias()
+
+
+def test_equivalent_kernel_gradcheck(gen) -> None:
+    conv = nn.Conv2d(2, 2, 3, padding=1, bias=False).double()
+    block = perturb_(DiverseBranchBlock.from_conv(conv, nn.BatchNorm2d(2).double(), "all"), gen).eval()
+    k, b = block.get_equivalent_kernel_bias()
+    assert k.dtype == F64 and k.requires_grad and b.requires_grad
+    (k.sum() + b.sum()).backward()
+    assert all(p.grad is not None for p in block.parameters())
+    wrapper = _Equivalent(block)
+    names = [n for n, _ in wrapper.named_parameters()]
+    inputs = tuple(p.detach().clone().requires_grad_() for _, p in wrapper.named_parameters())
+
+    def fn(*ps):
+        return torch.func.functional_call(wrapper, dict(zip(names, ps)), ())
+
+    assert torch.autograd.gradcheck(fn, inputs)
+    x = torch.randn(2, 2, 5, 5, generator=gen, dtype=F64)
+    with torch.no_grad():
+        assert rel_err(F.conv2d(x, k, b, padding=1), block(x)) <= 1e-10
+
+
+def test_float64_model_merges_without_float32_constants(gen) -> None:
+    """DBB's float32 constants (transV_avg, id_tensor) limited a .double() model to ~1e-8."""
+    conv = nn.Conv2d(8, 8, 3, padding=1, bias=False)
+    bn = nn.BatchNorm2d(8)
+    block = DiverseBranchBlock.from_conv(conv, bn, "all").double()
+    x = torch.randn(2, 8, 9, 9, generator=gen, dtype=F64)
+    err = assert_merge_exact(block, x, gen, tol=1e-12)
+    assert err <= 1e-12
+
+
+# ------------------------------------------------------------------------------------------ structure
+
+
+def test_state_dict_keys_and_identity_buffer_not_persistent(gen) -> None:
+    conv, bn, _ = make_layer(GEOMS[0], gen)
+    block = DiverseBranchBlock.from_conv(conv, bn, "all")
+    keys = set(block.state_dict())
+    assert "branches.kxk.conv.weight" in keys and "branches.kxk.bn.running_var" in keys
+    assert "branches.1x1_kxk.bn2.running_var" in keys and "branches.1x1_kxk.conv1.weight" in keys
+    assert "branches.identity.bn.weight" in keys
+    assert not any("id_tensor" in k for k in keys)
+    assert isinstance(block.branches["1x1_kxk"].conv1, IdentityBasedConv1x1)
+    id_tensor = block.branches["1x1_kxk"].conv1.id_tensor
+    assert any(b is id_tensor for b in block.buffers())
+
+
+def test_bf16_cast_of_train_form(gen) -> None:
+    """DBB's id_tensor was a plain attribute: .to(bfloat16) then failed in forward."""
+    conv, bn, x = make_layer(GEOMS[0], gen, dtype=torch.float32)
+    block = DiverseBranchBlock.from_conv(conv, bn, "all")
+    perturb_(block, gen)
+    ref = copy.deepcopy(block).eval()
+    low = copy.deepcopy(block).to(torch.bfloat16).eval()
+    assert low.branches["1x1_kxk"].conv1.id_tensor.dtype == torch.bfloat16
+    with torch.no_grad():
+        y = low(x.to(torch.bfloat16))
+        assert y.dtype == torch.bfloat16
+        assert rel_err(y.float(), ref(x)) <= 2e-2
+    low.train()(x.to(torch.bfloat16))  # train-mode forward does not raise either
+    half = copy.deepcopy(block).half().eval()
+    assert half.merge().weight.dtype == torch.float16
+
+
+def test_mutable_default_branches_not_shared(gen) -> None:
+    """DyRep mutated its default branch list in place, silently dropping identity for later blocks."""
+    kinds = ["kxk", "1x1", "identity"]
+    before = list(kinds)
+    s2 = nn.Conv2d(8, 8, 3, 2, 1, bias=False)
+    with pytest.raises(AlignmentError):
+        DiverseBranchBlock.from_conv(s2, nn.BatchNorm2d(8), kinds)
+    assert kinds == before
+    b1 = DiverseBranchBlock.from_conv(nn.Conv2d(8, 8, 3, 2, 1, bias=False), nn.BatchNorm2d(8))
+    b2 = DiverseBranchBlock.from_conv(nn.Conv2d(8, 8, 3, 1, 1, bias=False), nn.BatchNorm2d(8))
+    assert "identity" not in b1.branch_names and "identity" in b2.branch_names
+    assert reparam.DEFAULT_BRANCHES == ("kxk", "1x1", "1x1_kxk", "1x1_avg", "identity")
+
+
+def test_groups_equal_out_below_in_uses_dense_avg_path(gen) -> None:
+    """DBB took the depthwise average path whenever groups == out_channels (crash for 16 -> 8, g=8)."""
+    conv, bn, x = make_layer(GEOMS[8], gen)
+    block = DiverseBranchBlock.from_conv(conv, bn, "all")
+    assert block.branches["1x1_avg"].path == "dense"
+    assert_merge_exact(block, x, gen)
+    dw_conv, dw_bn, x = make_layer(GEOMS[5], gen)
+    dw = DiverseBranchBlock.from_conv(dw_conv, dw_bn)
+    assert dw.branches["1x1_avg"].path == "depthwise"
+    assert dw.branches["1x1_kxk"].internal == 16 and "1x1" not in dw.branch_names
+
+
+def test_dilation_reaches_every_branch(gen) -> None:
+    """DBB and DyRep crashed with dilation > 1 (not passed to the KxK of 1x1_kxk)."""
+    conv, bn, x = make_layer(GEOMS[15], gen)
+    block = DiverseBranchBlock.from_conv(conv, bn, "all")
+    assert block.branches["1x1_kxk"].conv2.dilation == (2, 2)
+    assert block.branches["1xk"].conv.dilation == (1, 2)
+    assert "1x1_avg" not in block.branch_names
+    assert_merge_exact(block, x, gen)
+
+
+def test_even_kernel_block_merges(gen) -> None:
+    """DiverseBranchBlock#32: even kernels were refused by an assert; they merge when parity matches."""
+    conv, bn, x = make_layer(GEOMS[20], gen)
+    block = DiverseBranchBlock.from_conv(conv, bn, "all")
+    assert block.branch_names == ["kxk", "1x1_kxk", "1x1_avg"]
+    assert_merge_exact(block, x, gen)
+
+
+def test_syncbn_conversion_keeps_value_padding(gen) -> None:
+    """DBB's BNAndPadLayer subclassed BatchNorm2d; SyncBN conversion replaced it and lost the padding."""
+    conv, bn, x = make_layer(GEOMS[0], gen)
+    block = perturb_(DiverseBranchBlock.from_conv(conv, bn, "all"), gen).eval()
+    with torch.no_grad():
+        y = block(x)
+    synced = nn.SyncBatchNorm.convert_sync_batchnorm(copy.deepcopy(block)).eval()
+    assert isinstance(synced.branches["1x1_kxk"].bn1, nn.SyncBatchNorm)
+    with torch.no_grad():
+        assert rel_err(synced(x), y) <= 1e-10
+        assert rel_err(synced.merge()(x), y) <= 1e-10
+    frozen = DiverseBranchBlock.from_conv(nn.Conv2d(4, 4, 3, padding=1).double(), None)
+    converted = nn.SyncBatchNorm.convert_sync_batchnorm(frozen)
+    assert isinstance(converted.branches["kxk"].bn, FrozenIdentityBN)
+
+
+def test_pad_value_gradient_is_not_detached(gen) -> None:
+    conv, bn, x = make_layer(GEOMS[0], gen)
+    block = perturb_(DiverseBranchBlock.from_conv(conv, bn, ["1x1_kxk"]), gen).eval()
+    branch = block.branches["1x1_kxk"]
+    # only the border sees bn1's running-statistics value; the interior sees bn1 in eval too
+    branch(x).sum().backward()
+    assert branch.bn1.bias.grad is not None and branch.bn1.bias.grad.abs().sum() > 0
+
+
+def test_fx_trace_of_train_and_merged_forms(gen) -> None:
+    conv, bn, x = make_layer(GEOMS[0], gen)
+    block = perturb_(DiverseBranchBlock.from_conv(conv, bn, "all"), gen).eval()
+    traced = torch.fx.symbolic_trace(block)
+    with torch.no_grad():
+        assert torch.equal(traced(x), block(x))
+        deployed = copy.deepcopy(block)
+        deployed.switch_to_deploy()
+        assert torch.equal(torch.fx.symbolic_trace(deployed)(x), deployed(x))
+
+
+@pytest.mark.slow
+def test_torch_compile_of_train_and_merged_forms(gen) -> None:
+    conv, bn, x = make_layer(GEOMS[0], gen, dtype=torch.float32)
+    block = perturb_(DiverseBranchBlock.from_conv(conv, bn, "all"), gen).eval()
+    compiled = torch.compile(block)
+    with torch.no_grad():
+        assert rel_err(compiled(x), block(x)) <= 1e-5
+        assert rel_err(torch.compile(block.merge())(x), block(x)) <= 1e-5
+
+
+def test_invalid_requests_raise_clear_errors(gen) -> None:
+    conv, bn, _ = make_layer(GEOMS[0], gen)
+    with pytest.raises(ReparamError, match="unknown branch kind"):
+        DiverseBranchBlock.from_conv(copy.deepcopy(conv), copy.deepcopy(bn), ["kxk", "3x3"])
+    with pytest.raises(ReparamError, match="init"):
+        DiverseBranchBlock.from_conv(copy.deepcopy(conv), copy.deepcopy(bn), init="random")
+    with pytest.raises(NotMergeableError):
+        DiverseBranchBlock.from_conv(nn.Conv1d(4, 4, 3), None)
+    with pytest.raises(NotMergeableError, match="track_running_stats"):
+        DiverseBranchBlock.from_conv(copy.deepcopy(conv), nn.BatchNorm2d(8, track_running_stats=False))
+    with pytest.raises(AlignmentError, match="asymmetric"):
+        DiverseBranchBlock.from_conv(nn.Conv2d(4, 4, 4, padding="same"), nn.BatchNorm2d(4))
+    block = DiverseBranchBlock.from_conv(nn.Conv2d(4, 4, 3, padding="same", bias=False), nn.BatchNorm2d(4))
+    assert block.geometry.padding == (1, 1)
+
+
+# ------------------------------------------------------------------------------------------ growth / fold / re-solve
+
+
+@pytest.mark.parametrize("case", [GEOMS[0], GEOMS[5], GEOMS[7], GEOMS[17]], ids=lambda c: c[0])
+def test_add_branch_is_bit_exact(case, gen) -> None:
+    conv, bn, x = make_layer(case, gen)
+    block = DiverseBranchBlock.from_conv(conv, bn, [])
+    anchor_w = block.branches["kxk"].conv.weight
+    for kind in block.applicable()[1:]:
+        before = copy.deepcopy(block)
+        change = block.add_branch(kind, generator=gen)
+        assert kind in block.branch_names
+        assert {id(p) for p, _ in change.added} == {id(p) for p in block.branches[kind].parameters()}
+        assert all(ref is anchor_w or ref is block.branches["kxk"].bn.weight or ref is block.branches["kxk"].bn.bias
+                   for _, ref in change.added)
+        assert change.removed == [] and change.overwritten == []
+        for train in (True, False):
+            a, b = copy.deepcopy(before).train(train), copy.deepcopy(block).train(train)
+            assert torch.equal(a(x), b(x))
+            assert torch.equal(a(x), b(x))
+            assert torch.equal(a.branches["kxk"].bn.running_var, b.branches["kxk"].bn.running_var)
+    assert_merge_exact(block, x, gen)
+    with pytest.raises(ReparamError, match="already present"):
+        block.add_branch("1x1_kxk")
+
+
+def test_add_inapplicable_branch_raises(gen) -> None:
+    conv, bn, _ = make_layer(GEOMS[1], gen)  # 8 -> 16, stride 2
+    block = DiverseBranchBlock.from_conv(conv, bn, [])
+    with pytest.raises(AlignmentError, match="identity"):
+        block.add_branch("identity")
+
+
+def test_random_resolve_growth_is_eval_exact(gen) -> None:
+    conv, bn, x = make_layer(GEOMS[0], gen)
+    block = perturb_(DiverseBranchBlock.from_conv(conv, bn, ["1x1"]), gen).eval()
+    with torch.no_grad():
+        y = block(x)
+    change = block.add_branch("1x1_kxk", init="random_resolve", generator=gen)
+    assert block.branches["1x1_kxk"].bn2.weight.abs().sum() > 0
+    assert any(p is block.branches["kxk"].conv.weight for p in change.overwritten)
+    with torch.no_grad():
+        assert rel_err(block(x), y) <= 1e-10
+    conv, bn, x = make_layer(GEOMS[0], gen)
+    ref = nn.Sequential(copy.deepcopy(conv), copy.deepcopy(bn)).eval()
+    grown = DiverseBranchBlock.from_conv(conv, bn, "all", init="random_resolve").eval()
+    with torch.no_grad():
+        assert rel_err(grown(x), ref(x)) <= 1e-10
+
+
+@pytest.mark.parametrize("case", [GEOMS[0], GEOMS[5], GEOMS[14], GEOMS[17]], ids=lambda c: c[0])
+def test_remove_branch_folds_into_anchor(case, gen) -> None:
+    conv, bn, x = make_layer(case, gen)
+    block = perturb_(DiverseBranchBlock.from_conv(conv, bn, "all"), gen).eval()
+    with torch.no_grad():
+        y = block(x)
+    anchor = block.branches["kxk"]
+    stats = (anchor.bn.running_mean.clone(), anchor.bn.running_var.clone(), anchor.bn.weight.clone())
+    for name in block.branch_names[1:]:
+        params = list(block.branches[name].parameters())
+        change = block.remove_branch(name)
+        assert name not in block.branch_names
+        assert {id(p) for p in change.removed} == {id(p) for p in params}
+        assert any(p is anchor.conv.weight for p in change.overwritten)
+        with torch.no_grad():
+            assert rel_err(block(x), y) <= 1e-10
+    assert block.branch_names == ["kxk"]
+    assert torch.equal(anchor.bn.running_mean, stats[0]) and torch.equal(anchor.bn.running_var, stats[1])
+    assert torch.equal(anchor.bn.weight, stats[2])
+    with pytest.raises(ReparamError, match="anchor"):
+        block.remove_branch("kxk")
+    with pytest.raises(ReparamError, match="not present"):
+        block.remove_branch("1x1")
+
+
+def test_remove_branch_in_conv_mode_uses_conv_bias(gen) -> None:
+    conv, _, x = make_layer(GEOMS[0], gen, bias=True, with_bn=False)
+    block = perturb_(DiverseBranchBlock.from_conv(conv, None, "all"), gen).eval()
+    with torch.no_grad():
+        y = block(x)
+    change = block.remove_branch("1x1_avg")
+    assert any(p is block.branches["kxk"].conv.bias for p in change.overwritten)
+    assert torch.equal(block.branches["kxk"].bn.running_var, torch.full((8,), 1 - 1e-5, dtype=F64))
+    with torch.no_grad():
+        assert rel_err(block(x), y) <= 1e-10
+
+
+def _plain_target(conv: nn.Conv2d, gen) -> tuple[torch.Tensor, torch.Tensor]:
+    w = torch.randn(conv.weight.shape, generator=gen, dtype=conv.weight.dtype) * 0.3
+    b = torch.randn(conv.out_channels, generator=gen, dtype=conv.weight.dtype)
+    return w, b
+
+
+@pytest.mark.parametrize("anchor_stats", ["keep", "identity", "adopt"])
+@pytest.mark.parametrize("case", [GEOMS[0], GEOMS[6], GEOMS[7], GEOMS[19]], ids=lambda c: c[0])
+def test_load_plain_resolves_anchor_only(case, anchor_stats, gen) -> None:
+    conv, bn, x = make_layer(case, gen)
+    block = perturb_(DiverseBranchBlock.from_conv(conv, bn, "all"), gen).eval()
+    w, b = _plain_target(conv, gen)
+    others = {k: v.clone() for k, v in block.state_dict().items() if not k.startswith("branches.kxk.")}
+    target_bn = None
+    if anchor_stats == "adopt":
+        target_bn = randomize_bn_(nn.BatchNorm2d(conv.out_channels).double(), gen).eval()
+    change = block.load_plain(w, b, anchor_stats=anchor_stats, target_bn=target_bn)
+    for k, v in block.state_dict().items():
+        if k in others:
+            assert torch.equal(v, others[k]), k
+    assert change.added == [] and change.removed == []
+    target = nn.Sequential(conv.__class__(**{
+        "in_channels": conv.in_channels, "out_channels": conv.out_channels, "kernel_size": conv.kernel_size,
+        "stride": conv.stride, "padding": conv.padding, "dilation": conv.dilation, "groups": conv.groups,
+        "padding_mode": conv.padding_mode, "dtype": F64}))
+    with torch.no_grad():
+        target[0].weight.copy_(w)
+        target[0].bias.copy_(b)
+    if target_bn is not None:
+        target.append(target_bn)
+        anchor_bn = block.branches["kxk"].bn
+        assert torch.equal(anchor_bn.running_mean, target_bn.running_mean)
+    with torch.no_grad():
+        assert rel_err(block(x), target.eval()(x)) <= 1e-10
+        assert rel_err(block.merge()(x), target(x)) <= 1e-10
+
+
+def test_load_plain_conv_mode_and_deployed(gen) -> None:
+    conv, _, x = make_layer(GEOMS[0], gen, bias=True, with_bn=False)
+    block = perturb_(DiverseBranchBlock.from_conv(conv, None, "all"), gen).eval()
+    w, b = _plain_target(conv, gen)
+    block.load_plain(w, b)
+    with torch.no_grad():
+        assert rel_err(block(x), F.conv2d(x, w, b, padding=1)) <= 1e-10
+    block.switch_to_deploy()
+    change = block.load_plain(w * 2, None)
+    assert change.overwritten[0] is block.reparam_conv.weight
+    with torch.no_grad():
+        assert rel_err(block(x), F.conv2d(x, w * 2, None, padding=1)) <= 1e-10
+    with pytest.raises(ReparamError, match="shape"):
+        block.load_plain(w[:, :, :1, :1], b)
+    with pytest.raises(ReparamError, match="anchor_stats"):
+        block.load_plain(w, b, anchor_stats="reset")
+
+
+def test_gamma_guard_clamps_tiny_anchor_gamma(gen) -> None:
+    conv, bn, x = make_layer(GEOMS[0], gen)
+    with torch.no_grad():
+        bn.weight[0] = 0.0
+        bn.weight[1] = 1e-6
+        bn.weight[2] = -1e-6
+    block = perturb_(DiverseBranchBlock.from_conv(conv, bn, "all"), gen)
+    with torch.no_grad():
+        block.branches["kxk"].bn.weight[:3] = torch.tensor([0.0, 1e-6, -1e-6], dtype=F64)
+    block.eval()
+    w, b = _plain_target(conv, gen)
+    change = block.load_plain(w, b)
+    gamma = block.branches["kxk"].bn.weight
+    assert torch.equal(gamma[:3], torch.tensor([1e-3, 1e-3, -1e-3], dtype=F64))
+    assert any(p is gamma for p in change.overwritten)
+    with torch.no_grad():
+        assert rel_err(block(x), F.conv2d(x, w, b, padding=1)) <= 1e-10
+    with torch.no_grad():
+        block.branches["kxk"].bn.weight[0] = 0.0
+        y = block(x)
+    block.remove_branch("1x1")
+    with torch.no_grad():
+        assert rel_err(block(x), y) <= 1e-10
+
+
+def test_nested_growth_is_exact_and_merges(gen) -> None:
+    conv, bn, x = make_layer(GEOMS[0], gen)
+    block = assert_bit_exact_expansion(conv, bn, x, None)
+    before = copy.deepcopy(block)
+    change = block.grow_nested("kxk")
+    change2 = block.grow_nested("1x1_kxk", ["1x1_avg"])
+    with pytest.raises(AlignmentError):
+        copy.deepcopy(before).grow_nested("1x1_kxk", ["1x1"])
+    assert change.added and change2.added
+    for train in (True, False):
+        a, b = copy.deepcopy(before).train(train), copy.deepcopy(block).train(train)
+        assert torch.equal(a(x), b(x))
+    with pytest.raises(ReparamError, match="max_depth"):
+        block.branches["kxk"].conv.grow_nested("kxk")
+    spec = block.spec()
+    assert set(spec["nested"]) == {"kxk", "1x1_kxk"}
+    perturb_(block, gen).eval()
+    with torch.no_grad():
+        y = block(x)
+        assert rel_err(block.merge()(x), y) <= 1e-10
+    block.flatten_nested("1x1_kxk")
+    block.flatten_nested("kxk")
+    assert isinstance(block.branches["kxk"].conv, nn.Conv2d) and block.branches["kxk"].conv.bias is None
+    with torch.no_grad():
+        assert rel_err(block(x), y) <= 1e-10
+    # a nested anchor is re-solved recursively
+    block.grow_nested("kxk", "all")
+    perturb_(block, gen).eval()
+    w, b = _plain_target(conv, gen)
+    block.load_plain(w, b)
+    with torch.no_grad():
+        target = F.conv2d(x, w, b, padding=1)
+        assert rel_err(block(x), target) <= 1e-10
+
+
+def test_from_spec_rebuilds_identical_structure(gen) -> None:
+    conv, bn, x = make_layer(GEOMS[7], gen)
+    block = perturb_(DiverseBranchBlock.from_conv(conv, bn, "all"), gen)
+    block.grow_nested("kxk", ["1x1"])
+    spec = block.spec()
+    fresh_conv, fresh_bn, _ = make_layer(GEOMS[7], gen)
+    rebuilt = DiverseBranchBlock.from_spec(fresh_conv, fresh_bn, spec)
+    assert str(rebuilt) == str(block)
+    rebuilt.load_state_dict(block.state_dict(), strict=True)
+    block.eval(), rebuilt.eval()
+    with torch.no_grad():
+        assert torch.equal(rebuilt(x), block(x))
+
+
+def test_assert_equivalent_and_rel_err(gen) -> None:
+    conv, bn, x = make_layer(GEOMS[0], gen)
+    block = perturb_(DiverseBranchBlock.from_conv(conv, bn, "all"), gen).eval()
+    err = assert_equivalent(block, block.merge(), x, dtype=F64)
+    assert 0 <= err <= 1e-10
+    assert_equivalent(block, block.merge(), x, dtype=torch.float32)
+    with pytest.raises(AssertionError):
+        assert_equivalent(block, nn.Conv2d(8, 8, 3, padding=1).double(), x)
+    with pytest.raises(AssertionError, match="shape"):
+        rel_err(torch.zeros(2, 3), torch.zeros(3, 2))
+    assert rel_err(torch.tensor([1.0, 2.0]), torch.tensor([1.0, 4.0])) == 0.5
+
+
+@pytest.mark.parametrize("case", [GEOMS[0], GEOMS[1], GEOMS[6], GEOMS[18], GEOMS[19]], ids=lambda c: c[0])
+def test_branches_compute_the_spec_structure(case, gen) -> None:
+    """Each branch's forward is the structure of reparam.md §4.1 written with plain torch ops
+    (AvgPool2d for the pool, value padding from bn1's running statistics)."""
+    conv, bn, x = make_layer(case, gen)
+    block = perturb_(DiverseBranchBlock.from_conv(conv, bn, "all"), gen).eval()
+    geo = block.geometry
+    ph, pw = geo.padding
+    mode = geo.padding_mode
+
+    def pad(z, bn1):
+        if mode != "zeros":
+            return F.pad(z, (pw, pw, ph, ph), mode=mode)
+        value = bn1.bias - bn1.running_mean * bn1.weight / torch.sqrt(bn1.running_var + bn1.eps)
+        out = value.view(1, -1, 1, 1).expand(z.shape[0], -1, z.shape[2] + 2 * ph, z.shape[3] + 2 * pw).clone()
+        out[:, :, ph:ph + z.shape[2], pw:pw + z.shape[3]] = z
+        return out
+
+    with torch.no_grad():
+        b = block.branches["1x1_kxk"]
+        ref = b.bn2(F.conv2d(pad(b.bn1(b.conv1(x)), b.bn1), b.conv2.weight, None, geo.stride, 0, geo.dilation, geo.groups))
+        assert rel_err(b(x), ref) <= 1e-12
+        if "1x1_avg" in block.branches:
+            a = block.branches["1x1_avg"]
+            if a.path == "dense":
+                z = pad(a.bn1(a.conv(x)), a.bn1)
+                ref = a.bn2(F.avg_pool2d(z, geo.kernel_size, geo.stride, 0))
+            else:
+                xp = F.pad(x, (pw, pw, ph, ph), mode="constant" if mode == "zeros" else mode)
+                ref = a.bn(F.avg_pool2d(xp, geo.kernel_size, geo.stride, 0))
+            assert rel_err(a(x), ref) <= 1e-12
+        if "1x1" in block.branches:
+            o = block.branches["1x1"]
+            q = o.conv.padding
+            xp = x if mode == "zeros" else F.pad(x, (q[1], q[1], q[0], q[0]), mode=mode)
+            ref = o.bn(F.conv2d(xp, o.conv.weight, None, geo.stride, q if mode == "zeros" else 0, 1, geo.groups))
+            assert rel_err(o(x), ref) <= 1e-12
+        if "identity" in block.branches:
+            assert torch.equal(block.branches["identity"](x), block.branches["identity"].bn(x))
+
+
+def test_host_bn_mode_flags_are_not_flipped(gen) -> None:
+    """A host BN frozen in eval mode inside a training model stays in eval mode after expansion."""
+    conv, bn, x = make_layer(GEOMS[0], gen)
+    conv.train()
+    bn.eval()
+    ref = nn.Sequential(copy.deepcopy(conv), copy.deepcopy(bn))
+    block = DiverseBranchBlock.from_conv(conv, bn)
+    assert block.training and not block.branches["kxk"].bn.training
+    assert torch.equal(block(x), ref(x))
+
+
+def test_randomize_bn_covers_every_bn_including_last_bn(gen) -> None:
+    """DiverseBranchBlock#35 asked why BN is randomised: with default statistics T-I is nearly the
+    identity, and a zero-gamma branch makes a merge test vacuous."""
+    conv, bn, _ = make_layer(GEOMS[0], gen)
+    block = DiverseBranchBlock.from_conv(conv, bn, "all")
+    assert block.branches["1x1_kxk"].bn2.weight.abs().sum() == 0
+    randomize_bn_(block, gen)
+    bns = [m for m in block.modules() if isinstance(m, nn.BatchNorm2d)]
+    assert len(bns) == 1 + 1 + 2 + 2 + 1 + 1 + 1
+    for m in bns:
+        assert m.weight.abs().min() >= 0.05 and (m.weight < 0).any() or m.num_features < 4
+        assert ((m.running_var >= 0.1) & (m.running_var <= 2)).all()
+        assert m.running_mean.abs().max() <= 1 and m.bias.abs().max() <= 1
+
+
+def test_frozen_batchnorm2d_anchor_is_merged(gen, tv) -> None:
+    """mmpretrain's switch_to_deploy asserted norm type 'BN'; detection backbones use FrozenBatchNorm2d."""
+    from torchvision.ops.misc import FrozenBatchNorm2d
+
+    conv, _, x = make_layer(GEOMS[0], gen)
+    fbn = FrozenBatchNorm2d(8).double()
+    with torch.no_grad():
+        fbn.weight.copy_(torch.rand(8, generator=gen, dtype=F64) + 0.5)
+        fbn.bias.copy_(torch.randn(8, generator=gen, dtype=F64))
+        fbn.running_mean.copy_(torch.randn(8, generator=gen, dtype=F64))
+        fbn.running_var.copy_(torch.rand(8, generator=gen, dtype=F64) + 0.5)
+    block = assert_bit_exact_expansion(conv, fbn, x, None)
+    assert_merge_exact(block, x, gen)
+    y = block(x)
+    block.remove_branch("1x1")
+    with torch.no_grad():
+        assert rel_err(block(x), y) <= 1e-10
+
+
+def test_new_branch_init_is_deterministic_and_finite_for_k5(gen) -> None:
+    """OREPA's fre_init hard-coded range(3) and left uninitialised memory for k = 5."""
+    conv, bn, _ = make_layer(GEOMS[10], gen)
+    a = DiverseBranchBlock.from_conv(copy.deepcopy(conv), copy.deepcopy(bn), "all", generator=torch.Generator().manual_seed(3))
+    b = DiverseBranchBlock.from_conv(copy.deepcopy(conv), copy.deepcopy(bn), "all", generator=torch.Generator().manual_seed(3))
+    for (ka, va), (kb, vb) in zip(a.state_dict().items(), b.state_dict().items()):
+        assert ka == kb and torch.equal(va, vb) and bool(torch.isfinite(va.double()).all()), ka
+    w = a.branches["1x1_kxk"].conv2.weight
+    assert w.std() > 0 and (w[..., 4, 4] != 0).all()
+
+
+def test_construction_and_merge_print_nothing(gen, capsys) -> None:
+    """RepVGG's block constructor printed 'RepVGG Block, identity = ...'."""
+    conv, bn, _ = make_layer(GEOMS[0], gen)
+    block = DiverseBranchBlock.from_conv(conv, bn, "all").eval()
+    block.merge()
+    block.switch_to_deploy()
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err == ""
