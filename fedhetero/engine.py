@@ -130,13 +130,19 @@ class Context:
 
     @contextlib.contextmanager
     def client_scope(self, client: ClientInfo) -> Iterator[None]:
-        """Everything a client does in a round runs with RNG derived from (round, client)."""
+        """Everything a client does in a round runs with RNG derived from (round, client).
+
+        Torch's default CPU generator is re-seeded on entry (module initialisers of new branches
+        draw from it), so a client's work never depends on what ran before it."""
         self.current_client = client
-        with self.seeded("client", self.round, client.cid):
-            try:
-                yield
-            finally:
-                self.current_client = None
+        seed = int(self.seed_sequence("client", self.round, client.cid).generate_state(1, dtype=np.uint64)[0] >> 1)
+        torch.default_generator.manual_seed(seed)
+        if self.device.type == "cuda":
+            torch.cuda.manual_seed(seed)
+        try:
+            yield
+        finally:
+            self.current_client = None
         if self.on_client_done is not None:
             self.on_client_done(client.cid)
 
@@ -165,8 +171,20 @@ class Context:
         return build_model(self.cfg.model.name, **kw).to(device=self.device, dtype=self.dtype)
 
     def macs(self, model: nn.Module) -> int:
-        """Forward MACs per sample (conv + linear; BN, activations and pooling excluded)."""
-        return int(budget_mod.macs(model, self.input_shape))
+        """Forward MACs per sample (conv + linear; BN, activations and pooling excluded).
+
+        Cached by the model's structure (class, module paths and parameter shapes), so clients
+        training the same architecture cost one counting pass."""
+        key = (type(model).__name__,) + tuple(
+            (path, type(m).__name__, tuple(getattr(m, "weight").shape) if isinstance(getattr(m, "weight", None), torch.Tensor) else ())
+            for path, m in model.named_modules()
+        )
+        hit = self._macs_cache.get(key)
+        if hit is None:
+            if len(self._macs_cache) > 4096:
+                self._macs_cache.clear()
+            hit = self._macs_cache[key] = int(budget_mod.macs(model, self.input_shape))
+        return hit
 
     def width_for_budget(self, budget_macs: float) -> float:
         """Largest width (multiples of 1/16 of the configured width, above 1× too) whose model's
@@ -227,12 +245,11 @@ class Context:
         model.train()
         opt = optimizer if optimizer is not None else self.make_optimizer(model)
         loss_fn = loss_fn or F.cross_entropy
-        total = torch.zeros((), dtype=torch.float64)
-        seen = 0
+        losses: list[torch.Tensor] = []
+        sizes: list[int] = []
         steps = 0
         for e in range(first_epoch, first_epoch + epochs):
-            total = torch.zeros((), dtype=torch.float64)
-            seen = 0
+            losses, sizes = [], []
             for x, y in self.client_batches(client.cid, e):
                 x = x.to(self.device, self.dtype, non_blocking=True)
                 y = y.to(self.device, non_blocking=True)
@@ -242,14 +259,16 @@ class Context:
                 if after_backward is not None:
                     after_backward(model)
                 opt.step()
-                total += loss.detach().to(torch.float64) * y.shape[0]
-                seen += int(y.shape[0])
+                losses.append(loss.detach())
+                sizes.append(int(y.shape[0]))
                 steps += 1
             if on_epoch_end is not None:
                 new_opt = on_epoch_end(e, model, opt)
                 if isinstance(new_opt, torch.optim.Optimizer):
                     opt = new_opt
-        return {"loss": float(total / max(seen, 1)), "steps": steps, "optimizer": opt}
+        seen = sum(sizes)
+        mean_loss = float(sum(float(l) * n for l, n in zip(losses, sizes)) / seen) if seen else float("nan")
+        return {"loss": mean_loss, "steps": steps, "optimizer": opt}
 
     @torch.no_grad()
     def evaluate(self, model: nn.Module, dataset: Any = None, indices: Any = None) -> dict[str, float]:

@@ -15,7 +15,8 @@ Exactness guarantees (spec sections 5-8):
   ``require_eval=False``.
 * ``anchor_norm="calibrated"`` and ``"batchnorm"`` are eval-exact up to rounding only.
 
-Forward order is fixed (``KINDS``) and the branch outputs are summed with plain ``+``; there is no
+Forward order is fixed (``KINDS``): the anchor output plus each further branch output, in that order
+(adding the exact zeros of a zero-γ branch leaves the anchor output bit-identical). There is no
 data-dependent control flow, so ``torch.fx`` and ``torch.compile`` work on the block.
 """
 
@@ -25,7 +26,6 @@ import logging
 from typing import Any, Iterable, Mapping, Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .branches import (
@@ -36,7 +36,6 @@ from .branches import (
     IdentityBasedConv1x1,
     OneByOneKxKBranch,
     applicability,
-    conv_kernel_bias,
     make_branch,
 )
 from .changes import StructureChange
@@ -44,7 +43,7 @@ from .errors import AlignmentError, NotMergeableError, ReparamError, ReparamMode
 from .geometry import ConvGeometry
 from .transforms import BNStats, add_branches, bn_stats, fuse_bn
 
-__all__ = ["DiverseBranchBlock", "DEFAULT_BRANCHES", "DEPTHWISE_BRANCHES", "ANCHOR_NORMS", "INITS"]
+__all__ = ["DiverseBranchBlock", "DEFAULT_BRANCHES", "DEPTHWISE_BRANCHES", "ANCHOR_NORMS", "ANCHOR_STATS", "INITS"]
 
 logger = logging.getLogger("reparam")
 
@@ -53,8 +52,6 @@ DEPTHWISE_BRANCHES: tuple[str, ...] = ("kxk", "1x1_kxk", "1x1_avg", "identity")
 ANCHOR_NORMS: tuple[str, ...] = ("frozen_identity", "calibrated", "batchnorm")
 INITS: tuple[str, ...] = ("zero_gamma", "random_resolve")
 ANCHOR_STATS: tuple[str, ...] = ("keep", "adopt", "identity")
-
-BranchRequest = "Iterable[str] | Mapping[str, Mapping[str, Any] | None] | str | None"
 
 
 def _is_bn(m: nn.Module) -> bool:
@@ -196,29 +193,21 @@ class DiverseBranchBlock(nn.Module):
             raise ReparamError(f"init must be one of {INITS}, got {init!r}")
         p = conv.weight
         factory: dict[str, Any] = {"device": p.device, "dtype": p.dtype}
-        new_bias = False
         if bn is not None:
             bn_stats(bn)  # refuses norms without running statistics
             n = getattr(bn, "num_features", None) or bn.running_mean.numel()
             if n != geometry.out_channels:
                 raise ReparamError(f"bn has {n} channels but the conv has {geometry.out_channels} outputs")
-            mode, anchor_name, norm = "conv_bn", "original", bn
-            eps = float(bn.eps)
         else:
             if anchor_norm not in ANCHOR_NORMS:
                 raise ReparamError(f"anchor_norm must be one of {ANCHOR_NORMS}, got {anchor_norm!r}")
-            if conv.bias is None:
-                if not allow_new_bias:
-                    raise NotMergeableError(
-                        "conv has no bias and no following BatchNorm: the merged bias of the block would "
-                        "have nowhere to go; pass allow_new_bias=True (adds a bias to the layer) or expand "
-                        "it together with its BN"
-                    )
-                conv.bias = nn.Parameter(torch.zeros(geometry.out_channels, **factory))
-                geometry = geometry.replace(bias=True)
-                new_bias = True
-            mode, anchor_name, eps = "conv", anchor_norm, 1e-5
-            norm = cls._make_anchor_norm(conv, anchor_norm, calibration_input, eps, factory)
+            if conv.bias is None and not allow_new_bias:
+                raise NotMergeableError(
+                    "conv has no bias and no following BatchNorm: the merged bias of the block would "
+                    "have nowhere to go; pass allow_new_bias=True (adds a bias to the layer) or expand "
+                    "it together with its BN"
+                )
+        # validate the request before anything is modified
         requested, explicit = _normalise_request(geometry, branches)
         reasons = applicability(geometry)
         kinds: dict[str, dict[str, Any]] = {}
@@ -229,6 +218,16 @@ class DiverseBranchBlock(nn.Module):
                 logger.info("skipping branch %s: %s", kind, reasons[kind])
                 continue
             kinds[kind] = opts
+        new_bias = False
+        if bn is not None:
+            mode, anchor_name, norm, eps = "conv_bn", "original", bn, float(bn.eps)
+        else:
+            mode, anchor_name, eps = "conv", anchor_norm, 1e-5
+            norm = cls._make_anchor_norm(conv, anchor_norm, calibration_input, eps, factory)
+            if conv.bias is None:
+                conv.bias = nn.Parameter(torch.zeros(geometry.out_channels, **factory))
+                geometry = geometry.replace(bias=True)
+                new_bias = True
         anchor = ConvBNBranch("kxk", conv, norm)
         block = cls(
             geometry,
@@ -297,6 +296,9 @@ class DiverseBranchBlock(nn.Module):
             new_bias=bool(spec.get("new_bias", False)),
         )
         block._set_mode_flag(conv.training)
+        unknown = [k for k in branch_specs if k not in KINDS]
+        if unknown:
+            raise ReparamError(f"block spec names unknown branch kinds {unknown}; accepted values: {KINDS}")
         for kind in KINDS:
             if kind == "kxk" or kind not in branch_specs:
                 continue
@@ -373,11 +375,8 @@ class DiverseBranchBlock(nn.Module):
             branch.training = training
 
     def _factory(self) -> dict[str, Any]:
-        if self.reparam_conv is not None:
-            p = self.reparam_conv.weight
-        else:
-            conv = self.anchor.conv
-            p = conv._factory_weight() if hasattr(conv, "_equivalent") else conv.weight
+        """Device and dtype of new modules: those of the anchor conv weight."""
+        p = self._factory_weight()
         return {"device": p.device, "dtype": p.dtype}
 
     def _factory_weight(self) -> Tensor:
@@ -483,8 +482,11 @@ class DiverseBranchBlock(nn.Module):
         ``names`` restricts the sum to some branches (default: all present).
         """
         if self.reparam_conv is not None:
-            return self.reparam_conv.weight.to(dtype), self.reparam_conv.bias.to(dtype)
-        chosen = self._order if names is None else [n for n in self._order if n in set(names)]
+            return self.reparam_conv.weight.to(dtype, copy=True), self.reparam_conv.bias.to(dtype, copy=True)
+        chosen = list(self._order if names is None else [n for n in self._order if n in set(names)])
+        if "1x1_avg" in chosen:  # its kernel is a broadcast (O, C/g, 1, 1) term: start with it
+            chosen.remove("1x1_avg")
+            chosen.insert(0, "1x1_avg")
         device = self._factory()["device"]
         bias = torch.zeros(self.geometry.out_channels, dtype=dtype, device=device)
         acc: Tensor | None = None
@@ -492,6 +494,8 @@ class DiverseBranchBlock(nn.Module):
             acc = self.branches[n].accumulate_(acc, bias, self.geometry)  # type: ignore[operator]
         if acc is None:
             acc = torch.zeros(self.geometry.weight_shape, dtype=dtype, device=device)
+        elif tuple(acc.shape) != self.geometry.weight_shape:
+            acc = acc.expand(self.geometry.weight_shape).contiguous()
         return acc, bias
 
     def get_equivalent_kernel_bias(self) -> tuple[Tensor, Tensor]:

@@ -60,6 +60,7 @@ __all__ = [
     "applicability",
     "make_branch",
     "conv_kernel_bias",
+    "bn_scale_shift",
 ]
 
 KINDS: tuple[str, ...] = ("kxk", "1x1", "1x1_kxk", "1x1_avg", "1xk", "kx1", "identity")
@@ -204,6 +205,15 @@ def _zeros_acc(geometry: ConvGeometry, like: Tensor) -> Tensor:
     return torch.zeros(geometry.weight_shape, dtype=like.dtype, device=like.device)
 
 
+def _full_acc(acc: Tensor | None, geometry: ConvGeometry, like: Tensor) -> Tensor:
+    """A writable full-size accumulator from ``None`` or a broadcastable ``(O, C/g, 1, 1)`` one."""
+    if acc is None:
+        return _zeros_acc(geometry, like)
+    if tuple(acc.shape) != geometry.weight_shape:
+        return acc.expand(geometry.weight_shape).contiguous()
+    return acc
+
+
 def _new_bn(n: int, eps: float, momentum: float | None, factory: dict[str, Any]) -> nn.BatchNorm2d:
     return nn.BatchNorm2d(n, eps=eps, momentum=momentum, affine=True, **factory)
 
@@ -236,7 +246,9 @@ def _box_mean(z: Tensor, kernel_size: tuple[int, int]) -> Tensor:
         for i in range(2, kh):
             acc = acc.add_(z[..., i : (i + 1 - kh) or None, :])
         z = acc
-    return z * (1.0 / (kh * kw))
+    if kh * kw == 1:
+        return z * 1.0
+    return z.mul_(1.0 / (kh * kw))  # z is a fresh sum here
 
 
 def _pad_intermediate(z: Tensor, padding: tuple[int, int], mode: str, bn: nn.Module) -> Tensor:
@@ -289,10 +301,10 @@ class ConvBNBranch(nn.Module):
             bias.add_(t * c.to(dt))
         kh, kw = w.shape[2:]
         scale = t.view(-1, 1, 1, 1)
-        if acc is None and (kh, kw) == geometry.kernel_size:
-            return torch.mul(w, scale)  # promotes to the compute dtype in one pass
-        if acc is None:
-            acc = _zeros_acc(geometry, bias)
+        if (kh, kw) == geometry.kernel_size and (acc is None or tuple(acc.shape) != geometry.weight_shape):
+            # one pass that also promotes to the compute dtype (and adds a broadcast accumulator)
+            return torch.mul(w, scale) if acc is None else torch.addcmul(acc, w, scale)
+        acc = _full_acc(acc, geometry, bias)
         oh, ow = self.offset
         acc[:, :, oh : oh + kh, ow : ow + kw].addcmul_(w, scale)
         return acc
@@ -363,8 +375,7 @@ class OneByOneKxKBranch(nn.Module):
         t2, shift2 = bn_scale_shift(self.bn2, dt)
         d = w2.shape[1] * g
         dg = d // g
-        if acc is None:
-            acc = _zeros_acc(geometry, bias)
+        acc = _full_acc(acc, geometry, bias)
         acc_g = acc.view(g, o // g, cg, kh * kw)
         if isinstance(self.conv1, IdentityBasedConv1x1):
             # identity part: K[o, c', :] += t2[o] * t1[d=c'] * W2[o, c', :]
@@ -394,6 +405,10 @@ class AvgBranch(nn.Module):
     ``path="dense"``: ``1×1 (C→O, groups g) → BN → value pad P → AvgPool(K, stride s) → BN``.
     ``path="depthwise"`` (``g == C == O``): ``pad P → AvgPool(K, stride s) → BN`` (zero or
     ``padding_mode`` padding, ``count_include_pad=True``).
+
+    The pool has no parameters and no module: stride 1 is evaluated as shifted sums (the same
+    function as ``AvgPool2d``, several times faster on CPU), other strides with ``F.avg_pool2d``.
+    Neither is a multiply-accumulate for FLOP counters (pooling counts 0 by the project convention).
     """
 
     kind = "1x1_avg"
@@ -469,22 +484,23 @@ class AvgBranch(nn.Module):
         dt = bias.dtype
         kh, kw = self.kernel_size
         o, cg = geometry.out_channels, geometry.in_channels // geometry.groups
-        if acc is None:
-            acc = _zeros_acc(geometry, bias)
         if self.path == "dense":
             w1, c1 = conv_kernel_bias(self.conv, fast=True)
             t1, b1 = bn_scale_shift(self.bn1, dt)
             if c1 is not None:
                 b1 = b1 + t1 * c1.to(dt)
             t2, shift2 = bn_scale_shift(self.bn2, dt)
-            k1 = w1.reshape(o, cg).to(dt) * (t1 * t2 / (kh * kw)).view(-1, 1)
-            acc.add_(k1.view(o, cg, 1, 1))
+            k1 = (w1.reshape(o, cg).to(dt) * (t1 * t2 / (kh * kw)).view(-1, 1)).view(o, cg, 1, 1)
             bias.add_(shift2 + t2 * b1)
         else:  # depthwise: C/g == 1
             t, shift = bn_scale_shift(self.bn, dt)
-            acc.add_((t / (kh * kw)).view(o, 1, 1, 1))
+            k1 = (t / (kh * kw)).view(o, 1, 1, 1)
             bias.add_(shift)
-        return acc
+        if acc is None:
+            return k1  # broadcast over the window; the next branch expands it
+        if tuple(acc.shape) != geometry.weight_shape:
+            return acc + k1
+        return acc.add_(k1)
 
 class IdentityBranch(nn.Module):
     """``BatchNorm2d(C)`` on the input (needs ``C == O``, stride 1, size-preserving odd kernel)."""
@@ -512,8 +528,7 @@ class IdentityBranch(nn.Module):
     def accumulate_(self, acc: Tensor | None, bias: Tensor, geometry: ConvGeometry) -> Tensor:
         """In-place accumulation on the centre tap of the diagonal; see :meth:`ConvBNBranch.accumulate_`."""
         dt = bias.dtype
-        if acc is None:
-            acc = _zeros_acc(geometry, bias)
+        acc = _full_acc(acc, geometry, bias)
         t, shift = bn_scale_shift(self.bn, dt)
         c = geometry.in_channels
         cpg = c // geometry.groups

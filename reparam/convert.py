@@ -35,11 +35,10 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
 from .block import DiverseBranchBlock
-from .branches import FrozenIdentityBN
 from .changes import StructureChange
 from .errors import NotMergeableError, ReparamError, ReparamModeError
 from .geometry import ConvGeometry
-from .transforms import BNStats, bn_stats, fuse_bn
+from .transforms import BNStats, fuse_bn
 
 __all__ = [
     "SPEC_FORMAT",
@@ -62,9 +61,6 @@ logger = logging.getLogger("reparam")
 SPEC_FORMAT = "reparam.ModelSpec"
 SPEC_VERSION = 1
 _INFO_ATTR = "_reparam_info"
-
-Plan = "Mapping[str, Any] | Callable[[str, nn.Conv2d, nn.Module | None], Any] | None"
-
 
 # ---------------------------------------------------------------------------------------------
 # module helpers
@@ -376,7 +372,7 @@ def _capture_inputs(model: nn.Module, paths: list[str], batches: Any) -> dict[st
 
 def expand(
     model: nn.Module,
-    plan: Any = None,
+    plan: Mapping[str, Any] | Callable[[str, nn.Conv2d, nn.Module | None], Any] | None = None,
     branches: Any = None,
     *,
     inplace: bool = False,
@@ -417,6 +413,14 @@ def expand(
         return model if inplace else copy.deepcopy(model)
     if not inplace:
         model = copy.deepcopy(model)
+    if isinstance(model, nn.Conv2d):  # a bare conv is its own (conv-mode) block
+        kinds = plan.get("", branches) if isinstance(plan, Mapping) else (plan("", model, None) if plan else branches)
+        block = DiverseBranchBlock.from_conv(
+            model, None, kinds, anchor_norm=anchor_norm, calibration_input=calibration_input, init=init,
+            allow_new_bias=allow_new_bias, generator=generator,
+        )
+        block.host_path = ""
+        return block
     scan = find_conv_bn_pairs(model, example_input)
     info = _info(model)
     requests: list[tuple[str, Any, bool]] = []
@@ -628,15 +632,15 @@ def structure(model: nn.Module) -> dict[str, Any]:
     """JSON-serialisable ``ModelSpec`` of ``model`` (spec section 12): every outermost block's
     structure, the unexpanded conv→BN pairs, and the convs left unexpanded with their reasons."""
     info = _info(model)
-    blocks = {}
-    for path, blk in iter_blocks(model):
-        spec = blk.spec()
-        blocks[path] = spec
+    blocks = {path: blk.spec() for path, blk in iter_blocks(model)}
+    modules = dict(model.named_modules())
+    pair_eps = {b: float(modules[b].eps) for b in info["pairs"].values() if b in modules and hasattr(modules[b], "eps")}
     return {
         "format": SPEC_FORMAT,
         "version": SPEC_VERSION,
         "blocks": blocks,
         "pairs": dict(info["pairs"]),
+        "pair_eps": pair_eps,
         "skipped": dict(info["skipped"]),
     }
 
@@ -668,8 +672,12 @@ def build(model: nn.Module, spec: Mapping[str, Any], *, form: str = "train", inp
             raise ReparamError(f"{path} is a {type(conv).__name__}, expected nn.Conv2d")
         bn_path = bs.get("bn_path")
         bn = _get_module(model, bn_path) if bs.get("mode") == "conv_bn" and bn_path else None
-        if bs.get("mode") == "conv_bn" and bn is None:
-            raise ReparamError(f"{path}: conv_bn block spec without a BN path")
+        if bs.get("mode") == "conv_bn" and (bn is None or not _is_bn_like(bn)):
+            raise ReparamError(
+                f"{path}: the spec records a conv+BN block but the model has "
+                f"{type(bn).__name__ if bn is not None else 'no module'} at BN path {bn_path!r}; "
+                "build needs the host (plain) layout of the model"
+            )
         if form == "deploy":
             geometry = ConvGeometry.from_dict(bs["geometry"])
             new = geometry.make_conv(bias=True, device=conv.weight.device, dtype=conv.weight.dtype)

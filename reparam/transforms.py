@@ -362,7 +362,8 @@ def check_alignment(main: ConvGeometry, branch: ConvGeometry) -> tuple[int, int]
             raise AlignmentError(f"stride differs on the {name} axis: main {s}, branch {s_b}")
         if k > 1 and d_b != d:
             raise AlignmentError(f"dilation differs on the {name} axis: main {d}, branch {d_b}")
-        if (big_k - k) % 2 and k > 1 or (k == 1 and (d * (big_k - 1)) % 2):
+        centre_shift = (big_k - k) if k > 1 else d * (big_k - 1)  # twice the offset of centres, in taps
+        if centre_shift % 2:
             raise AlignmentError(
                 f"parity mismatch on the {name} axis: a size-{k} branch does not centre in a size-{big_k} "
                 f"kernel with dilation {d}"
@@ -492,7 +493,6 @@ class _ValuePad(torch.autograd.Function):
         return out
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, Tensor | None, None, None]:  # type: ignore[override]
         ph, pw, h, w = ctx.shape
         gx = grad[:, :, ph : ph + h, pw : pw + w] if ctx.needs_input_grad[0] else None

@@ -7,8 +7,14 @@ here, so every test module can ``import torchvision`` / ``import timm`` afterwar
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
+
+# The models under test are tiny: one intra-op thread is faster than two, and it keeps the suite
+# from thrashing when the machine is shared (FEDHETERO_TEST_THREADS overrides).
+torch.set_num_threads(int(os.environ.get("FEDHETERO_TEST_THREADS", "1")))
 
 from fedhetero._compat import import_torchvision
 

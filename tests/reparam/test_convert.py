@@ -324,8 +324,11 @@ def test_deploy_checkpoint_loads_into_deploy_built_model(gen) -> None:
 
 
 def test_merge_state_dict_detect_form_and_prefixes(gen) -> None:
-    expanded = perturb_(reparam.expand(make()), gen).eval()
+    model = make()
+    model.proj_bn.eps = 1e-3  # an unexpanded pair with a non-default eps: recorded in the spec
+    expanded = perturb_(reparam.expand(model), gen).eval()
     spec = reparam.structure(expanded)
+    assert spec["pair_eps"] == {"proj_bn": 1e-3}
     sd = {f"module._orig_mod.{k}": v for k, v in expanded.state_dict().items()}
     assert reparam.detect_form(sd) == "train"
     deploy_sd = reparam.merge_state_dict(sd, spec, target="deploy")
@@ -395,3 +398,16 @@ def test_rep_to_local_unfolds_into_unexpanded_local_pairs(gen) -> None:
     local.eval()
     with torch.no_grad():
         assert rel_err(local(x), global_model(x)) <= 1e-10
+
+
+def test_expand_bare_conv_and_sequential(gen) -> None:
+    conv = nn.Conv2d(4, 4, 3, padding=1).double()
+    block = reparam.expand(conv)
+    assert isinstance(block, DiverseBranchBlock) and block.mode == "conv" and isinstance(conv, nn.Conv2d)
+    x = torch.randn(2, 4, 6, 6, generator=gen, dtype=F64)
+    assert torch.equal(block(x), conv(x))
+    seq = nn.Sequential(nn.Conv2d(4, 4, 3, padding=1, bias=False), nn.BatchNorm2d(4), nn.ReLU()).double()
+    randomize_bn_(seq, gen)
+    expanded = reparam.expand(seq)
+    assert isinstance(expanded[0], DiverseBranchBlock) and isinstance(expanded[1], nn.Identity)
+    assert_bit_exact(seq, expanded, x)

@@ -60,17 +60,7 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("name, dtype, tol", CASES, ids=[c[0] for c in CASES])
-def test_model_round_trip(name, dtype, tol, tv, gen) -> None:
-    from fedhetero._compat import import_timm
-
-    def timm_loader():
-        try:
-            return import_timm()
-        except Exception as exc:  # pragma: no cover - depends on the installed wheels
-            pytest.skip(f"timm unavailable: {exc}")
-
-    build = _builders(tv, timm_loader)[name]
+def _round_trip(build, dtype: torch.dtype, tol: float, gen: torch.Generator) -> None:
     torch.manual_seed(0)
     model = build().to(dtype)
     randomize_bn_(model, gen)
@@ -115,6 +105,41 @@ def test_model_round_trip(name, dtype, tol, tv, gen) -> None:
     assert list(rebuilt.state_dict()) == list(expanded.state_dict())
     rebuilt.load_state_dict(expanded.state_dict(), strict=True)
     assert torch.equal(_run(rebuilt, x, False), y)
+
+
+@pytest.mark.parametrize("name, dtype, tol", CASES, ids=[c[0] for c in CASES])
+def test_model_round_trip(name, dtype, tol, tv, gen) -> None:
+    from fedhetero._compat import import_timm
+
+    def timm_loader():
+        try:
+            return import_timm()
+        except Exception as exc:  # pragma: no cover - depends on the installed wheels
+            pytest.skip(f"timm unavailable: {exc}")
+
+    _round_trip(_builders(tv, timm_loader)[name], dtype, tol, gen)
+
+
+ZOO = [
+    ("lenet5", {}),
+    ("cnn", {"norm": "none"}),
+    ("vgg11", {"norm": "none", "width": 0.25}),
+    ("vgg11", {"width": 0.25}),
+    ("resnet18", {"width": 0.25}),
+    pytest.param("googlenet", {"width": 0.125}, marks=pytest.mark.slow),
+]
+
+
+def _zoo_id(entry) -> str:
+    name, kwargs = entry.values if hasattr(entry, "values") else entry
+    return f"{name}-" + "-".join(f"{k}={v}" for k, v in kwargs.items())
+
+
+@pytest.mark.parametrize("name, kwargs", ZOO, ids=[_zoo_id(e) for e in ZOO])
+def test_zoo_round_trip(name, kwargs, gen) -> None:
+    """The project's model zoo (FedDUMAP CNN / VGG11 without BN / LeNet5 / CIFAR ResNet-18 / GoogLeNet)."""
+    zoo = pytest.importorskip("models")
+    _round_trip(lambda: zoo.build_model(name, num_classes=10, **kwargs), torch.float64, 1e-9, gen)
 
 
 def test_timm_reparameterize_model_merges_our_blocks(tv, timm_module, gen) -> None:

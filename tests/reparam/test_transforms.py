@@ -412,4 +412,5 @@ def test_value_pad_copies_interior_and_is_differentiable(gen) -> None:
         assert torch.equal(y[:, :, i, j], v.expand(2, 3))
     assert torch.equal(y[:, :, 3, 0], v.expand(2, 3)) and torch.equal(y[:, :, 2, 8], v.expand(2, 3))
     assert torch.autograd.gradcheck(lambda a, b: T.value_pad(a, (1, 2), b), (x, v))
+    assert torch.autograd.gradgradcheck(lambda a, b: T.value_pad(a, (1, 2), b), (x, v))  # Hessian methods
     assert T.value_pad(x, (0, 0), v) is x
