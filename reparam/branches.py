@@ -67,6 +67,7 @@ KINDS: tuple[str, ...] = ("kxk", "1x1", "1x1_kxk", "1x1_avg", "1xk", "kx1", "ide
 
 # value padding is a leaf for torch.fx (it slice-assigns into a fresh tensor)
 torch.fx.wrap("value_pad")
+torch.fx.wrap("_box_mean")
 
 _PAD_MODE = {"reflect": "reflect", "replicate": "replicate", "circular": "circular"}
 
@@ -231,11 +232,8 @@ def _pad_value(bn: nn.Module) -> Tensor:
     return value
 
 
-def _box_mean(z: Tensor, kernel_size: tuple[int, int]) -> Tensor:
-    """Stride-1 ``K_h × K_w`` mean filter without padding, as shifted sums (the same function as
-    ``F.avg_pool2d(z, K, 1)``; several times faster on CPU, and not a multiply-accumulate for FLOP
-    counters, like pooling)."""
-    kh, kw = kernel_size
+def _box_sum(z: Tensor, kh: int, kw: int) -> Tensor:
+    """``K_h × K_w`` window sums of ``z`` (stride 1, no padding) as shifted adds; a fresh tensor."""
     if kw > 1:
         acc = z[..., : 1 - kw] + z[..., 1 : (2 - kw) or None]
         for j in range(2, kw):
@@ -246,9 +244,30 @@ def _box_mean(z: Tensor, kernel_size: tuple[int, int]) -> Tensor:
         for i in range(2, kh):
             acc = acc.add_(z[..., i : (i + 1 - kh) or None, :])
         z = acc
-    if kh * kw == 1:
-        return z * 1.0
-    return z.mul_(1.0 / (kh * kw))  # z is a fresh sum here
+    return z if kh * kw > 1 else z.clone()
+
+
+class _BoxMean(torch.autograd.Function):
+    """Stride-1 mean filter. The backward is the transposed filter (a box sum of the zero-padded
+    gradient), two shifted passes instead of one zero-filled tensor per tap."""
+
+    @staticmethod
+    def forward(ctx: Any, z: Tensor, kh: int, kw: int) -> Tensor:  # type: ignore[override]
+        ctx.kernel = (kh, kw)
+        return _box_sum(z, kh, kw).mul_(1.0 / (kh * kw))
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:  # type: ignore[override]
+        kh, kw = ctx.kernel
+        padded = F.pad(grad, (kw - 1, kw - 1, kh - 1, kh - 1))
+        return _box_sum(padded, kh, kw).mul_(1.0 / (kh * kw)), None, None
+
+
+def _box_mean(z: Tensor, kernel_size: tuple[int, int]) -> Tensor:
+    """Stride-1 ``K_h × K_w`` mean filter without padding: the same function as
+    ``F.avg_pool2d(z, K, 1)``, several times faster on CPU (forward and backward), and, like pooling,
+    not a multiply-accumulate for FLOP counters."""
+    return _BoxMean.apply(z, int(kernel_size[0]), int(kernel_size[1]))
 
 
 def _pad_intermediate(z: Tensor, padding: tuple[int, int], mode: str, bn: nn.Module) -> Tensor:

@@ -338,12 +338,39 @@ def _hooks_for(model: nn.Module, sizes: dict | None, macs: dict | None) -> list:
     return hooks
 
 
+def _signature(model: nn.Module, input_shape: Sequence[int]) -> tuple:
+    """What the measured sizes and MACs depend on: the module tree, every conv's geometry and every
+    weight's shape (not the values)."""
+    parts: list[tuple] = [tuple(input_shape), type(model).__qualname__]
+    for path, m in model.named_modules():
+        w = getattr(m, "weight", None)
+        shape = tuple(w.shape) if isinstance(w, torch.Tensor) else ()
+        if isinstance(m, nn.Conv2d):
+            parts.append((path, "Conv2d", shape, m.stride, m.padding, m.dilation, m.groups))
+        else:
+            parts.append((path, type(m).__qualname__, shape))
+    return tuple(parts)
+
+
+_MEASURE_CACHE: dict[tuple, tuple[dict[str, tuple[int, int]], dict[str, int]]] = {}
+
+
 def measure(model: nn.Module, input_shape: Sequence[int]) -> tuple[dict[str, tuple[int, int]], dict[str, int]]:
-    """:func:`input_sizes` and :func:`layer_macs` from one forward pass."""
-    sizes: dict[str, tuple[int, int]] = {}
-    macs: dict[str, int] = {}
-    _run_once(model, input_shape, _hooks_for(model, sizes, macs))
-    return sizes, macs
+    """:func:`input_sizes` and :func:`layer_macs` from one forward pass.
+
+    Results are cached by the model's structure signature (module tree, conv geometry, weight
+    shapes, input shape), so re-measuring an unchanged structure costs no forward pass; fresh
+    dicts are returned every time."""
+    key = _signature(model, input_shape)
+    hit = _MEASURE_CACHE.get(key)
+    if hit is None:
+        sizes: dict[str, tuple[int, int]] = {}
+        macs: dict[str, int] = {}
+        _run_once(model, input_shape, _hooks_for(model, sizes, macs))
+        if len(_MEASURE_CACHE) > 2048:
+            _MEASURE_CACHE.clear()
+        hit = _MEASURE_CACHE[key] = (sizes, macs)
+    return dict(hit[0]), dict(hit[1])
 
 
 def input_sizes(model: nn.Module, input_shape: Sequence[int]) -> dict[str, tuple[int, int]]:
@@ -353,9 +380,7 @@ def input_sizes(model: nn.Module, input_shape: Sequence[int]) -> dict[str, tuple
     A module called several times keeps its first call. The path of a block is the path of the
     conv it replaced in the host model.
     """
-    sizes: dict[str, tuple[int, int]] = {}
-    _run_once(model, input_shape, _hooks_for(model, sizes, None))
-    return sizes
+    return measure(model, input_shape)[0]
 
 
 def layer_macs(model: nn.Module, input_shape: Sequence[int]) -> dict[str, int]:
@@ -364,9 +389,7 @@ def layer_macs(model: nn.Module, input_shape: Sequence[int]) -> dict[str, int]:
     Modules called several times in one forward pass are summed. Convs inside blocks are included
     under their full path (e.g. ``layer1.0.conv1.branches.1x1.conv``).
     """
-    macs: dict[str, int] = {}
-    _run_once(model, input_shape, _hooks_for(model, None, macs))
-    return macs
+    return measure(model, input_shape)[1]
 
 
 def model_macs(model: nn.Module, input_shape: Sequence[int]) -> int:
