@@ -27,11 +27,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from fedhetero.algorithms._widths import WidthPlanner
+from fedhetero.algorithms.base import state_bytes
 
 if TYPE_CHECKING:  # pragma: no cover
     from fedhetero.engine import Context
 
 __all__ = [
+    "member_client_model",
+    "member_upload_parts",
     "FamilyMember",
     "ModelFamily",
     "PublicDataError",
@@ -113,6 +116,30 @@ def logits_on(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
     out = model(x)
     model.train(was)
     return out
+
+
+def member_client_model(family: "ModelFamily", tier_models: dict[str, nn.Module], client: Any) -> nn.Module:
+    """A copy of the tier model that fits the client's budget, tagged with its tier."""
+    member = family.for_budget(client.budget_macs, client.tier)
+    model = copy.deepcopy(tier_models[member.tier])
+    model._fedhetero_member = member.tier  # type: ignore[attr-defined]
+    return model
+
+
+def member_upload_parts(
+    ctx: "Context", client: Any, model: nn.Module, result: dict[str, Any], teachers: list[nn.Module]
+) -> tuple[dict[str, torch.Tensor], int, dict[str, Any], int]:
+    """``(state, macs, metrics, bytes)`` of a family member's upload; the trained model joins
+    ``teachers`` (in eval mode) for the server's distillation."""
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    macs = ctx.macs(model)
+    metrics = {k: v for k, v in result.items() if k != "optimizer"}
+    metrics["member"] = getattr(model, "_fedhetero_member")
+    if client.budget_after_change is not None:
+        metrics["fits_after_change"] = bool(macs <= client.budget_after_change * (1 + 1e-9))
+    model.eval()
+    teachers.append(model)
+    return state, macs, metrics, state_bytes(state)
 
 
 @dataclass(frozen=True)

@@ -42,6 +42,8 @@ import torch
 from torch import nn
 
 from fedhetero.algorithms._kd import (
+    member_client_model,
+    member_upload_parts,
     ModelFamily,
     distill,
     kd_loss,
@@ -105,22 +107,10 @@ class FedDF(Algorithm):
 
     # ------------------------------------------------------------------ clients
     def client_model(self, ctx: "Context", client: ClientInfo) -> nn.Module:
-        member = self.family.for_budget(client.budget_macs, client.tier)
-        model = copy.deepcopy(self.tier_models[member.tier])
-        model._fedhetero_member = member.tier  # type: ignore[attr-defined]
-        return model
+        return member_client_model(self.family, self.tier_models, client)
 
     def upload(self, ctx: "Context", client: ClientInfo, model: nn.Module, result: dict[str, Any]) -> ClientUpdate:
-        member = getattr(model, "_fedhetero_member")
-        state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-        macs = ctx.macs(model)
-        metrics = {k: v for k, v in result.items() if k != "optimizer"}
-        metrics["member"] = member
-        if client.budget_after_change is not None:
-            metrics["fits_after_change"] = bool(macs <= client.budget_after_change * (1 + 1e-9))
-        model.eval()
-        self._teachers.append(model)
-        nbytes = state_bytes(state)
+        state, macs, metrics, nbytes = member_upload_parts(ctx, client, model, result, self._teachers)
         return ClientUpdate(
             cid=client.cid,
             num_samples=client.num_samples,
@@ -131,7 +121,7 @@ class FedDF(Algorithm):
             bytes_down=nbytes,
             tier=client.tier,
             metrics=metrics,
-            payload={"member": member},
+            payload={"member": metrics["member"]},
         )
 
     # ------------------------------------------------------------------ server

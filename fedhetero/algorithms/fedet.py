@@ -46,7 +46,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fedhetero.algorithms._kd import ModelFamily, distill, kd_loss, logits_on, public_batches, public_indices
+from fedhetero.algorithms._kd import (
+    ModelFamily,
+    distill,
+    kd_loss,
+    logits_on,
+    member_client_model,
+    member_upload_parts,
+    public_batches,
+    public_indices,
+)
 from fedhetero.algorithms.base import Algorithm, ClientInfo, ClientUpdate, state_bytes, weighted_average
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -155,26 +164,14 @@ class FedET(Algorithm):
 
     # ------------------------------------------------------------------ clients
     def client_model(self, ctx: "Context", client: ClientInfo) -> nn.Module:
-        member = self.family.for_budget(client.budget_macs, client.tier)
-        model = copy.deepcopy(self.tier_models[member.tier])
-        model._fedhetero_member = member.tier  # type: ignore[attr-defined]
-        return model
+        return member_client_model(self.family, self.tier_models, client)
 
     def upload(self, ctx: "Context", client: ClientInfo, model: nn.Module, result: dict[str, Any]) -> ClientUpdate:
-        member = getattr(model, "_fedhetero_member")
-        state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-        macs = ctx.macs(model)
-        metrics = {k: v for k, v in result.items() if k != "optimizer"}
-        metrics["member"] = member
-        if client.budget_after_change is not None:
-            metrics["fits_after_change"] = bool(macs <= client.budget_after_change * (1 + 1e-9))
-        model.eval()
-        self._teachers.append(model)
-        nbytes = state_bytes(state)
+        state, macs, metrics, nbytes = member_upload_parts(ctx, client, model, result, self._teachers)
         return ClientUpdate(
             cid=client.cid, num_samples=client.num_samples, state=state, macs=macs,
             budget_macs=client.budget_macs, bytes_up=nbytes, bytes_down=nbytes, tier=client.tier,
-            metrics=metrics, payload={"member": member},
+            metrics=metrics, payload={"member": metrics["member"]},
         )
 
     # ------------------------------------------------------------------ server

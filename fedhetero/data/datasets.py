@@ -489,7 +489,7 @@ def _load_cifar(
             if names is not None and len(names) == num_classes:
                 class_names = tuple(n.decode() if isinstance(n, bytes) else str(n) for n in names)
         except DatasetFormatError:
-            pass  # class names are cosmetic
+            class_names = None  # a malformed meta file only loses the (cosmetic) class names
     if normalize:
         _normalize_(images, mean, std)
     return ArrayDataset(
