@@ -34,11 +34,12 @@ import numpy as np
 import torch
 from torch import nn
 
+from reparam.flops import model_macs
+
 __all__ = [
     "macs",
     "fvcore_macs",
-    "hook_macs",
-    "count_params",
+        "count_params",
     "DEFAULT_WIDTH_GRID",
     "HETEROFL_LEVELS",
     "width_grid",
@@ -138,58 +139,12 @@ def fvcore_macs(model: nn.Module, input_shape: Sequence[int]) -> int:
     return total
 
 
-def hook_macs(model: nn.Module, input_shape: Sequence[int]) -> int:
-    """Local closed-form counter (forward hooks on every ``Conv2d``/``Linear`` call; eval mode, batch
-    1, ``no_grad``; flags restored). Same convention as ``reparam.flops.model_macs``; used by
-    :func:`macs` only when ``reparam.flops`` is unavailable."""
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
-    shape = _check_shape(input_shape)
-    total = 0
-
-    def conv_hook(m: nn.Conv2d, inp: Any, out: torch.Tensor) -> None:
-        nonlocal total
-        total += out[0].numel() * (m.in_channels // m.groups) * m.kernel_size[0] * m.kernel_size[1]
-
-    def linear_hook(m: nn.Linear, inp: Any, out: torch.Tensor) -> None:
-        nonlocal total
-        total += (out[0].numel() if out.dim() > 1 else out.numel()) * m.in_features
-
-    handles = []
-    for m in model.modules():
-        if isinstance(m, nn.Conv2d):
-            handles.append(m.register_forward_hook(conv_hook))
-        elif isinstance(m, nn.Linear):
-            handles.append(m.register_forward_hook(linear_hook))
-    flags = {m: m.training for m in model.modules()}
-    try:
-        model.eval()
-        with torch.no_grad():
-            model(_example(model, shape))
-    finally:
-        for h in handles:
-            h.remove()
-        for m, t in flags.items():
-            m.training = t
-    return int(total)
-
-
-def _closed_form() -> Callable[[nn.Module, Sequence[int]], int]:
-    try:
-        from reparam.flops import model_macs
-    except ImportError:  # pragma: no cover - reparam ships with this package
-        return hook_macs
-    return model_macs
-
-
 def macs(model: nn.Module, input_shape: Sequence[int]) -> int:
-    """Forward MACs per sample of ``model`` at ``input_shape = (C, H, W)`` (project convention).
-
+    """Forward MACs per sample of ``model`` at ``input_shape = (C, H, W)`` (project convention):
     ``reparam.flops.model_macs`` (hooked eval-mode forward of one sample; counts every conv inside
-    Diverse Branch Blocks), or :func:`hook_macs` if ``reparam.flops`` cannot be imported. Agrees
-    exactly with :func:`fvcore_macs` and with ``FlopCounterMode`` ÷ 2 on conv/linear models.
-    """
-    return int(_closed_form()(model, _check_shape(input_shape)))
+    Diverse Branch Blocks). Agrees exactly with :func:`fvcore_macs` and with ``FlopCounterMode`` ÷ 2
+    on conv/linear models (tested)."""
+    return int(model_macs(model, _check_shape(input_shape)))
 
 
 def count_params(model: nn.Module, *, trainable_only: bool = False) -> int:

@@ -297,14 +297,18 @@ def _probe(model: nn.Module) -> tuple[torch.dtype, torch.device]:
     return torch.get_default_dtype(), torch.device("cpu")
 
 
-def _run_once(model: nn.Module, input_shape: Sequence[int], hooks: Iterable[tuple[nn.Module, Any]]) -> None:
+def _run_once(
+    model: nn.Module, input_shape: Sequence[int], hooks: Iterable[tuple[nn.Module, Any]], *, grad: bool = False
+) -> None:
+    """One eval-mode forward of a single zero sample with ``hooks`` attached; train/eval flags are
+    restored. ``grad=True`` keeps autograd on (hooks can then see which inputs require grad)."""
     shape = _shape_input(input_shape)
     dtype, device = _probe(model)
     handles = [m.register_forward_hook(fn) for m, fn in hooks]
     flags = {m: m.training for m in model.modules()}
     try:
         model.eval()
-        with torch.no_grad():
+        with torch.set_grad_enabled(grad):
             model(torch.zeros((1, *shape), dtype=dtype, device=device))
     finally:
         for h in handles:
@@ -412,8 +416,6 @@ def train_macs(model: nn.Module, input_shape: Sequence[int]) -> int:
     Layers without trainable parameters get no weight-gradient term. Measured with one forward pass
     in eval mode with autograd on (no backward is run).
     """
-    shape = _shape_input(input_shape)
-    dtype, device = _probe(model)
     total = 0
     hooks = []
 
@@ -436,17 +438,7 @@ def train_macs(model: nn.Module, input_shape: Sequence[int]) -> int:
     for path, m in model.named_modules():
         if isinstance(m, (nn.Conv2d, nn.Linear)):
             hooks.append((m, make(path, m)))
-    handles = [m.register_forward_hook(fn) for m, fn in hooks]
-    flags = {m: m.training for m in model.modules()}
-    try:
-        model.eval()
-        with torch.enable_grad():
-            model(torch.zeros((1, *shape), dtype=dtype, device=device))
-    finally:
-        for h in handles:
-            h.remove()
-        for m, t in flags.items():
-            m.training = t
+    _run_once(model, input_shape, hooks, grad=True)
     return int(total)
 
 

@@ -20,7 +20,6 @@ from fedhetero.budget import (
     assign_tiers,
     count_params,
     fvcore_macs,
-    hook_macs,
     largest_width,
     macs,
     tier_budgets,
@@ -28,6 +27,7 @@ from fedhetero.budget import (
     width_grid,
 )
 from models import build_model
+from reparam.flops import model_macs as hook_macs  # the closed-form (hook) counter
 
 
 # ------------------------------------------------------------------ counters

@@ -7,7 +7,8 @@ import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from fedhetero.budget import count_params, fvcore_macs, hook_macs, macs
+from fedhetero.budget import count_params, fvcore_macs, macs
+from reparam.flops import model_macs as hook_macs  # the closed-form (hook) counter
 from fedhetero.submodel import extract_state, prefix_spec
 from models import build_model, list_models
 from models.groups import CLASSES, INPUT, ChannelGroups, scale_channels
