@@ -119,6 +119,7 @@ class RunConfig:
     device: str = "cpu"
     threads: int | None = None
     deterministic: bool = True
+    tune_malloc: bool = True  # keep freed activation memory in the heap (glibc; see reparam.allocator)
     dtype: Literal["float32", "float64"] = "float32"
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)

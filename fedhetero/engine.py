@@ -46,6 +46,7 @@ from fedhetero.config import (
 from fedhetero.data import build_federated_data, iterate_batches, save_partition
 from fedhetero.store import ClientStateStore, atomic_save
 from fedhetero.timemodel import ClientCost, TimeModel, smoothed_final_accuracy
+from reparam.allocator import tune_malloc
 
 _TIME_MODEL = TimeModel()
 
@@ -333,6 +334,8 @@ class Engine:
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
         device = torch.device(cfg.device)
+        if cfg.tune_malloc and device.type == "cpu":
+            tune_malloc()
         if cfg.deterministic and device.type == "cuda":
             # CPU kernels used here are deterministic already; on CUDA pick deterministic algorithms
             torch.use_deterministic_algorithms(True, warn_only=True)

@@ -6,7 +6,11 @@ Measured side by side in one run, with warm-up iterations, interleaved repeats a
   ``reparam.merge(model)``, which deep-copies the model first;
 * inference time (eval mode, ``no_grad``) of the merged, the expanded and the plain original model;
 * training-step time (forward, backward, SGD step) of the expanded and the plain model, next to
-  their forward-MAC ratio, and the overhead per MAC = step-time ratio ÷ MAC ratio.
+  their forward-MAC ratio, and the overhead per MAC = step-time ratio ÷ MAC ratio. Measured twice:
+  first with the C allocator as the process found it, then after :func:`reparam.allocator.tune_malloc`
+  (freed activation memory stays in the heap; the ``fedhetero`` trainer runs this way), where the
+  expanded model is also timed with the per-branch forward (:func:`reparam.fused.fused_training`
+  off) to show what the fused training forward saves. The target row is the tuned one.
 
 Reference numbers of the upstream implementation that the library replaces are printed alongside.
 
@@ -155,11 +159,12 @@ def run_benchmark(
     warmup: int = 1,
     threads: int | None = 2,
     branches: Sequence[str] | None = None,
-    merge_repeats: int = 3,
-    train_repeats: int = 2,
+    merge_repeats: int = 5,
+    train_repeats: int = 3,
     model: nn.Module | None = None,
     input_size: int = 32,
     seed: int = 0,
+    tune_allocator: bool = True,
 ) -> dict:
     """Measure merge time, inference and training-step cost; return a JSON-able dict.
 
@@ -170,10 +175,12 @@ def run_benchmark(
         branches: branch kinds for ``reparam.expand`` (default: the library's default set).
         merge_repeats: timed repeats of the whole-model merge.
         train_repeats: timed training steps per model (median; training dominates the run time).
+        tune_allocator: also time training after :func:`reparam.allocator.tune_malloc` (the target
+            row); with ``False`` the allocator is left alone and the first measurement is the target.
         model: a plain model to use instead of the CIFAR ResNet-18 (input ``3 × input_size²``).
         seed: seed of the random data and BN statistics.
     """
-    from . import convert, flops
+    from . import allocator, convert, flops, fused
 
     for name, v in (
         ("batch", batch), ("repeats", repeats), ("merge_repeats", merge_repeats), ("train_repeats", train_repeats)
@@ -214,9 +221,14 @@ def run_benchmark(
 
         # merge time: in place (pure merge cost) and reparam.merge(model) (deep copy included)
         convert.merge(expanded)  # warm-up
+        convert.merge(copy.deepcopy(expanded), inplace=True)
         merge_s = statistics.median(_timed(lambda: convert.merge(expanded)) for _ in range(merge_repeats))
-        copies = [copy.deepcopy(expanded) for _ in range(merge_repeats)]
-        merge_inplace_s = statistics.median(_timed(lambda c=c: convert.merge(c, inplace=True)) for c in copies)
+        merge_inplace = []
+        for _ in range(merge_repeats):  # one copy alive at a time
+            c = copy.deepcopy(expanded)
+            merge_inplace.append(_timed(lambda c=c: convert.merge(c, inplace=True)))
+            del c
+        merge_inplace_s = statistics.median(merge_inplace)
         merged = convert.merge(expanded)
         merged.eval()
         with torch.no_grad():
@@ -231,16 +243,27 @@ def run_benchmark(
         )
         plain_t = copy.deepcopy(plain).train()
         expanded_t = copy.deepcopy(expanded).train()
-        train = _interleaved(
-            {"plain": _train_step_fn(plain_t, x, y), "expanded": _train_step_fn(expanded_t, x, y)},
-            warmup,
-            train_repeats,
-        )
+        steps = {"plain": _train_step_fn(plain_t, x, y), "expanded": _train_step_fn(expanded_t, x, y)}
+        tuned_before = allocator.malloc_tuned()
+        train_system = _interleaved(steps, warmup, train_repeats)
+        train = train_system
+        tuned = False
+        if tune_allocator:
+            tuned = allocator.tune_malloc()
+        if tuned:
+            per_branch = _train_step_fn(copy.deepcopy(expanded).train(), x, y)
+
+            def unfused() -> None:
+                with fused.fused_training(False):
+                    per_branch()
+
+            train = _interleaved({**steps, "expanded_per_branch": unfused}, warmup, train_repeats)
     finally:
         torch.set_num_threads(old_threads)
 
     macs_ratio = macs_expanded / macs_plain
     step_ratio = train["expanded"] / train["plain"]
+    system_ratio = train_system["expanded"] / train_system["plain"]
     return {
         "model": model_name,
         "batch": batch,
@@ -263,6 +286,12 @@ def run_benchmark(
         "train_step_ms": {k: v * 1e3 for k, v in train.items()},
         "step_ratio": step_ratio,
         "overhead_per_mac": step_ratio / macs_ratio,
+        "malloc_tuned": tuned,
+        "malloc_tuned_before": tuned_before,
+        "train_step_ms_system_malloc": {k: v * 1e3 for k, v in train_system.items()},
+        "step_ratio_system_malloc": system_ratio,
+        "overhead_per_mac_system_malloc": system_ratio / macs_ratio,
+        "per_branch_step_ratio": (train["expanded_per_branch"] / train["plain"]) if "expanded_per_branch" in train else None,
         "targets": dict(TARGETS),
         "upstream": dict(UPSTREAM),
     }
@@ -309,9 +338,19 @@ def _print_table(res: dict) -> None:
     t.add_row("inference merged (ms)", f"{inf['merged']:.1f}", "", "", "")
     t.add_row("merged / plain", f"{res['merged_over_plain']:.3f}", "<= 1.02",
               ok(res["merged_over_plain"], TARGETS["merged_over_plain"]), f"{up['merged_over_plain']:.2f}")
-    t.add_row("train step plain (ms)", f"{tr['plain']:.1f}", "", "", "")
-    t.add_row("train step expanded (ms)", f"{tr['expanded']:.1f}", "", "", "")
     t.add_row("MACs expanded / plain", f"{res['macs_ratio']:.2f}", "", "", f"{up['macs_ratio']:.2f}")
+    sys_tr = res["train_step_ms_system_malloc"]
+    label = "allocator as found" + (" (already tuned)" if res["malloc_tuned_before"] else "")
+    if res["malloc_tuned"]:
+        t.add_row(f"train step plain / expanded, {label} (ms)", f"{sys_tr['plain']:.0f} / {sys_tr['expanded']:.0f}",
+                  "", "", "")
+        t.add_row("  overhead per MAC, allocator as found", f"{res['overhead_per_mac_system_malloc']:.2f}", "", "", "")
+        t.add_row("train step plain / expanded, tuned malloc (ms)", f"{tr['plain']:.0f} / {tr['expanded']:.0f}",
+                  "", "", "")
+        t.add_row("  expanded, per-branch forward (ms)", f"{tr['expanded_per_branch']:.0f}", "", "", "")
+        t.add_row("  step time expanded / plain, per-branch forward", f"{res['per_branch_step_ratio']:.2f}", "", "", "")
+    else:
+        t.add_row(f"train step plain / expanded, {label} (ms)", f"{tr['plain']:.0f} / {tr['expanded']:.0f}", "", "", "")
     t.add_row("step time expanded / plain", f"{res['step_ratio']:.2f}", "", "", f"{up['step_ratio']:.2f}")
     t.add_row("overhead per MAC (time ratio / MACs ratio)", f"{res['overhead_per_mac']:.2f}", "<= 1.3",
               ok(res["overhead_per_mac"], TARGETS["overhead_per_mac"]), f"{up['overhead_per_mac']:.2f}")
@@ -322,14 +361,16 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m reparam.bench", description=__doc__.split("\n\n")[0])
     p.add_argument("--batch", type=int, default=64, help="batch size (default 64)")
     p.add_argument("--repeats", type=int, default=3, help="timed inference repeats, median reported (default 3)")
-    p.add_argument("--train-repeats", type=int, default=2, help="timed training steps per model (default 2)")
-    p.add_argument("--merge-repeats", type=int, default=3, help="timed whole-model merges (default 3)")
+    p.add_argument("--train-repeats", type=int, default=3, help="timed training steps per model (default 3)")
+    p.add_argument("--merge-repeats", type=int, default=5, help="timed whole-model merges (default 5)")
     p.add_argument("--warmup", type=int, default=1, help="untimed warm-up calls (default 1)")
     p.add_argument("--threads", type=int, default=2, help="torch threads (default 2; 0 = keep torch's)")
     p.add_argument("--branches", type=str, default=None,
                    help="comma-separated branch kinds for expand (default: the library default set)")
     p.add_argument("--json", type=str, default=None, metavar="PATH", help="also write the results as JSON")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-tune-malloc", action="store_true",
+                   help="leave the C allocator alone (time training once, as the process found it)")
     return p
 
 
@@ -348,6 +389,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         threads=args.threads or None,
         branches=branches,
         seed=args.seed,
+        tune_allocator=not args.no_tune_malloc,
     )
     _print_table(res)
     if args.json:

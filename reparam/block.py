@@ -35,9 +35,11 @@ from .branches import (
     FrozenIdentityBN,
     IdentityBasedConv1x1,
     OneByOneKxKBranch,
+    acc_shape,
     applicability,
     make_branch,
 )
+from . import fused
 from .changes import StructureChange
 from .errors import AlignmentError, NotMergeableError, ReparamError, ReparamModeError
 from .geometry import ConvGeometry
@@ -459,6 +461,8 @@ class DiverseBranchBlock(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         if self.reparam_conv is not None:
             return self.reparam_conv(x)
+        if self.training and len(self._order) > 1 and fused.usable(self, x):
+            return fused.block_forward(self, x)
         order = self._order
         out = self.branches[order[0]](x)
         if len(order) > 1:
@@ -475,27 +479,77 @@ class DiverseBranchBlock(nn.Module):
         pairs = [self.branches[n].equivalent_kernel_bias(self.geometry, dtype) for n in self._order]  # type: ignore[operator]
         return add_branches(pairs)
 
+    #: elements of one chunk of the merge accumulator (2 MiB in float64): the chunked merge writes
+    #: each chunk of output rows straight into the target conv, so its float64 temporaries stay in
+    #: cache instead of making several passes over a full-size float64 kernel
+    MERGE_CHUNK_ELEMENTS: int = 1 << 18
+
     @torch.no_grad()
-    def _merged_pair(self, dtype: torch.dtype = torch.float64, names: Iterable[str] | None = None) -> tuple[Tensor, Tensor]:
+    def _merged_pair(
+        self,
+        dtype: torch.dtype = torch.float64,
+        names: Iterable[str] | None = None,
+        out: tuple[Tensor, Tensor] | None = None,
+    ) -> tuple[Tensor, Tensor]:
         """Non-differentiable equivalent pair accumulated in place in ``dtype`` (the merge path).
 
-        ``names`` restricts the sum to some branches (default: all present).
+        ``names`` restricts the sum to some branches (default: all present). With ``out`` (a weight
+        and a bias tensor of the merged conv, any dtype) the pair is computed in chunks of output
+        channels, each cast into ``out`` as soon as it is complete; ``out`` is returned.
         """
         if self.reparam_conv is not None:
-            return self.reparam_conv.weight.to(dtype, copy=True), self.reparam_conv.bias.to(dtype, copy=True)
+            pair = self.reparam_conv.weight.to(dtype, copy=True), self.reparam_conv.bias.to(dtype, copy=True)
+            if out is not None:
+                out[0].copy_(pair[0])
+                out[1].copy_(pair[1])
+                return out
+            return pair
         chosen = list(self._order if names is None else [n for n in self._order if n in set(names)])
         if "1x1_avg" in chosen:  # its kernel is a broadcast (O, C/g, 1, 1) term: start with it
             chosen.remove("1x1_avg")
             chosen.insert(0, "1x1_avg")
         device = self._factory()["device"]
-        bias = torch.zeros(self.geometry.out_channels, dtype=dtype, device=device)
+        if out is None:
+            return self._accumulate(chosen, dtype, device, None)
+        chunks = self._row_chunks()
+        terms = None
+        if len(chunks) > 1:  # per-branch vectors once, not once per chunk
+            terms = {n: self.branches[n].merge_terms(self.geometry, dtype) for n in chosen}  # type: ignore[operator]
+        for rows in chunks:
+            k, b = self._accumulate(chosen, dtype, device, rows, terms)
+            target = (out[0], out[1]) if rows is None else (out[0][rows], out[1][rows])
+            target[0].copy_(k)
+            target[1].copy_(b)
+        return out
+
+    def _row_chunks(self) -> list[slice | None]:
+        """Output-row chunks of about :attr:`MERGE_CHUNK_ELEMENTS` elements; each lies inside one
+        group or covers whole groups. ``[None]`` when the kernel is one chunk."""
+        o, cg, kh, kw = self.geometry.weight_shape
+        per_group = o // self.geometry.groups
+        rows = max(1, self.MERGE_CHUNK_ELEMENTS // (cg * kh * kw))
+        if rows >= o:
+            return [None]
+        if rows >= per_group:  # whole groups per chunk
+            step = (rows // per_group) * per_group
+            return [slice(s, min(o, s + step)) for s in range(0, o, step)]
+        # chunks inside each group
+        return [slice(g0 + s, min(g0 + per_group, g0 + s + rows)) for g0 in range(0, o, per_group) for s in range(0, per_group, rows)]
+
+    def _accumulate(
+        self, chosen: Sequence[str], dtype: torch.dtype, device: Any, rows: slice | None,
+        terms: Mapping[str, Any] | None = None,
+    ) -> tuple[Tensor, Tensor]:
+        shape = acc_shape(self.geometry, rows)
+        bias = torch.zeros(shape[0], dtype=dtype, device=device)
         acc: Tensor | None = None
         for n in chosen:
-            acc = self.branches[n].accumulate_(acc, bias, self.geometry)  # type: ignore[operator]
+            t = None if terms is None else terms[n]
+            acc = self.branches[n].accumulate_(acc, bias, self.geometry, rows, t)  # type: ignore[operator]
         if acc is None:
-            acc = torch.zeros(self.geometry.weight_shape, dtype=dtype, device=device)
-        elif tuple(acc.shape) != self.geometry.weight_shape:
-            acc = acc.expand(self.geometry.weight_shape).contiguous()
+            acc = torch.zeros(shape, dtype=dtype, device=device)
+        elif tuple(acc.shape) != shape:
+            acc = acc.expand(shape).contiguous()
         return acc, bias
 
     def get_equivalent_kernel_bias(self) -> tuple[Tensor, Tensor]:
@@ -527,12 +581,20 @@ class DiverseBranchBlock(nn.Module):
                     "only (it uses running statistics): call model.eval() first, or pass require_eval=False"
                 )
 
-    def merge(self, *, require_eval: bool = True, compute_dtype: torch.dtype = torch.float64) -> nn.Conv2d:
+    def merge(
+        self, *, require_eval: bool = True, compute_dtype: torch.dtype = torch.float64, consume: bool = False
+    ) -> nn.Conv2d:
         """The plain ``nn.Conv2d`` (with bias) equal to this block in eval mode.
 
         Built with keyword arguments from :attr:`geometry`, computed in ``compute_dtype`` (float64)
-        and cast to the parameter dtype and device; the parameters are trainable. The block itself is
-        not modified. Idempotent: a deployed block returns its conv.
+        and cast to the parameter dtype and device; the parameters are trainable. Idempotent: a
+        deployed block returns its conv.
+
+        The block itself is not modified unless ``consume=True``: then the merged kernel is written
+        into the storage of the anchor kernel (same shape, read chunk by chunk before it is
+        overwritten), which saves allocating and faulting in a new kernel. Use it only when the block
+        is discarded or deployed right after (``switch_to_deploy`` and ``reparam.merge(model,
+        inplace=True)`` do); the consumed block no longer computes its old function.
 
         Raises:
             ReparamModeError: a BN of the block is in training mode and ``require_eval`` is True.
@@ -543,18 +605,29 @@ class DiverseBranchBlock(nn.Module):
             self._check_eval()
         factory = self._factory()
         with torch.no_grad():
-            k, b = self._merged_pair(compute_dtype)
             conv = self.geometry.make_conv(bias=True, initialize=False, **factory)
-            conv.weight.copy_(k)
-            conv.bias.copy_(b)
+            storage = self._consumable_anchor_weight(conv.weight) if consume else None
+            if storage is not None:
+                conv.weight = nn.Parameter(storage)
+            self._merged_pair(compute_dtype, out=(conv.weight, conv.bias))
         conv.train(self.training)
         return conv
+
+    def _consumable_anchor_weight(self, like: Tensor) -> Tensor | None:
+        """The anchor kernel's tensor when the merged kernel may be written into it, else ``None``."""
+        anchor = self.branches["kxk"] if "kxk" in self.branches else None
+        conv = getattr(anchor, "conv", None)
+        if type(conv) is not nn.Conv2d:
+            return None
+        w = conv.weight.detach()
+        same = w.shape == like.shape and w.dtype == like.dtype and w.device == like.device
+        return w if same and w.is_contiguous() else None
 
     def switch_to_deploy(self, *, require_eval: bool = True) -> None:
         """In place: replace the branches by one merged conv (``reparam_conv``). Idempotent."""
         if self.reparam_conv is not None:
             return
-        conv = self.merge(require_eval=require_eval)
+        conv = self.merge(require_eval=require_eval, consume=True)
         for k in list(self.branches.keys()):
             del self.branches[k]
         self._order = ()

@@ -202,17 +202,28 @@ def bn_scale_shift(bn: nn.Module, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     return t, shift
 
 
-def _zeros_acc(geometry: ConvGeometry, like: Tensor) -> Tensor:
-    return torch.zeros(geometry.weight_shape, dtype=like.dtype, device=like.device)
+def acc_shape(geometry: ConvGeometry, rows: slice | None = None) -> tuple[int, int, int, int]:
+    """Shape of the merge accumulator: the weight shape, or its output rows ``rows`` (a chunk)."""
+    o, cg, kh, kw = geometry.weight_shape
+    if rows is not None:
+        o = len(range(*rows.indices(o)))
+    return (o, cg, kh, kw)
 
 
-def _full_acc(acc: Tensor | None, geometry: ConvGeometry, like: Tensor) -> Tensor:
+def _full_acc(acc: Tensor | None, shape: tuple[int, ...], like: Tensor) -> Tensor:
     """A writable full-size accumulator from ``None`` or a broadcastable ``(O, C/g, 1, 1)`` one."""
     if acc is None:
-        return _zeros_acc(geometry, like)
-    if tuple(acc.shape) != geometry.weight_shape:
-        return acc.expand(geometry.weight_shape).contiguous()
+        return torch.zeros(shape, dtype=like.dtype, device=like.device)
+    if tuple(acc.shape) != tuple(shape):
+        return acc.expand(shape).contiguous()
     return acc
+
+
+def _take(rows: slice | None, *tensors: Tensor | None) -> tuple[Any, ...]:
+    """The output rows ``rows`` of each tensor (``None`` stays ``None``; ``rows=None`` keeps all)."""
+    if rows is None:
+        return tensors
+    return tuple(None if t is None else t[rows] for t in tensors)
 
 
 def _new_bn(n: int, eps: float, momentum: float | None, factory: dict[str, Any]) -> nn.BatchNorm2d:
@@ -309,24 +320,38 @@ class ConvBNBranch(nn.Module):
         return embed_kernel(k, geometry.kernel_size, self.offset), b
 
     @torch.no_grad()
-    def accumulate_(self, acc: Tensor | None, bias: Tensor, geometry: ConvGeometry) -> Tensor:
-        """Add this branch's equivalent pair to ``acc`` (``(O, C/g, K_h, K_w)``, the compute dtype)
-        and ``bias`` in place, without autograd. Returns ``acc`` (allocated when ``None``)."""
-        dt = bias.dtype
+    def merge_terms(self, geometry: ConvGeometry, dtype: torch.dtype) -> tuple[Any, ...]:
+        """Per-branch quantities of :meth:`accumulate_` computed once per merge: ``(W, t, b)``."""
         w, c = conv_kernel_bias(self.conv, fast=True)
-        t, shift = bn_scale_shift(self.bn, dt)
-        bias.add_(shift)
-        if c is not None:
-            bias.add_(t * c.to(dt))
+        t, shift = bn_scale_shift(self.bn, dtype)
+        return w, t, shift if c is None else shift + t * c.to(dtype)
+
+    @torch.no_grad()
+    def accumulate_(
+        self, acc: Tensor | None, bias: Tensor, geometry: ConvGeometry, rows: slice | None = None,
+        terms: tuple[Any, ...] | None = None,
+    ) -> Tensor:
+        """Add this branch's equivalent pair to ``acc`` (``(O, C/g, K_h, K_w)``, the compute dtype)
+        and ``bias`` in place, without autograd. Returns ``acc`` (allocated when ``None``).
+
+        ``rows`` restricts the pair to a chunk of output channels (``acc`` and ``bias`` then hold
+        only those rows; the chunked merge keeps its compute-dtype temporaries cache-sized) and
+        ``terms`` passes :meth:`merge_terms` computed once for all chunks."""
+        dt = bias.dtype
+        w, t, b = _take(rows, *(terms or self.merge_terms(geometry, dt)))
+        bias.add_(b)
         kh, kw = w.shape[2:]
         scale = t.view(-1, 1, 1, 1)
-        if (kh, kw) == geometry.kernel_size and (acc is None or tuple(acc.shape) != geometry.weight_shape):
-            # one pass that also promotes to the compute dtype (and adds a broadcast accumulator)
-            return torch.mul(w, scale) if acc is None else torch.addcmul(acc, w, scale)
-        acc = _full_acc(acc, geometry, bias)
+        shape = acc_shape(geometry, rows)
+        if (kh, kw) == geometry.kernel_size and (acc is None or tuple(acc.shape) != shape):
+            # promote once, scale and add a broadcast accumulator in place (same-dtype kernels only)
+            k = w.to(dt, copy=True).mul_(scale)
+            return k if acc is None else k.add_(acc)
+        acc = _full_acc(acc, shape, bias)
         oh, ow = self.offset
         acc[:, :, oh : oh + kh, ow : ow + kw].addcmul_(w, scale)
         return acc
+
 
 class OneByOneKxKBranch(nn.Module):
     """``1×1 (C→D, groups g) → BN → value pad P → K×K (D→O, stride s, dilation d, padding 0) → BN``.
@@ -380,43 +405,74 @@ class OneByOneKxKBranch(nn.Module):
         return merge_1x1_kxk(k1, b1, k2, b2, geometry.groups)
 
     @torch.no_grad()
-    def accumulate_(self, acc: Tensor | None, bias: Tensor, geometry: ConvGeometry) -> Tensor:
-        """In-place accumulation of T-III; see :meth:`ConvBNBranch.accumulate_`.
+    def merge_terms(self, geometry: ConvGeometry, dtype: torch.dtype) -> tuple[Any, ...]:
+        """``(W2, t2, identity-part scale (O, D/g) or None, A·t1 as (g, 1, C/g, D/g) or None, b,
+        b1 per tap)``, computed once per merge (see :meth:`accumulate_`)."""
+        g = geometry.groups
+        o, cg = geometry.out_channels, geometry.in_channels // g
+        t1, b1 = bn_scale_shift(self.bn1, dtype)
+        w2, c2 = conv_kernel_bias(self.conv2, fast=True)
+        t2, shift2 = bn_scale_shift(self.bn2, dtype)
+        d = w2.shape[1] * g
+        dg = d // g
+        scale = None
+        if isinstance(self.conv1, IdentityBasedConv1x1):
+            # identity part: K[o, c', :] += t2[o] * t1[d=c'] * W2[o, c', :]
+            scale = (t2.view(g, o // g, 1) * t1.view(g, 1, dg)).view(o, dg, 1, 1)
+            residual = self.conv1.weight
+            a = residual if bool(residual.detach().ne(0).any()) else None
+        else:
+            a = conv_kernel_bias(self.conv1, fast=True)[0]
+        a_g = None
+        if a is not None:
+            a_g = (a.reshape(d, cg).to(dtype) * t1.view(-1, 1)).view(g, 1, dg, cg).transpose(2, 3)
+        c1 = conv_kernel_bias(self.conv1, fast=True)[1]
+        if c1 is not None:
+            b1 = b1 + t1 * c1.to(dtype)
+        bias = shift2 if c2 is None else shift2 + t2 * c2.to(dtype)
+        # the first stage's bias through the K×K kernel, Σ_d,taps W2[o, d, :]·b1[d], is added per
+        # chunk of rows (where W2 is in cache in the compute dtype) with b1 repeated over the taps
+        b1_taps = b1.view(g, dg, 1).expand(g, dg, w2.shape[2] * w2.shape[3]).reshape(g, -1, 1)
+        return w2, t2, scale, a_g, bias, b1_taps
+
+    @torch.no_grad()
+    def accumulate_(
+        self, acc: Tensor | None, bias: Tensor, geometry: ConvGeometry, rows: slice | None = None,
+        terms: tuple[Any, ...] | None = None,
+    ) -> Tensor:
+        """In-place accumulation of T-III; see :meth:`ConvBNBranch.accumulate_` (a chunk of
+        ``rows`` lies inside one group or covers whole groups).
 
         With an identity-based first stage ``A = R + I`` the identity part is an elementwise
         multiply-add; the batched matrix product runs only for the non-zero residual ``R`` (or for a
         plain first stage)."""
         dt = bias.dtype
         g = geometry.groups
-        o, cg, kh, kw = geometry.weight_shape
-        t1, b1 = bn_scale_shift(self.bn1, dt)
-        w2, c2 = conv_kernel_bias(self.conv2, fast=True)
-        t2, shift2 = bn_scale_shift(self.bn2, dt)
-        d = w2.shape[1] * g
-        dg = d // g
-        acc = _full_acc(acc, geometry, bias)
-        acc_g = acc.view(g, o // g, cg, kh * kw)
-        if isinstance(self.conv1, IdentityBasedConv1x1):
-            # identity part: K[o, c', :] += t2[o] * t1[d=c'] * W2[o, c', :]
-            scale = (t2.view(g, o // g, 1) * t1.view(g, 1, dg)).view(o, dg, 1, 1)
+        o_all = geometry.out_channels
+        o, cg, kh, kw = acc_shape(geometry, rows)
+        opg = o_all // g  # output rows per group
+        g0, gn = 0, g  # first group and groups in this chunk
+        if rows is not None:
+            start, stop = rows.indices(o_all)[:2]
+            g0 = start // opg
+            if (stop - 1) // opg == g0:  # a chunk inside one group
+                gn, opg = 1, stop - start
+            else:  # whole groups
+                gn = (stop - start) // opg
+        w2, t2, scale, a_g, b, b1_taps = terms or self.merge_terms(geometry, dt)
+        w2, t2, scale, b = _take(rows, w2, t2, scale, b)
+        w2 = w2.to(dt)  # once per chunk: used by the identity part, the residual and the bias
+        dg = w2.shape[1]
+        acc = _full_acc(acc, (o, cg, kh, kw), bias)
+        if scale is not None:
             acc.addcmul_(w2, scale)
-            residual = self.conv1.weight
-            a = residual if bool(residual.detach().ne(0).any()) else None
-        else:
-            a = conv_kernel_bias(self.conv1, fast=True)[0]
-        if a is not None:
-            a_g = (a.reshape(d, cg).to(dt) * t1.view(-1, 1)).view(g, 1, dg, cg).transpose(2, 3)  # (g, 1, C/g, D/g)
-            bs = (w2.to(dt) * t2.view(-1, 1, 1, 1)).view(g, o // g, dg, kh * kw)
-            acc_g.add_(torch.matmul(a_g, bs))
-        bias.add_(shift2)
-        if c2 is not None:
-            bias.add_(t2 * c2.to(dt))
-        c1 = conv_kernel_bias(self.conv1, fast=True)[1]
-        if c1 is not None:
-            b1 = b1 + t1 * c1.to(dt)
-        per_d = w2.sum(dim=(2, 3)).to(dt).view(g, o // g, dg)  # (g, O/g, D/g)
-        bias.add_(t2 * torch.bmm(per_d, b1.view(g, dg, 1)).view(o))
+        if a_g is not None:
+            bs = (w2 * t2.view(-1, 1, 1, 1)).view(gn, opg, dg, kh * kw)
+            acc.view(gn, opg, cg, kh * kw).add_(torch.matmul(a_g[g0 : g0 + gn], bs))
+        through = torch.bmm(w2.view(gn, opg, dg * kh * kw), b1_taps[g0 : g0 + gn]).view(o)
+        bias.add_(b).addcmul_(t2, through)
         return acc
+
 
 class AvgBranch(nn.Module):
     """Average-pool branch.
@@ -498,28 +554,35 @@ class AvgBranch(nn.Module):
         return fuse_bn(k, None, self.bn)
 
     @torch.no_grad()
-    def accumulate_(self, acc: Tensor | None, bias: Tensor, geometry: ConvGeometry) -> Tensor:
-        """In-place accumulation (a broadcast add over the window); see :meth:`ConvBNBranch.accumulate_`."""
-        dt = bias.dtype
+    def merge_terms(self, geometry: ConvGeometry, dtype: torch.dtype) -> tuple[Any, ...]:
+        """``(k1, b)``: the ``(O, C/g, 1, 1)`` kernel spread over the window and the bias."""
         kh, kw = self.kernel_size
         o, cg = geometry.out_channels, geometry.in_channels // geometry.groups
         if self.path == "dense":
             w1, c1 = conv_kernel_bias(self.conv, fast=True)
-            t1, b1 = bn_scale_shift(self.bn1, dt)
+            t1, b1 = bn_scale_shift(self.bn1, dtype)
             if c1 is not None:
-                b1 = b1 + t1 * c1.to(dt)
-            t2, shift2 = bn_scale_shift(self.bn2, dt)
-            k1 = (w1.reshape(o, cg).to(dt) * (t1 * t2 / (kh * kw)).view(-1, 1)).view(o, cg, 1, 1)
-            bias.add_(shift2 + t2 * b1)
-        else:  # depthwise: C/g == 1
-            t, shift = bn_scale_shift(self.bn, dt)
-            k1 = (t / (kh * kw)).view(o, 1, 1, 1)
-            bias.add_(shift)
+                b1 = b1 + t1 * c1.to(dtype)
+            t2, shift2 = bn_scale_shift(self.bn2, dtype)
+            k1 = (w1.reshape(o, cg).to(dtype) * (t1 * t2 / (kh * kw)).view(-1, 1)).view(o, cg, 1, 1)
+            return k1, shift2 + t2 * b1
+        t, shift = bn_scale_shift(self.bn, dtype)  # depthwise: C/g == 1
+        return (t / (kh * kw)).view(o, 1, 1, 1), shift
+
+    @torch.no_grad()
+    def accumulate_(
+        self, acc: Tensor | None, bias: Tensor, geometry: ConvGeometry, rows: slice | None = None,
+        terms: tuple[Any, ...] | None = None,
+    ) -> Tensor:
+        """In-place accumulation (a broadcast add over the window); see :meth:`ConvBNBranch.accumulate_`."""
+        k1, b = _take(rows, *(terms or self.merge_terms(geometry, bias.dtype)))
+        bias.add_(b)
         if acc is None:
             return k1  # broadcast over the window; the next branch expands it
-        if tuple(acc.shape) != geometry.weight_shape:
+        if tuple(acc.shape) != acc_shape(geometry, rows):
             return acc + k1
         return acc.add_(k1)
+
 
 class IdentityBranch(nn.Module):
     """``BatchNorm2d(C)`` on the input (needs ``C == O``, stride 1, size-preserving odd kernel)."""
@@ -544,16 +607,24 @@ class IdentityBranch(nn.Module):
         return fuse_bn(k, None, self.bn)
 
     @torch.no_grad()
-    def accumulate_(self, acc: Tensor | None, bias: Tensor, geometry: ConvGeometry) -> Tensor:
+    def merge_terms(self, geometry: ConvGeometry, dtype: torch.dtype) -> tuple[Any, ...]:
+        """``(t, shift)`` of the BN."""
+        return bn_scale_shift(self.bn, dtype)
+
+    @torch.no_grad()
+    def accumulate_(
+        self, acc: Tensor | None, bias: Tensor, geometry: ConvGeometry, rows: slice | None = None,
+        terms: tuple[Any, ...] | None = None,
+    ) -> Tensor:
         """In-place accumulation on the centre tap of the diagonal; see :meth:`ConvBNBranch.accumulate_`."""
-        dt = bias.dtype
-        acc = _full_acc(acc, geometry, bias)
-        t, shift = bn_scale_shift(self.bn, dt)
+        acc = _full_acc(acc, acc_shape(geometry, rows), bias)
+        t, shift = _take(rows, *(terms or self.merge_terms(geometry, bias.dtype)))
         c = geometry.in_channels
+        start, stop, _ = (0, c, 1) if rows is None else rows.indices(c)
         cpg = c // geometry.groups
         kh, kw = geometry.kernel_size
-        idx = torch.arange(c, device=acc.device)
-        acc[idx, idx % cpg, kh // 2, kw // 2] += t
+        idx = torch.arange(start, stop, device=acc.device)
+        acc[idx - start, idx % cpg, kh // 2, kw // 2] += t
         bias.add_(shift)
         return acc
 

@@ -568,7 +568,7 @@ def merge(
     if _is_block(model):
         blk = model if inplace else copy.deepcopy(model)
         if target == "deploy":
-            return blk.merge(require_eval=require_eval, compute_dtype=compute_dtype)  # type: ignore[operator]
+            return blk.merge(require_eval=require_eval, compute_dtype=compute_dtype, consume=inplace)  # type: ignore[operator]
         conv, bn = blk.to_host(require_eval=require_eval)  # type: ignore[operator]
         return conv if bn is None else nn.Sequential(conv, bn)
     blocks = list(iter_blocks(model))
@@ -589,7 +589,7 @@ def merge(
     info = _info(model)
     for path, blk in blocks:
         if target == "deploy":
-            conv = blk.merge(require_eval=False, compute_dtype=compute_dtype)
+            conv = blk.merge(require_eval=False, compute_dtype=compute_dtype, consume=inplace)
             if blk.is_merged and not inplace:
                 conv = copy.deepcopy(conv)
             _set_module(model, path, conv)

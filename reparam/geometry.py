@@ -153,8 +153,8 @@ class ConvGeometry:
         """
         g = self.replace(**overrides) if overrides else self
         if not initialize:
-            return nn.utils.skip_init(
-                nn.Conv2d,
+            # built on the meta device (no initialisation work), then given uninitialised storage
+            conv = nn.Conv2d(
                 in_channels=g.in_channels,
                 out_channels=g.out_channels,
                 kernel_size=g.kernel_size,
@@ -164,9 +164,14 @@ class ConvGeometry:
                 groups=g.groups,
                 bias=g.bias,
                 padding_mode=g.padding_mode,
-                device=device,
+                device="meta",
                 dtype=dtype,
             )
+            factory = {"device": device, "dtype": conv.weight.dtype}
+            conv.weight = nn.Parameter(torch.empty(conv.weight.shape, **factory))
+            if conv.bias is not None:
+                conv.bias = nn.Parameter(torch.empty(conv.bias.shape, **factory))
+            return conv
         return nn.Conv2d(
             in_channels=g.in_channels,
             out_channels=g.out_channels,

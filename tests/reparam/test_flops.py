@@ -279,6 +279,13 @@ def test_bench_smoke(tmp_path):
     assert res["overhead_per_mac"] == pytest.approx(res["step_ratio"] / res["macs_ratio"])
     assert set(res["infer_ms"]) == {"plain", "expanded", "merged"}
     assert res["upstream"]["merge_ms"] == 258.0
+    assert set(res["train_step_ms_system_malloc"]) == {"plain", "expanded"}
+    if res["malloc_tuned"]:  # glibc: the target row is timed after tuning, with the per-branch forward beside it
+        assert set(res["train_step_ms"]) == {"plain", "expanded", "expanded_per_branch"}
+        assert res["per_branch_step_ratio"] == pytest.approx(
+            res["train_step_ms"]["expanded_per_branch"] / res["train_step_ms"]["plain"])
+    else:
+        assert res["train_step_ms"] == res["train_step_ms_system_malloc"]
     with pytest.raises(ValueError, match="batch"):
         bench.run_benchmark(batch=0, model=net)
 

@@ -1,0 +1,393 @@
+"""Fused training forward of a :class:`~reparam.DiverseBranchBlock` (same function, fewer passes).
+
+In training mode every branch BatchNorm normalises with batch statistics, so a block with five
+branches makes seven passes of BatchNorm over activation-sized tensors, pads two intermediates by
+copying them, and pools one with a stride-1 window sum. On CPU those memory-bound passes, not the
+convolutions, are what makes an expanded block slower per multiply-accumulate than a plain conv.
+This module evaluates the same function with fewer of them:
+
+* **BN folding by channel moments.** For a 1×1 conv ``y = W x`` (any groups, padding 0) the batch
+  statistics of ``y`` follow from the channel mean ``x̄`` and covariance ``Σ`` of the input:
+  ``mean(y) = W x̄``, ``var(y) = diag(W Σ Wᵀ)``. One Gram matrix of ``x`` therefore gives the batch
+  statistics of every BN that follows a 1×1 stage on the block input (``1x1``, ``1x1_kxk``'s first
+  BN, ``1x1_avg``'s first BN) and of the ``identity`` branch BN (``W = I``). Each of these BNs
+  becomes a per-channel scale folded into its conv (``t·W``, bias ``β − t·W x̄``), so its
+  normalisation pass disappears; running statistics are updated exactly as ``nn.BatchNorm2d``
+  does (momentum or cumulative average, unbiased variance). ``1x1`` and ``identity`` then share
+  one 1×1 conv.
+* **1x1_kxk without a padded copy.** ``conv(value_pad(z), K)`` equals
+  ``conv(z, K, padding=P) + conv(R, K)``, with ``R`` a single-sample tensor that holds the pad value
+  on its border ring, so the branch convolves ``z`` with implicit zero padding and adds a
+  ``(1, O, H', W')`` map. When it is cheaper than computing ``z`` (large spatial size), the folded
+  first stage is also merged into the ``K×K`` kernel (T-III on the weights), and the branch is one
+  ``K×K`` conv on the block input.
+* **Pooling as a depthwise conv.** The average pool of the value-padded intermediate is a
+  depthwise conv with a constant ``1/(K_h K_w)`` kernel and zero padding, plus the value times a
+  fixed map of the padded fraction of each window.
+
+Everything is differentiable with ordinary autograd (the Gram matrix has a custom backward that
+writes one gradient tensor), exact in real arithmetic, and equal to the per-branch forward to
+rounding (tests: float64 relative error ≤ 1e-10 of outputs, input and parameter gradients and
+running statistics). The fused path is used only where it is sure to compute the same thing:
+training mode, floating inputs of float32/float64, no forward hooks anywhere in the block (hook-based
+tools such as FLOP counters see the per-branch modules), not under tracing/scripting/autocast.
+Everything else, and every branch it does not know, runs the branch modules as before. Eval mode
+is untouched. :func:`fused_training` switches the path off, e.g. to time the per-branch forward.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+__all__ = ["fused_training", "fused_training_enabled", "channel_moments", "FOLD_MIN_POSITIONS_PER_CHANNEL"]
+
+_STATE = {"enabled": True}
+
+#: the Gram matrix costs ``M·C²`` and folding each BN ``O·C²`` multiply-adds; BN folding is used
+#: when the number of positions ``M = N·H·W`` is at least this many times the input channels
+#: (below it, e.g. 4×4 maps with 512 channels, a plain BN pass is cheaper than the algebra)
+FOLD_MIN_POSITIONS_PER_CHANNEL = 8
+
+
+def fused_training_enabled() -> bool:
+    """Whether blocks use the fused training forward (default ``True``)."""
+    return _STATE["enabled"]
+
+
+@contextlib.contextmanager
+def fused_training(enabled: bool = True) -> Iterator[None]:
+    """Context manager that switches the fused training forward on or off (restored on exit)."""
+    old = _STATE["enabled"]
+    _STATE["enabled"] = bool(enabled)
+    try:
+        yield
+    finally:
+        _STATE["enabled"] = old
+
+
+# ---------------------------------------------------------------------------------------------
+# channel moments
+
+
+class _ChannelMoments(torch.autograd.Function):
+    """``(mean, cov)`` over ``(N, H, W)`` of an ``(N, C, H, W)`` tensor; biased covariance."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor) -> tuple[Tensor, Tensor]:  # type: ignore[override]
+        n, c = x.shape[:2]
+        xv = x.reshape(n, c, -1)
+        m = xv.shape[0] * xv.shape[2]
+        mean = xv.sum(dim=(0, 2)) / m
+        if xv.shape[2] >= c:  # per-sample Grams are small next to x: batched product, then sum
+            gram = torch.bmm(xv, xv.transpose(1, 2)).sum(0)
+        else:  # small maps, many channels: one (C, M) product
+            flat = xv.transpose(0, 1).reshape(c, m)
+            gram = flat @ flat.T
+        cov = gram.div_(m).sub_(torch.outer(mean, mean))
+        ctx.save_for_backward(x, mean)
+        return mean, cov
+
+    @staticmethod
+    def backward(ctx: Any, g_mean: Tensor | None, g_cov: Tensor | None) -> Tensor:  # type: ignore[override]
+        # d/dx_i: (1/M)(G + Gᵀ)(x_i − x̄) + g_mean/M, written into one tensor
+        x, mean = ctx.saved_tensors
+        n, c = x.shape[:2]
+        xv = x.reshape(n, c, -1)
+        m = xv.shape[0] * xv.shape[2]
+        shift = torch.zeros_like(mean) if g_mean is None else g_mean / m
+        if g_cov is None:
+            return shift.view(1, c, 1, 1).expand_as(x).contiguous()
+        sym = (g_cov + g_cov.T) / m
+        dx = torch.matmul(sym, xv)
+        dx.add_((shift - sym @ mean).view(1, c, 1))
+        return dx.view_as(x)
+
+
+def channel_moments(x: Tensor) -> tuple[Tensor, Tensor]:
+    """Differentiable channel mean ``(C,)`` and biased covariance ``(C, C)`` of ``x`` over ``(N, H, W)``."""
+    return _ChannelMoments.apply(x)
+
+
+class _Moments:
+    """Lazily computed channel moments of the block input (and of its strided sub-grid)."""
+
+    def __init__(self, x: Tensor) -> None:
+        self.x = x
+        self._cache: dict[tuple[int, int], tuple[Tensor, Tensor, int]] = {}
+
+    def get(self, stride: tuple[int, int] = (1, 1)) -> tuple[Tensor, Tensor, int]:
+        if stride not in self._cache:
+            x = self.x if stride == (1, 1) else self.x[:, :, :: stride[0], :: stride[1]]
+            mean, cov = channel_moments(x)
+            self._cache[stride] = (mean, cov, x.shape[0] * x.shape[2] * x.shape[3])
+        return self._cache[stride]
+
+
+# ---------------------------------------------------------------------------------------------
+# folding
+
+
+def _batch_bn(bn: Any) -> bool:
+    """A plain ``BatchNorm2d`` that normalises with batch statistics in this forward."""
+    return type(bn) is nn.BatchNorm2d and bn.training and not _hooked(bn)
+
+
+def _update_running(bn: nn.BatchNorm2d, mean: Tensor, var: Tensor, m: int) -> None:
+    """The running-statistics update of ``nn.BatchNorm2d`` in training mode, from batch statistics."""
+    if not bn.track_running_stats or bn.running_mean is None or bn.running_var is None:
+        return
+    with torch.no_grad():
+        factor = 0.0 if bn.momentum is None else float(bn.momentum)
+        if bn.num_batches_tracked is not None:
+            bn.num_batches_tracked.add_(1)
+            if bn.momentum is None:
+                factor = 1.0 / float(bn.num_batches_tracked)
+        bn.running_mean.mul_(1.0 - factor).add_(mean.detach().to(bn.running_mean.dtype), alpha=factor)
+        unbiased = var.detach() * (m / (m - 1))
+        bn.running_var.mul_(1.0 - factor).add_(unbiased.to(bn.running_var.dtype), alpha=factor)
+
+
+def _fold(bn: nn.BatchNorm2d, weight: Tensor, groups: int, moments: tuple[Tensor, Tensor, int]) -> tuple[Tensor, Tensor]:
+    """``(t·W, β − t·W x̄)`` with ``BN(conv1x1(x, W) + c) == conv1x1(x, t·W) + (β − t·W x̄)`` (batch
+    statistics; a conv bias ``c`` cancels). ``weight`` is ``(O, C/g, 1, 1)``; updates running stats."""
+    mean, cov, m = moments
+    o, cg = weight.shape[:2]
+    g = int(groups)
+    w = weight.reshape(g, o // g, cg)
+    mu_g = mean.view(g, cg, 1)
+    cov_g = cov if g == 1 else torch.stack([cov[i * cg : (i + 1) * cg, i * cg : (i + 1) * cg] for i in range(g)])
+    cov_g = cov_g.view(g, cg, cg)
+    y_mean = torch.matmul(w, mu_g).reshape(o)
+    y_var = (torch.matmul(w, cov_g) * w).sum(-1).reshape(o).clamp_min(0)
+    return _scale_shift(bn, weight, y_mean, y_var, m)
+
+
+def _fold_identity(bn: nn.BatchNorm2d, moments: tuple[Tensor, Tensor, int]) -> tuple[Tensor, Tensor]:
+    """Per-channel ``(t, shift)`` of a batch-statistics BN applied to the input itself."""
+    mean, cov, m = moments
+    return _scale_shift(bn, None, mean, torch.diagonal(cov).clamp_min(0), m)
+
+
+def _scale_shift(bn: nn.BatchNorm2d, weight: Tensor | None, y_mean: Tensor, y_var: Tensor, m: int) -> tuple[Tensor, Tensor]:
+    if m <= 1:
+        raise ValueError(f"Expected more than 1 value per channel when training, got {m}")
+    _update_running(bn, y_mean, y_var, m)
+    t = torch.rsqrt(y_var + bn.eps)
+    if bn.weight is not None:
+        t = t * bn.weight
+    shift = -t * y_mean
+    if bn.bias is not None:
+        shift = shift + bn.bias
+    if weight is None:
+        return t, shift
+    return weight * t.view(-1, 1, 1, 1), shift
+
+
+def _pad_value(bn: nn.Module) -> Tensor:
+    from .branches import _pad_value as pad_value
+
+    return pad_value(bn)
+
+
+def _ring_inside(inside: Tensor | None, value: Tensor, padding: tuple[int, int], size: tuple[int, int]) -> Tensor:
+    """``(1, D, H + 2P_h, W + 2P_w)``: ``value`` on the border ring, ``inside`` (or 0) in the interior."""
+    ph, pw = padding
+    h, w = size
+    mask = torch.zeros(h + 2 * ph, w + 2 * pw, dtype=value.dtype, device=value.device)
+    mask[ph : ph + h, pw : pw + w] = 1
+    ring = value.view(-1, 1, 1) * (1 - mask)
+    if inside is not None:
+        ring = ring + inside.view(-1, 1, 1) * mask
+    return ring.unsqueeze(0)
+
+
+def _box(channels: int, kernel: tuple[int, int], like: Tensor) -> Tensor:
+    kh, kw = kernel
+    return torch.full((channels, 1, kh, kw), 1.0 / (kh * kw), dtype=like.dtype, device=like.device)
+
+
+def pool_value_padded(z: Tensor, value: Tensor | None, kernel: tuple[int, int], stride: tuple[int, int],
+                      padding: tuple[int, int]) -> Tensor:
+    """``AvgPool(K, s)`` (``count_include_pad``) of ``z`` padded by ``padding`` with the per-channel
+    ``value`` (zeros for ``None``), as a depthwise conv plus ``value ×`` the padded fraction map."""
+    c = z.shape[1]
+    out = F.conv2d(z, _box(c, kernel, z), None, stride, padding, 1, c)
+    if value is not None and padding != (0, 0):
+        ring = _ring_inside(None, torch.ones(1, dtype=z.dtype, device=z.device), padding, tuple(z.shape[-2:]))
+        frac = F.conv2d(ring, _box(1, kernel, z), None, stride)
+        out = out.add_(value.to(z.dtype).view(1, -1, 1, 1) * frac)
+    return out
+
+
+def conv_value_padded(z: Tensor, conv: nn.Conv2d, value: Tensor, padding: tuple[int, int],
+                      inside: Tensor | None = None, weight: Tensor | None = None) -> Tensor:
+    """``conv(value_pad(z + inside), conv.weight)`` for ``conv`` with padding 0, computed as a
+    zero-padded conv of ``z`` plus the single-sample conv of the ring tensor (which also carries the
+    constant ``inside`` and the conv bias). ``weight`` replaces the weight applied to ``z`` (merged
+    first stage); the ring always uses ``conv.weight``."""
+    w = conv.weight if weight is None else weight
+    out = F.conv2d(z, w, None, conv.stride, padding, conv.dilation, conv.groups)
+    ring = _ring_inside(inside, value.to(z.dtype), padding, tuple(z.shape[-2:]))
+    corr = F.conv2d(ring, conv.weight, conv.bias, conv.stride, 0, conv.dilation, conv.groups)
+    return out.add_(corr)
+
+
+# ---------------------------------------------------------------------------------------------
+# applicability
+
+
+def _hooked(m: nn.Module) -> bool:
+    return bool(m._forward_hooks or m._forward_pre_hooks or m._backward_hooks)
+
+
+def _global_hooks() -> bool:
+    from torch.nn.modules import module as _mod
+
+    return bool(
+        getattr(_mod, "_global_forward_hooks", None)
+        or getattr(_mod, "_global_forward_pre_hooks", None)
+        or getattr(_mod, "_global_backward_hooks", None)
+    )
+
+
+def _plain_conv(m: Any) -> bool:
+    return type(m) is nn.Conv2d and m.padding_mode == "zeros" and not _hooked(m)
+
+
+def usable(module: nn.Module, x: Any) -> bool:
+    """Whether the fused training forward may run ``module`` (a block or a branch) on ``x``."""
+    if not _STATE["enabled"] or not module.training or not isinstance(x, Tensor):
+        return False
+    if x.dim() != 4 or x.dtype not in (torch.float32, torch.float64) or x.is_complex():
+        return False
+    if torch.jit.is_scripting() or torch.jit.is_tracing() or _global_hooks():
+        return False
+    if torch.is_autocast_enabled(x.device.type):
+        return False
+    return not any(_hooked(m) for m in module.modules())
+
+
+# ---------------------------------------------------------------------------------------------
+# branches
+
+
+def _is_1x1(conv: Any) -> bool:
+    return (
+        isinstance(conv, nn.Conv2d)
+        and tuple(conv.kernel_size) == (1, 1)
+        and tuple(conv.padding) == (0, 0)
+        and conv.padding_mode == "zeros"
+        and not _hooked(conv)
+    )
+
+
+def _first_stage_weight(conv: nn.Module) -> Tensor:
+    from .branches import IdentityBasedConv1x1
+
+    return conv.effective_weight() if isinstance(conv, IdentityBasedConv1x1) else conv.weight
+
+
+def one_by_one_kxk(branch: Any, x: Tensor, moments: _Moments | None) -> Tensor:
+    """``1x1_kxk`` branch in training mode (see the module docstring)."""
+    conv1, bn1, conv2 = branch.conv1, branch.bn1, branch.conv2
+    padding = branch.padding
+    if branch.padding_mode != "zeros" or not _plain_conv(conv2) or tuple(conv2.padding) != (0, 0):
+        return branch(x)
+    foldable = moments is not None and _is_1x1(conv1) and tuple(conv1.stride) == (1, 1) and _batch_bn(bn1)
+    if not foldable:
+        z = bn1(conv1(x))
+        return branch.bn2(conv_value_padded(z, conv2, _pad_value(bn1), padding))
+    a, shift = _fold(bn1, _first_stage_weight(conv1), conv1.groups, moments.get())
+    value = _pad_value(bn1)  # after the running-statistics update, as in the per-branch forward
+    o, _, kh, kw = conv2.weight.shape
+    n, _, h, w = x.shape
+    if conv1.groups == conv2.groups and n * h * w >= 2 * o * kh * kw:
+        merged, _ = _merge_first_stage(a, conv2.weight, conv2.groups)
+        return branch.bn2(conv_value_padded(x, conv2, value, padding, inside=shift, weight=merged))
+    z = F.conv2d(x, a, shift, 1, 0, 1, conv1.groups)
+    return branch.bn2(conv_value_padded(z, conv2, value, padding))
+
+
+def _merge_first_stage(a: Tensor, k2: Tensor, groups: int) -> tuple[Tensor, Tensor]:
+    from .transforms import merge_1x1_kxk
+
+    return merge_1x1_kxk(a, None, k2, None, groups)
+
+
+def avg(branch: Any, x: Tensor, moments: _Moments | None) -> Tensor:
+    """``1x1_avg`` branch in training mode (see the module docstring)."""
+    if branch.padding_mode != "zeros":
+        return branch(x)
+    if branch.path == "depthwise":
+        return branch.bn(pool_value_padded(x, None, branch.kernel_size, branch.stride, branch.padding))
+    conv, bn1 = branch.conv, branch.bn1
+    if moments is not None and _is_1x1(conv) and tuple(conv.stride) == (1, 1) and _batch_bn(bn1):
+        a, shift = _fold(bn1, conv.weight, conv.groups, moments.get())
+        z = F.conv2d(x, a, shift, 1, 0, 1, conv.groups)
+    else:
+        z = bn1(conv(x))
+    value = _pad_value(bn1)
+    return branch.bn2(pool_value_padded(z, value, branch.kernel_size, branch.stride, branch.padding))
+
+
+# ---------------------------------------------------------------------------------------------
+# block
+
+
+def block_forward(block: Any, x: Tensor) -> Tensor:
+    """The fused training forward of a block whose :func:`usable` check passed."""
+    from .branches import AvgBranch, ConvBNBranch, IdentityBranch, OneByOneKxKBranch
+
+    n, c, h, w = x.shape
+    fold_ok = n * h * w > 1 and n * h * w >= FOLD_MIN_POSITIONS_PER_CHANNEL * c
+    moments = _Moments(x) if fold_ok else None
+    parts: list[Tensor] = []
+    lin_w: Tensor | None = None  # folded 1x1 (+ identity) as one grouped 1x1 conv
+    lin_b: Tensor | None = None
+    lin_geo: tuple[tuple[int, int], int] | None = None  # (stride, groups)
+    identity_bn = None
+    for name in block._order:
+        br = block.branches[name]
+        if (
+            fold_ok
+            and name != "kxk"  # the anchor runs as is: a zero-γ expansion stays bit-exact in training
+            and isinstance(br, ConvBNBranch)
+            and _is_1x1(br.conv)
+            and _batch_bn(br.bn)
+            and n * ((h - 1) // br.conv.stride[0] + 1) * ((w - 1) // br.conv.stride[1] + 1) > 1
+        ):
+            stride = tuple(int(s) for s in br.conv.stride)
+            a, shift = _fold(br.bn, br.conv.weight, br.conv.groups, moments.get(stride))  # type: ignore[union-attr]
+            if lin_w is None:
+                lin_w, lin_b, lin_geo = a, shift, (stride, br.conv.groups)
+            else:
+                parts.append(F.conv2d(x, a, shift, stride, 0, 1, br.conv.groups))
+        elif isinstance(br, IdentityBranch) and fold_ok and _batch_bn(br.bn):
+            identity_bn = br.bn
+        elif isinstance(br, OneByOneKxKBranch):
+            parts.append(one_by_one_kxk(br, x, moments))
+        elif isinstance(br, AvgBranch):
+            parts.append(avg(br, x, moments))
+        else:
+            parts.append(br(x))
+    if identity_bn is not None:
+        t, shift = _fold_identity(identity_bn, moments.get())  # type: ignore[union-attr]
+        if lin_w is not None and lin_geo is not None and lin_geo[0] == (1, 1):
+            cpg = lin_w.shape[1]
+            idx = torch.arange(c, device=x.device)
+            eye = torch.zeros_like(lin_w).index_put_((idx, idx % cpg, idx.new_zeros(c), idx.new_zeros(c)), t)
+            lin_w = lin_w + eye
+            lin_b = lin_b + shift  # type: ignore[operator]
+        else:
+            parts.append(torch.addcmul(shift.view(1, -1, 1, 1), x, t.view(1, -1, 1, 1)))
+    if lin_w is not None and lin_geo is not None:
+        parts.append(F.conv2d(x, lin_w, lin_b, lin_geo[0], 0, 1, lin_geo[1]))
+    out = parts[0] + parts[1] if len(parts) > 1 else parts[0]
+    for p in parts[2:]:
+        out = out.add_(p)
+    return out

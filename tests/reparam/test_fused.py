@@ -1,0 +1,305 @@
+"""Fused training forward (reparam.fused), chunked / consuming merge, allocator tuning.
+
+The fused forward must compute what the per-branch modules compute: float64 outputs, input and
+parameter gradients and running statistics agree to 1e-10 (gradients relative to the largest
+gradient of the block, since some true gradients are exactly zero and only rounding remains).
+"""
+
+from __future__ import annotations
+
+import copy
+import resource
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+import reparam
+from reparam import DiverseBranchBlock, KINDS
+from reparam.allocator import MMAP_THRESHOLD_MAX, malloc_tuned, tune_malloc
+from reparam.fused import FOLD_MIN_POSITIONS_PER_CHANNEL, channel_moments, fused_training
+from reparam.testing import randomize_bn_, rel_err
+
+F64 = torch.float64
+
+# (id, cin, cout, kernel, stride, padding, dilation, groups, input hw)
+CASES = [
+    ("dense", 8, 8, 3, 1, 1, 1, 1, (9, 9)),
+    ("dense_even_hw", 8, 8, 3, 1, 1, 1, 1, (8, 8)),
+    ("s2_up", 8, 16, 3, 2, 1, 1, 1, (9, 9)),
+    ("rgb_in", 3, 16, 3, 1, 1, 1, 1, (8, 9)),
+    ("grouped", 8, 8, 3, 1, 1, 1, 2, (9, 8)),
+    ("grouped_s2", 8, 8, 3, 2, 1, 1, 4, (8, 8)),
+    ("depthwise", 8, 8, 3, 1, 1, 1, 8, (9, 9)),
+    ("multiplier", 8, 16, 3, 1, 1, 1, 8, (9, 9)),
+    ("k5", 6, 6, 5, 1, 2, 1, 1, (9, 9)),
+    ("dilated", 6, 6, 3, 1, 2, 2, 1, (9, 8)),
+    ("rect_1x3", 8, 8, (1, 3), 1, (0, 1), 1, 1, (8, 8)),
+    ("even_k4", 8, 8, 4, 1, 2, 1, 1, (8, 9)),
+    ("valid", 8, 8, 3, 1, 0, 1, 1, (9, 9)),
+]
+IDS = [c[0] for c in CASES]
+
+
+def make_block(case, gen, *, branches=None, momentum=0.1, bias=False, with_bn=True, **kw):
+    _, cin, cout, k, s, p, d, g, hw = case
+    conv = nn.Conv2d(cin, cout, k, s, p, d, g, bias=bias or not with_bn)
+    bn = nn.BatchNorm2d(cout, momentum=momentum) if with_bn else None
+    opts = {} if branches is None else {"branches": branches}
+    blk = DiverseBranchBlock.from_conv(conv, bn, **opts, **kw).to(F64)
+    randomize_bn_(blk, gen)
+    with torch.no_grad():
+        for m in blk.modules():
+            if isinstance(m, nn.BatchNorm2d) and m.momentum is not None:
+                m.momentum = momentum
+        for prm in blk.parameters():
+            prm.add_(torch.randn(prm.shape, generator=gen, dtype=F64) * 0.2)
+    x = torch.randn(4, cin, *hw, generator=gen, dtype=F64) + 0.3
+    return blk.train(), x
+
+
+def bn_nodes(out: torch.Tensor) -> int:
+    """BatchNorm passes in the autograd graph of ``out``."""
+    seen, stack, count = set(), [out.grad_fn], 0
+    while stack:
+        fn = stack.pop()
+        if fn is None or fn in seen:
+            continue
+        seen.add(fn)
+        count += "BatchNorm" in type(fn).__name__
+        stack.extend(f for f, _ in fn.next_functions)
+    return count
+
+
+def compare(blk, x, steps=2, fused_on=True):
+    """Per-branch vs fused: worst errors over ``steps`` training steps; returns (worst, bn counts)."""
+    ref, fus = copy.deepcopy(blk), copy.deepcopy(blk)
+    worst, counts = 0.0, None
+    for _ in range(steps):
+        xr, xf = x.clone().requires_grad_(), x.clone().requires_grad_()
+        with fused_training(False):
+            o_ref = ref(xr)
+        with fused_training(fused_on):
+            o_fus = fus(xf)
+        counts = (bn_nodes(o_ref), bn_nodes(o_fus))
+        g = torch.randn_like(o_ref)
+        o_ref.backward(g)
+        o_fus.backward(g)
+        errs = [rel_err(o_fus, o_ref), rel_err(xf.grad, xr.grad)]
+        scale = max(float(p.grad.abs().max()) for p in ref.parameters() if p.grad is not None)
+        for (name, p_ref), p_fus in zip(ref.named_parameters(), fus.parameters()):
+            assert (p_ref.grad is None) == (p_fus.grad is None), name
+            if p_ref.grad is not None:
+                errs.append(float((p_fus.grad - p_ref.grad).abs().max()) / scale)
+        for (name, b_ref), b_fus in zip(ref.named_buffers(), fus.buffers()):
+            if b_ref.is_floating_point():
+                errs.append(rel_err(b_fus, b_ref))
+            else:
+                assert torch.equal(b_ref, b_fus), name
+        worst = max(worst, max(float(e) for e in errs))
+    return worst, counts
+
+
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_fused_equals_per_branch_float64(case):
+    gen = torch.Generator().manual_seed(1)
+    blk, x = make_block(case, gen)
+    worst, (n_ref, n_fus) = compare(blk, x)
+    assert worst <= 1e-10
+    assert n_fus < n_ref  # some BatchNorm passes were folded away
+
+
+def test_fused_default_block_folds_four_of_seven_batchnorms():
+    blk, x = make_block(CASES[0], torch.Generator().manual_seed(2))
+    assert blk.branch_names == ["kxk", "1x1", "1x1_kxk", "1x1_avg", "identity"]
+    worst, counts = compare(blk, x, steps=1)
+    assert counts == (7, 3)  # left: the anchor BN and the two BNs after the K×K conv / the pool
+    assert worst <= 1e-10
+
+
+@pytest.mark.parametrize("case", [CASES[0], CASES[2], CASES[4]], ids=["dense", "s2_up", "grouped"])
+def test_fused_all_seven_branches_and_cumulative_momentum(case):
+    gen = torch.Generator().manual_seed(3)
+    kinds = [k for k in KINDS if case[4] == 1 or k != "identity"]
+    if case[1] != case[2]:
+        kinds = [k for k in kinds if k != "identity"]
+    blk, x = make_block(case, gen, branches=kinds, momentum=None)
+    worst, _ = compare(blk, x, steps=3)
+    assert worst <= 1e-10
+
+
+@pytest.mark.parametrize("anchor_norm", ["frozen_identity", "batchnorm"])
+def test_fused_conv_mode_anchors(anchor_norm):
+    blk, x = make_block(CASES[0], torch.Generator().manual_seed(4), with_bn=False, anchor_norm=anchor_norm)
+    worst, _ = compare(blk, x)
+    assert worst <= 1e-10
+
+
+def test_fused_nested_blocks_fall_back_inside():
+    gen = torch.Generator().manual_seed(5)
+    blk, x = make_block(CASES[0], gen)
+    blk.grow_nested("1x1_kxk")
+    randomize_bn_(blk, gen)
+    worst, _ = compare(blk, x)
+    assert worst <= 1e-10
+
+
+def test_fused_float32_relative_to_output_scale():
+    gen = torch.Generator().manual_seed(6)
+    blk, x = make_block(CASES[0], gen)
+    blk32, x32 = copy.deepcopy(blk).float(), x.float()
+    with fused_training(False), torch.no_grad():
+        truth = copy.deepcopy(blk)(x)
+    with torch.no_grad():
+        out = blk32(x32)
+    assert float((out.double() - truth).abs().max() / truth.abs().max()) <= 1e-5
+
+
+def test_fused_not_used_with_hooks_eval_or_when_disabled():
+    gen = torch.Generator().manual_seed(7)
+    blk, x = make_block(CASES[0], gen)
+    assert bn_nodes(copy.deepcopy(blk)(x.clone().requires_grad_())) == 3
+    hooked = copy.deepcopy(blk)
+    calls = []
+    hooked.branches["1x1"].conv.register_forward_hook(lambda m, i, o: calls.append(o.shape))
+    assert bn_nodes(hooked(x.clone().requires_grad_())) == 7  # hook-based tools see every module
+    assert calls == [torch.Size([4, 8, 9, 9])]
+    with fused_training(False):
+        assert bn_nodes(copy.deepcopy(blk)(x.clone().requires_grad_())) == 7
+    assert reparam.fused.fused_training_enabled()
+    ev = copy.deepcopy(blk).eval()
+    out = ev(x.clone().requires_grad_())
+    assert bn_nodes(out) == 7  # eval mode runs the per-branch modules unchanged
+    with fused_training(False):
+        assert torch.equal(copy.deepcopy(blk).eval()(x), ev(x))
+
+
+def test_fused_small_maps_many_channels_keep_batchnorm_passes():
+    gen = torch.Generator().manual_seed(8)
+    case = ("wide", 32, 32, 3, 1, 1, 1, 1, (2, 2))
+    blk, x = make_block(case, gen)
+    assert 4 * 2 * 2 < FOLD_MIN_POSITIONS_PER_CHANNEL * 32
+    worst, counts = compare(blk, x)
+    assert counts[0] == counts[1] == 7
+    assert worst <= 1e-10
+
+
+def test_fused_zero_gamma_expansion_stays_bit_exact_in_training():
+    gen = torch.Generator().manual_seed(9)
+    conv, bn = nn.Conv2d(8, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8)
+    randomize_bn_(bn, gen)
+    ref = nn.Sequential(copy.deepcopy(conv), copy.deepcopy(bn)).train()
+    blk = DiverseBranchBlock.from_conv(conv, bn).train()
+    x = torch.randn(4, 8, 9, 9, generator=gen)
+    for _ in range(2):
+        assert torch.equal(ref(x), blk(x))
+    assert bn_nodes(blk(x.requires_grad_())) == 3
+
+
+@pytest.mark.parametrize("shape", [(3, 4, 5, 6), (2, 12, 2, 3)], ids=["wide_maps", "many_channels"])
+def test_channel_moments_values_and_gradients(shape):
+    gen = torch.Generator().manual_seed(10)
+    x = torch.randn(*shape, generator=gen, dtype=F64) + 1.0
+    mean, cov = channel_moments(x)
+    flat = x.transpose(0, 1).reshape(shape[1], -1)
+    assert rel_err(mean, flat.mean(1)) <= 1e-12
+    assert rel_err(cov, torch.cov(flat, correction=0)) <= 1e-10
+    xg = x.clone().requires_grad_()
+    assert torch.autograd.gradcheck(lambda t: channel_moments(t), (xg,))
+    assert torch.autograd.gradgradcheck(lambda t: channel_moments(t), (xg,))
+
+
+# ------------------------------------------------------------------------------ chunked merge
+
+
+@pytest.mark.parametrize(
+    "cin,cout,groups,chunk",
+    [(16, 16, 1, 300), (16, 16, 1, 10**6), (16, 32, 4, 150), (16, 32, 4, 40), (16, 16, 16, 20)],
+    ids=["dense_chunks", "dense_whole", "grouped_whole_groups", "grouped_inside_groups", "depthwise"],
+)
+def test_chunked_merge_matches_the_differentiable_pair(cin, cout, groups, chunk, monkeypatch):
+    gen = torch.Generator().manual_seed(11)
+    conv = nn.Conv2d(cin, cout, 3, padding=1, groups=groups, bias=True)
+    blk = DiverseBranchBlock.from_conv(conv, nn.BatchNorm2d(cout)).to(F64)
+    randomize_bn_(blk, gen)
+    with torch.no_grad():
+        for m in blk.modules():
+            if isinstance(m, reparam.IdentityBasedConv1x1):
+                m.weight.normal_(0, 0.2, generator=gen)
+    blk.eval()
+    monkeypatch.setattr(DiverseBranchBlock, "MERGE_CHUNK_ELEMENTS", chunk)
+    chunks = blk._row_chunks()
+    per_row = (cin // groups) * 9
+    assert (len(chunks) > 1) == (chunk < cout * per_row)
+    covered = sorted(i for r in chunks for i in range(cout)[r or slice(None)])
+    assert covered == list(range(cout))
+    merged = blk.merge()
+    k, b = blk.get_equivalent_kernel_bias()
+    assert rel_err(merged.weight, k) <= 1e-12 and rel_err(merged.bias, b) <= 1e-12
+    x = torch.randn(2, cin, 7, 7, generator=gen, dtype=F64)
+    assert rel_err(merged(x), blk(x)) <= 1e-10
+
+
+def test_consuming_merge_reuses_the_anchor_kernel_and_plain_merge_does_not():
+    gen = torch.Generator().manual_seed(12)
+    blk = DiverseBranchBlock.from_conv(nn.Conv2d(8, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8)).to(F64)
+    randomize_bn_(blk, gen)
+    blk.eval()
+    x = torch.randn(2, 8, 7, 7, generator=gen, dtype=F64)
+    before = blk(x)
+    anchor = blk.branches["kxk"].conv.weight
+    kept = blk.merge()
+    assert kept.weight.data_ptr() != anchor.data_ptr()
+    assert torch.equal(blk(x), before)  # merge() leaves the block alone
+    consumed = copy.deepcopy(blk)
+    ptr = consumed.branches["kxk"].conv.weight.data_ptr()
+    conv = consumed.merge(consume=True)
+    assert conv.weight.data_ptr() == ptr
+    assert torch.equal(conv.weight, kept.weight) and torch.equal(conv.bias, kept.bias)
+    deployed = copy.deepcopy(blk)
+    ptr = deployed.branches["kxk"].conv.weight.data_ptr()
+    deployed.switch_to_deploy()
+    assert deployed.reparam_conv.weight.data_ptr() == ptr
+    assert rel_err(deployed(x), before) <= 1e-10
+
+
+def test_model_merge_inplace_consumes_and_copy_keeps_the_original():
+    gen = torch.Generator().manual_seed(13)
+    net = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8), nn.ReLU(),
+                        nn.Conv2d(8, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8))
+    big = reparam.expand(net).double()
+    randomize_bn_(big, gen)
+    big.eval()
+    x = torch.randn(2, 3, 8, 8, generator=gen, dtype=F64)
+    ref = big(x)
+    merged = reparam.merge(big)
+    assert torch.equal(big(x), ref)
+    inplace = reparam.merge(copy.deepcopy(big), inplace=True)
+    assert rel_err(inplace(x), ref) <= 1e-10 and rel_err(merged(x), ref) <= 1e-10
+
+
+# ------------------------------------------------------------------------------ allocator
+
+
+def test_tune_malloc_rejects_bad_thresholds():
+    with pytest.raises(ValueError, match="mmap_threshold"):
+        tune_malloc(MMAP_THRESHOLD_MAX + 1)
+    with pytest.raises(ValueError, match="mmap_threshold"):
+        tune_malloc(-1)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc mallopt")
+def test_tune_malloc_stops_page_faults_of_reallocated_activations():
+    if not tune_malloc():
+        pytest.skip("not glibc")
+    assert malloc_tuned()
+    size = 4 * 1024 * 1024  # 16 MiB of float32, above glibc's default mmap threshold
+    pages = size * 4 // 4096
+    warm = [torch.empty(size).fill_(1.0) for _ in range(3)]  # the heap grows to hold them once
+    del warm
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    for _ in range(20):
+        torch.empty(size).fill_(1.0)
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+    assert faults < 20 * pages // 4  # an mmap per tensor would fault every page of each one
