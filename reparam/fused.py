@@ -21,9 +21,11 @@ This module evaluates the same function with fewer of them:
   ``(1, O, H', W')`` map. When it is cheaper than computing ``z`` (large spatial size), the folded
   first stage is also merged into the ``K×K`` kernel (T-III on the weights), and the branch is one
   ``K×K`` conv on the block input.
-* **Pooling as a depthwise conv.** The average pool of the value-padded intermediate is a
-  depthwise conv with a constant ``1/(K_h K_w)`` kernel and zero padding, plus the value times a
-  fixed map of the padded fraction of each window.
+* **Pooling.** The average pool of the value-padded intermediate is a zero-padded mean filter (a
+  depthwise transposed conv at stride 1, a depthwise conv otherwise) plus the value times a fixed
+  map of the padded fraction of each window. With the first stage folded, the pool commutes with
+  the 1×1 conv, so the block input is pooled and the conv runs at the output resolution (4× fewer
+  positions at stride 2).
 
 Everything is differentiable with ordinary autograd (the Gram matrix has a custom backward that
 writes one gradient tensor), exact in real arithmetic, and equal to the per-branch forward to
@@ -103,7 +105,7 @@ class _ChannelMoments(torch.autograd.Function):
         if g_cov is None:
             return shift.view(1, c, 1, 1).expand_as(x).contiguous()
         sym = (g_cov + g_cov.T) / m
-        dx = torch.matmul(sym, xv)
+        dx = torch.bmm(sym.expand(n, c, c), xv)
         dx.add_((shift - sym @ mean).view(1, c, 1))
         return dx.view_as(x)
 
@@ -211,15 +213,49 @@ def _box(channels: int, kernel: tuple[int, int], like: Tensor) -> Tensor:
     return torch.full((channels, 1, kh, kw), 1.0 / (kh * kw), dtype=like.dtype, device=like.device)
 
 
+class _BoxFilter(torch.autograd.Function):
+    """Stride-1 mean filter with zero padding ``P ≤ K − 1``, as a depthwise transposed conv.
+
+    A constant kernel is its own flip, so the correlation equals the transposed conv with padding
+    ``K − 1 − P``, and its adjoint is the transposed conv with padding ``P``. oneDNN runs depthwise
+    transposed convs several times faster than the forward depthwise conv in NCHW, so both passes use
+    them."""
+
+    @staticmethod
+    def forward(ctx: Any, z: Tensor, kernel: tuple[int, int], padding: tuple[int, int]) -> Tensor:  # type: ignore[override]
+        (kh, kw), (ph, pw) = kernel, padding
+        ctx.kernel, ctx.padding = kernel, padding
+        c = z.shape[1]
+        return F.conv_transpose2d(z, _box(c, kernel, z), None, 1, (kh - 1 - ph, kw - 1 - pw), 0, c)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:  # type: ignore[override]
+        c = grad.shape[1]
+        return F.conv_transpose2d(grad, _box(c, ctx.kernel, grad), None, 1, ctx.padding, 0, c), None, None
+
+
+def box_filter(z: Tensor, kernel: tuple[int, int], stride: tuple[int, int], padding: tuple[int, int]) -> Tensor:
+    """``AvgPool(K, s, P)`` with ``count_include_pad`` (zero padding) for any ``P``."""
+    if stride == (1, 1) and padding[0] <= kernel[0] - 1 and padding[1] <= kernel[1] - 1:
+        return _BoxFilter.apply(z, tuple(kernel), tuple(padding))
+    c = z.shape[1]
+    return F.conv2d(z, _box(c, kernel, z), None, stride, padding, 1, c)
+
+
+def _padded_fraction(size: tuple[int, int], kernel: tuple[int, int], stride: tuple[int, int],
+                     padding: tuple[int, int], like: Tensor) -> Tensor:
+    """``(1, 1, H', W')``: the fraction of each pooling window that lies in the padding."""
+    ring = _ring_inside(None, torch.ones(1, dtype=like.dtype, device=like.device), padding, size)
+    return F.conv2d(ring, _box(1, kernel, like), None, stride)
+
+
 def pool_value_padded(z: Tensor, value: Tensor | None, kernel: tuple[int, int], stride: tuple[int, int],
                       padding: tuple[int, int]) -> Tensor:
     """``AvgPool(K, s)`` (``count_include_pad``) of ``z`` padded by ``padding`` with the per-channel
-    ``value`` (zeros for ``None``), as a depthwise conv plus ``value ×`` the padded fraction map."""
-    c = z.shape[1]
-    out = F.conv2d(z, _box(c, kernel, z), None, stride, padding, 1, c)
+    ``value`` (zeros for ``None``): a zero-padded mean filter plus ``value ×`` the padded fraction."""
+    out = box_filter(z, kernel, stride, padding)
     if value is not None and padding != (0, 0):
-        ring = _ring_inside(None, torch.ones(1, dtype=z.dtype, device=z.device), padding, tuple(z.shape[-2:]))
-        frac = F.conv2d(ring, _box(1, kernel, z), None, stride)
+        frac = _padded_fraction(tuple(z.shape[-2:]), kernel, stride, padding, z)
         out = out.add_(value.to(z.dtype).view(1, -1, 1, 1) * frac)
     return out
 
@@ -316,7 +352,8 @@ def one_by_one_kxk(branch: Any, x: Tensor, moments: _Moments | None) -> Tensor:
 def _merge_first_stage(a: Tensor, k2: Tensor, groups: int) -> tuple[Tensor, Tensor]:
     from .transforms import merge_1x1_kxk
 
-    return merge_1x1_kxk(a, None, k2, None, groups)
+    k, b = merge_1x1_kxk(a, None, k2, None, groups)
+    return k.contiguous(), b  # the einsum leaves a permuted layout; oneDNN would copy activations for it
 
 
 def avg(branch: Any, x: Tensor, moments: _Moments | None) -> Tensor:
@@ -328,10 +365,20 @@ def avg(branch: Any, x: Tensor, moments: _Moments | None) -> Tensor:
     conv, bn1 = branch.conv, branch.bn1
     if moments is not None and _is_1x1(conv) and tuple(conv.stride) == (1, 1) and _batch_bn(bn1):
         a, shift = _fold(bn1, conv.weight, conv.groups, moments.get())
+        value = _pad_value(bn1)
+        if branch.stride != (1, 1) or x.shape[1] <= a.shape[0]:
+            # the pool commutes with the folded 1×1 conv: pool the (narrower or larger) input, then
+            # convolve at the output resolution; pool(pad_v(Ax + b)) = A·pool_0(x) + b + (v − b)·frac
+            pooled = box_filter(x, branch.kernel_size, branch.stride, branch.padding)
+            y = F.conv2d(pooled, a, shift, 1, 0, 1, conv.groups)
+            if branch.padding != (0, 0):
+                frac = _padded_fraction(tuple(x.shape[-2:]), branch.kernel_size, branch.stride, branch.padding, x)
+                y = y.add_((value.to(x.dtype) - shift).view(1, -1, 1, 1) * frac)
+            return branch.bn2(y)
         z = F.conv2d(x, a, shift, 1, 0, 1, conv.groups)
     else:
         z = bn1(conv(x))
-    value = _pad_value(bn1)
+        value = _pad_value(bn1)
     return branch.bn2(pool_value_padded(z, value, branch.kernel_size, branch.stride, branch.padding))
 
 

@@ -280,6 +280,11 @@ def test_bench_smoke(tmp_path):
     assert set(res["infer_ms"]) == {"plain", "expanded", "merged"}
     assert res["upstream"]["merge_ms"] == 258.0
     assert set(res["train_step_ms_system_malloc"]) == {"plain", "expanded"}
+    assert res["merge_ms"] > 0 and res["merge_ms_system_malloc"] > 0
+    samples = res["samples_ms"]
+    assert res["infer_ms"]["merged"] == pytest.approx(min(samples["inference.merged"]), abs=1e-3)
+    assert len(samples["inference.plain"]) == 1
+    assert len(samples["train_allocator_as_found.expanded"]) == res["train_repeats"]
     if res["malloc_tuned"]:  # glibc: the target row is timed after tuning, with the per-branch forward beside it
         assert set(res["train_step_ms"]) == {"plain", "expanded", "expanded_per_branch"}
         assert res["per_branch_step_ratio"] == pytest.approx(
