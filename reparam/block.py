@@ -605,23 +605,21 @@ class DiverseBranchBlock(nn.Module):
             self._check_eval()
         factory = self._factory()
         with torch.no_grad():
-            conv = self.geometry.make_conv(bias=True, initialize=False, **factory)
-            storage = self._consumable_anchor_weight(conv.weight) if consume else None
-            if storage is not None:
-                conv.weight = nn.Parameter(storage)
+            storage = self._consumable_anchor_weight(factory) if consume else None
+            conv = self.geometry.make_conv(bias=True, initialize=False, weight=storage, **factory)
             self._merged_pair(compute_dtype, out=(conv.weight, conv.bias))
         conv.train(self.training)
         return conv
 
-    def _consumable_anchor_weight(self, like: Tensor) -> Tensor | None:
+    def _consumable_anchor_weight(self, factory: Mapping[str, Any]) -> Tensor | None:
         """The anchor kernel's tensor when the merged kernel may be written into it, else ``None``."""
         anchor = self.branches["kxk"] if "kxk" in self.branches else None
         conv = getattr(anchor, "conv", None)
         if type(conv) is not nn.Conv2d:
             return None
         w = conv.weight.detach()
-        same = w.shape == like.shape and w.dtype == like.dtype and w.device == like.device
-        return w if same and w.is_contiguous() else None
+        same = tuple(w.shape) == self.geometry.weight_shape and w.dtype == factory["dtype"]
+        return w if same and w.device == torch.device(factory["device"]) and w.is_contiguous() else None
 
     def switch_to_deploy(self, *, require_eval: bool = True) -> None:
         """In place: replace the branches by one merged conv (``reparam_conv``). Idempotent."""

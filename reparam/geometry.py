@@ -37,6 +37,33 @@ def _pair(value: Any, name: str) -> tuple[int, int]:
     raise ReparamError(f"{name} must be an int or a pair of ints, got {value!r}")
 
 
+_BLANK_CONVS: dict[tuple[Any, ...], nn.Conv2d] = {}
+
+
+def _blank_conv(g: "ConvGeometry", dtype: torch.dtype | None) -> nn.Conv2d:
+    """A new ``nn.Conv2d`` of geometry ``g`` whose parameters are still on the meta device.
+
+    Constructing a conv runs its initialisers even on the meta device; a merge builds one conv per
+    block, so a meta template per geometry is built once and each new conv copies its attribute
+    dictionary (with fresh containers) instead.
+    """
+    dtype = dtype or torch.get_default_dtype()
+    kwargs = {
+        "in_channels": g.in_channels, "out_channels": g.out_channels, "kernel_size": g.kernel_size,
+        "stride": g.stride, "padding": g.padding, "dilation": g.dilation, "groups": g.groups,
+        "bias": g.bias, "padding_mode": g.padding_mode,
+    }
+    key = (*kwargs.values(), dtype)
+    template = _BLANK_CONVS.get(key)
+    if template is None:
+        template = _BLANK_CONVS[key] = nn.Conv2d(**kwargs, device="meta", dtype=dtype)
+    conv = nn.Conv2d.__new__(nn.Conv2d)
+    conv.__dict__.update(
+        {k: v.copy() if isinstance(v, (dict, set, list)) else v for k, v in template.__dict__.items()}
+    )
+    return conv
+
+
 @dataclass(frozen=True)
 class ConvGeometry:
     """Geometry of a 2-d convolution ``G = (C, O, g, K, s, P, d, padding_mode)`` plus ``bias``.
@@ -143,32 +170,25 @@ class ConvGeometry:
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
         initialize: bool = True,
+        weight: torch.Tensor | None = None,
         **overrides: Any,
     ) -> nn.Conv2d:
         """Build an ``nn.Conv2d`` with keyword arguments taken from this geometry.
 
         ``overrides`` may replace any field (``bias=True`` for a merged conv, ...). Parameters are
         trainable; they are initialised by PyTorch unless ``initialize=False`` (uninitialised
-        memory, for callers that overwrite every value, e.g. a merged conv).
+        memory, for callers that overwrite every value, e.g. a merged conv). With
+        ``initialize=False``, ``weight`` gives the weight's storage (a tensor of the weight shape).
         """
         g = self.replace(**overrides) if overrides else self
         if not initialize:
-            # built on the meta device (no initialisation work), then given uninitialised storage
-            conv = nn.Conv2d(
-                in_channels=g.in_channels,
-                out_channels=g.out_channels,
-                kernel_size=g.kernel_size,
-                stride=g.stride,
-                padding=g.padding,
-                dilation=g.dilation,
-                groups=g.groups,
-                bias=g.bias,
-                padding_mode=g.padding_mode,
-                device="meta",
-                dtype=dtype,
-            )
+            conv = _blank_conv(g, dtype)
             factory = {"device": device, "dtype": conv.weight.dtype}
-            conv.weight = nn.Parameter(torch.empty(conv.weight.shape, **factory))
+            if weight is None:
+                weight = torch.empty(conv.weight.shape, **factory)
+            elif tuple(weight.shape) != tuple(conv.weight.shape):
+                raise ReparamError(f"make_conv: weight has shape {tuple(weight.shape)}, expected {tuple(conv.weight.shape)}")
+            conv.weight = nn.Parameter(weight)
             if conv.bias is not None:
                 conv.bias = nn.Parameter(torch.empty(conv.bias.shape, **factory))
             return conv

@@ -303,3 +303,24 @@ def test_tune_malloc_stops_page_faults_of_reallocated_activations():
         torch.empty(size).fill_(1.0)
     faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
     assert faults < 20 * pages // 4  # an mmap per tensor would fault every page of each one
+
+
+def test_uninitialised_convs_from_meta_templates_are_independent_modules():
+    from reparam.geometry import ConvGeometry
+
+    geo = ConvGeometry.from_conv(nn.Conv2d(4, 6, 3, padding=1, bias=False))
+    a = geo.make_conv(bias=True, initialize=False, dtype=F64)
+    b = geo.make_conv(bias=True, initialize=False, dtype=F64)
+    assert type(a) is nn.Conv2d and a.weight.dtype == F64 and a.weight.device.type == "cpu"
+    assert a.weight.data_ptr() != b.weight.data_ptr() and a._parameters is not b._parameters
+    a.register_forward_hook(lambda *args: None)
+    assert not b._forward_hooks
+    assert set(a.state_dict()) == {"weight", "bias"} and a.padding == (1, 1)
+    storage = torch.zeros(6, 4, 3, 3, dtype=F64)
+    c = geo.make_conv(bias=True, initialize=False, dtype=F64, weight=storage)
+    assert c.weight.data_ptr() == storage.data_ptr()
+    with torch.no_grad():
+        c.bias.zero_()
+    assert torch.equal(c(torch.randn(1, 4, 5, 5, dtype=F64)), torch.zeros(1, 6, 5, 5, dtype=F64))
+    with pytest.raises(reparam.ReparamError, match="weight has shape"):
+        geo.make_conv(initialize=False, weight=torch.zeros(2, 2, 1, 1))
