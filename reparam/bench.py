@@ -4,9 +4,8 @@ Measured side by side in one run, with warm-up iterations and interleaved repeat
 best of its repeats (as ``timeit`` reports: on a shared machine other processes only ever add time,
 so the minimum is the stable estimate of a cost; every sample is kept in the JSON output):
 
-* whole-model merge time: ``reparam.merge(model, inplace=True)`` (the target row; with the allocator
-  as found and after tuning, like the training rows) and the default
-  ``reparam.merge(model)``, which deep-copies the model first;
+* whole-model merge time: ``reparam.merge(model, inplace=True)`` (the target row) and the default
+  ``reparam.merge(model)``, which deep-copies the model first (both before any allocator tuning);
 * inference time (eval mode, ``no_grad``) of the merged, the expanded and the plain original model;
 * training-step time (forward, backward, SGD step) of the expanded and the plain model, next to
   their forward-MAC ratio, and the overhead per MAC = step-time ratio ÷ MAC ratio. Measured twice:
@@ -251,12 +250,11 @@ def run_benchmark(
         expanded_t = copy.deepcopy(expanded).train()
         steps = {"plain": _train_step_fn(plain_t, x, y), "expanded": _train_step_fn(expanded_t, x, y)}
         train_system = _interleaved(steps, warmup, train_repeats, "train_allocator_as_found")
-        train, merge_times = train_system, merge_system
+        train = train_system
         tuned = False
         if tune_allocator:
             tuned = allocator.tune_malloc()
         if tuned:
-            merge_times = _merge_times(expanded, merge_repeats, "tuned_malloc")
             per_branch = _train_step_fn(copy.deepcopy(expanded).train(), x, y)
 
             def unfused() -> None:
@@ -283,9 +281,8 @@ def run_benchmark(
         "macs_plain": int(macs_plain),
         "macs_expanded": int(macs_expanded),
         "macs_ratio": macs_ratio,
-        "merge_ms": merge_times[0] * 1e3,
-        "merge_with_copy_ms": merge_times[1] * 1e3,
-        "merge_ms_system_malloc": merge_system[0] * 1e3,
+        "merge_ms": merge_system[0] * 1e3,
+        "merge_with_copy_ms": merge_system[1] * 1e3,
         "merge_rel_err_fp32": merge_rel_err,
         "infer_ms": {k: v * 1e3 for k, v in infer.items()},
         "merged_over_plain": infer["merged"] / infer["plain"],
@@ -353,8 +350,6 @@ def _print_table(res: dict) -> None:
     inf, tr, up = res["infer_ms"], res["train_step_ms"], res["upstream"]
     t.add_row("whole-model merge, in place (ms)", f"{res['merge_ms']:.1f}", "<= 50",
               ok(res["merge_ms"], TARGETS["merge_ms"]), f"{up['merge_ms']:.0f}")
-    if res["malloc_tuned"]:
-        t.add_row("  in place, allocator as found (ms)", f"{res['merge_ms_system_malloc']:.1f}", "", "", "")
     t.add_row("  reparam.merge(model), deep copy incl. (ms)", f"{res['merge_with_copy_ms']:.1f}", "", "", "")
     t.add_row("  merged vs expanded rel. err (fp32)", f"{res['merge_rel_err_fp32']:.1e}", "", "", "")
     t.add_row("inference plain (ms)", f"{inf['plain']:.1f}", "", "", "")

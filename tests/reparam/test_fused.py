@@ -23,6 +23,12 @@ from reparam.testing import randomize_bn_, rel_err
 
 F64 = torch.float64
 
+
+@pytest.fixture(autouse=True)
+def _fuse_small_blocks(monkeypatch):
+    """The matrix below uses small inputs; let the fused forward run on them."""
+    monkeypatch.setattr(reparam.fused, "FUSED_MIN_OUTPUT_ELEMENTS", 0)
+
 # (id, cin, cout, kernel, stride, padding, dilation, groups, input hw)
 CASES = [
     ("dense", 8, 8, 3, 1, 1, 1, 1, (9, 9)),
@@ -324,3 +330,13 @@ def test_uninitialised_convs_from_meta_templates_are_independent_modules():
     assert torch.equal(c(torch.randn(1, 4, 5, 5, dtype=F64)), torch.zeros(1, 6, 5, 5, dtype=F64))
     with pytest.raises(reparam.ReparamError, match="weight has shape"):
         geo.make_conv(initialize=False, weight=torch.zeros(2, 2, 1, 1))
+
+
+def test_fused_forward_is_skipped_for_small_activations(monkeypatch):
+    blk, x = make_block(CASES[0], torch.Generator().manual_seed(14))
+    assert bn_nodes(copy.deepcopy(blk)(x.clone().requires_grad_())) == 3
+    out_elements = x.shape[0] * 8 * 9 * 9
+    monkeypatch.setattr(reparam.fused, "FUSED_MIN_OUTPUT_ELEMENTS", out_elements + 1)
+    assert bn_nodes(copy.deepcopy(blk)(x.clone().requires_grad_())) == 7
+    monkeypatch.setattr(reparam.fused, "FUSED_MIN_OUTPUT_ELEMENTS", out_elements)
+    assert bn_nodes(copy.deepcopy(blk)(x.clone().requires_grad_())) == 3
