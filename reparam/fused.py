@@ -47,6 +47,11 @@ from typing import Any, Iterator
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.nn.modules import module as _mod
+
+from .branches import AvgBranch, ConvBNBranch, IdentityBasedConv1x1, IdentityBranch, OneByOneKxKBranch
+from .branches import _pad_value
+from .transforms import avg_kernel, merge_1x1_kxk
 
 __all__ = [
     "fused_training",
@@ -204,12 +209,6 @@ def _scale_shift(bn: nn.BatchNorm2d, weight: Tensor | None, y_mean: Tensor, y_va
     return weight * t.view(-1, 1, 1, 1), shift
 
 
-def _pad_value(bn: nn.Module) -> Tensor:
-    from .branches import _pad_value as pad_value
-
-    return pad_value(bn)
-
-
 def _ring_inside(inside: Tensor | None, value: Tensor, padding: tuple[int, int], size: tuple[int, int]) -> Tensor:
     """``(1, D, H + 2P_h, W + 2P_w)``: ``value`` on the border ring, ``inside`` (or 0) in the interior."""
     ph, pw = padding
@@ -223,8 +222,8 @@ def _ring_inside(inside: Tensor | None, value: Tensor, padding: tuple[int, int],
 
 
 def _box(channels: int, kernel: tuple[int, int], like: Tensor) -> Tensor:
-    kh, kw = kernel
-    return torch.full((channels, 1, kh, kw), 1.0 / (kh * kw), dtype=like.dtype, device=like.device)
+    """The depthwise mean-filter kernel ``(C, 1, K_h, K_w)`` (T-V with groups = C)."""
+    return avg_kernel(channels, kernel, channels, dtype=like.dtype, device=like.device)
 
 
 class _BoxFilter(torch.autograd.Function):
@@ -296,8 +295,6 @@ def _hooked(m: nn.Module) -> bool:
 
 
 def _global_hooks() -> bool:
-    from torch.nn.modules import module as _mod
-
     return bool(
         getattr(_mod, "_global_forward_hooks", None)
         or getattr(_mod, "_global_forward_pre_hooks", None)
@@ -343,8 +340,6 @@ def _is_1x1(conv: Any) -> bool:
 
 
 def _first_stage_weight(conv: nn.Module) -> Tensor:
-    from .branches import IdentityBasedConv1x1
-
     return conv.effective_weight() if isinstance(conv, IdentityBasedConv1x1) else conv.weight
 
 
@@ -370,8 +365,6 @@ def one_by_one_kxk(branch: Any, x: Tensor, moments: _Moments | None) -> Tensor:
 
 
 def _merge_first_stage(a: Tensor, k2: Tensor, groups: int) -> tuple[Tensor, Tensor]:
-    from .transforms import merge_1x1_kxk
-
     k, b = merge_1x1_kxk(a, None, k2, None, groups)
     return k.contiguous(), b  # the einsum leaves a permuted layout; oneDNN would copy activations for it
 
@@ -408,8 +401,6 @@ def avg(branch: Any, x: Tensor, moments: _Moments | None) -> Tensor:
 
 def block_forward(block: Any, x: Tensor) -> Tensor:
     """The fused training forward of a block whose :func:`usable` check passed."""
-    from .branches import AvgBranch, ConvBNBranch, IdentityBranch, OneByOneKxKBranch
-
     n, c, h, w = x.shape
     fold_ok = n * h * w > 1 and n * h * w >= FOLD_MIN_POSITIONS_PER_CHANNEL * c
     moments = _Moments(x) if fold_ok else None
