@@ -380,8 +380,9 @@ def avg(branch: Any, x: Tensor, moments: _Moments | None) -> Tensor:
         a, shift = _fold(bn1, conv.weight, conv.groups, moments.get())
         value = _pad_value(bn1)
         if branch.stride != (1, 1) or x.shape[1] <= a.shape[0]:
-            # the pool commutes with the folded 1×1 conv: pool the (narrower or larger) input, then
-            # convolve at the output resolution; pool(pad_v(Ax + b)) = A·pool_0(x) + b + (v − b)·frac
+            # the pool commutes with the folded 1×1 conv: pool the input (no wider than the
+            # intermediate, or strided), then convolve at the output resolution;
+            # pool(pad_v(Ax + b)) = A·pool_0(x) + b + (v − b)·frac
             pooled = box_filter(x, branch.kernel_size, branch.stride, branch.padding)
             y = F.conv2d(pooled, a, shift, 1, 0, 1, conv.groups)
             if branch.padding != (0, 0):
