@@ -118,8 +118,10 @@ def _timed(fn: Callable[[], Any]) -> float:
     return time.perf_counter() - t0
 
 
-def _interleaved(fns: dict[str, Callable[[], Any]], warmup: int, repeats: int, tag: str) -> dict[str, float]:
-    """Best seconds per call of each function, calls interleaved round-robin (samples in ``_SAMPLES``)."""
+def _interleaved(
+    fns: dict[str, Callable[[], Any]], warmup: int, repeats: int, log: dict[str, list[float]], tag: str
+) -> dict[str, float]:
+    """Best seconds per call of each function, calls interleaved round-robin (samples into ``log``)."""
     for _ in range(warmup):
         for fn in fns.values():
             fn()
@@ -127,17 +129,14 @@ def _interleaved(fns: dict[str, Callable[[], Any]], warmup: int, repeats: int, t
     for _ in range(repeats):
         for k, fn in fns.items():
             samples[k].append(_timed(fn))
-    return _best(samples, tag)
+    return _best(samples, log, tag)
 
 
-def _best(samples: dict[str, list[float]], tag: str) -> dict[str, float]:
+def _best(samples: dict[str, list[float]], log: dict[str, list[float]], tag: str) -> dict[str, float]:
+    """The minimum of each measure's samples; the samples (ms) go into ``log`` as ``tag.measure``."""
     for k, v in samples.items():
-        _SAMPLES[f"{tag}.{k}"] = [round(t * 1e3, 3) for t in v]
+        log[f"{tag}.{k}"] = [round(t * 1e3, 3) for t in v]
     return {k: min(v) for k, v in samples.items()}
-
-
-#: every timed sample of the last run (ms), by measure; ``run_benchmark`` returns a copy
-_SAMPLES: dict[str, list[float]] = {}
 
 
 def _train_step_fn(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> Callable[[], None]:
@@ -203,7 +202,7 @@ def run_benchmark(
     if threads is not None and (not isinstance(threads, int) or threads < 1):
         raise ValueError(f"threads must be None or an int >= 1, got {threads!r}")
 
-    _SAMPLES.clear()
+    log: dict[str, list[float]] = {}  # every timed sample (ms), by measure
     old_threads = torch.get_num_threads()
     if threads is not None:
         torch.set_num_threads(threads)
@@ -232,7 +231,7 @@ def run_benchmark(
         macs_expanded = flops.model_macs(expanded, input_shape)
 
         tuned_before = allocator.malloc_tuned()
-        merge_system = _merge_times(expanded, merge_repeats, "allocator_as_found")
+        merge_system = _merge_times(expanded, merge_repeats, log, "allocator_as_found")
         merged = convert.merge(expanded)
         merged.eval()
         with torch.no_grad():
@@ -244,12 +243,13 @@ def run_benchmark(
             {"plain": _infer_fn(plain, x), "expanded": _infer_fn(expanded, x), "merged": _infer_fn(merged, x)},
             warmup,
             repeats,
+            log,
             "inference",
         )
         plain_t = copy.deepcopy(plain).train()
         expanded_t = copy.deepcopy(expanded).train()
         steps = {"plain": _train_step_fn(plain_t, x, y), "expanded": _train_step_fn(expanded_t, x, y)}
-        train_system = _interleaved(steps, warmup, train_repeats, "train_allocator_as_found")
+        train_system = _interleaved(steps, warmup, train_repeats, log, "train_allocator_as_found")
         train = train_system
         tuned = False
         if tune_allocator:
@@ -261,7 +261,7 @@ def run_benchmark(
                 with fused.fused_training(False):
                     per_branch()
 
-            train = _interleaved({**steps, "expanded_per_branch": unfused}, warmup, train_repeats, "train_tuned_malloc")
+            train = _interleaved({**steps, "expanded_per_branch": unfused}, warmup, train_repeats, log, "train_tuned_malloc")
     finally:
         torch.set_num_threads(old_threads)
 
@@ -298,11 +298,11 @@ def run_benchmark(
         "per_branch_step_ratio": (train["expanded_per_branch"] / train["plain"]) if "expanded_per_branch" in train else None,
         "targets": dict(TARGETS),
         "upstream": dict(UPSTREAM),
-        "samples_ms": dict(_SAMPLES),
+        "samples_ms": log,
     }
 
 
-def _merge_times(expanded: nn.Module, repeats: int, tag: str) -> tuple[float, float]:
+def _merge_times(expanded: nn.Module, repeats: int, log: dict[str, list[float]], tag: str) -> tuple[float, float]:
     """Median seconds of ``reparam.merge(copy, inplace=True)`` (the merge alone, on copies made
     beforehand) and of ``reparam.merge(expanded)`` (deep copy included), after one warm-up each."""
     from . import convert
@@ -312,7 +312,7 @@ def _merge_times(expanded: nn.Module, repeats: int, tag: str) -> tuple[float, fl
     with_copy = [_timed(lambda: convert.merge(expanded)) for _ in range(repeats)]
     copies = [copy.deepcopy(expanded) for _ in range(repeats)]
     inplace = [_timed(lambda c=c: convert.merge(c, inplace=True)) for c in copies]
-    best = _best({"merge_inplace": inplace, "merge_with_copy": with_copy}, tag)
+    best = _best({"merge_inplace": inplace, "merge_with_copy": with_copy}, log, tag)
     return best["merge_inplace"], best["merge_with_copy"]
 
 

@@ -498,12 +498,11 @@ class DiverseBranchBlock(nn.Module):
         channels, each cast into ``out`` as soon as it is complete; ``out`` is returned.
         """
         if self.reparam_conv is not None:
-            pair = self.reparam_conv.weight.to(dtype, copy=True), self.reparam_conv.bias.to(dtype, copy=True)
             if out is not None:
-                out[0].copy_(pair[0])
-                out[1].copy_(pair[1])
+                out[0].copy_(self.reparam_conv.weight)
+                out[1].copy_(self.reparam_conv.bias)
                 return out
-            return pair
+            return self.reparam_conv.weight.to(dtype, copy=True), self.reparam_conv.bias.to(dtype, copy=True)
         chosen = list(self._order if names is None else [n for n in self._order if n in set(names)])
         if "1x1_avg" in chosen:  # its kernel is a broadcast (O, C/g, 1, 1) term: start with it
             chosen.remove("1x1_avg")

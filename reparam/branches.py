@@ -416,17 +416,15 @@ class OneByOneKxKBranch(nn.Module):
         d = w2.shape[1] * g
         dg = d // g
         scale = None
+        a, c1 = conv_kernel_bias(self.conv1, fast=True)
         if isinstance(self.conv1, IdentityBasedConv1x1):
             # identity part: K[o, c', :] += t2[o] * t1[d=c'] * W2[o, c', :]
             scale = (t2.view(g, o // g, 1) * t1.view(g, 1, dg)).view(o, dg, 1, 1)
             residual = self.conv1.weight
             a = residual if bool(residual.detach().ne(0).any()) else None
-        else:
-            a = conv_kernel_bias(self.conv1, fast=True)[0]
         a_g = None
         if a is not None:
             a_g = (a.reshape(d, cg).to(dtype) * t1.view(-1, 1)).view(g, 1, dg, cg).transpose(2, 3)
-        c1 = conv_kernel_bias(self.conv1, fast=True)[1]
         if c1 is not None:
             b1 = b1 + t1 * c1.to(dtype)
         bias = shift2 if c2 is None else shift2 + t2 * c2.to(dtype)

@@ -51,7 +51,7 @@ from torch.nn.modules import module as _mod
 
 from .branches import AvgBranch, ConvBNBranch, IdentityBasedConv1x1, IdentityBranch, OneByOneKxKBranch
 from .branches import _pad_value
-from .transforms import avg_kernel, merge_1x1_kxk
+from .transforms import avg_kernel, merge_1x1_kxk, value_pad
 
 __all__ = [
     "fused_training",
@@ -181,8 +181,8 @@ def _fold(bn: nn.BatchNorm2d, weight: Tensor, groups: int, moments: tuple[Tensor
     g = int(groups)
     w = weight.reshape(g, o // g, cg)
     mu_g = mean.view(g, cg, 1)
-    cov_g = cov if g == 1 else torch.stack([cov[i * cg : (i + 1) * cg, i * cg : (i + 1) * cg] for i in range(g)])
-    cov_g = cov_g.view(g, cg, cg)
+    # the g diagonal (C/g × C/g) blocks, one view for every group layout (depthwise: g = C)
+    cov_g = cov.view(g, cg, g, cg).diagonal(dim1=0, dim2=2).permute(2, 0, 1)
     y_mean = torch.matmul(w, mu_g).reshape(o)
     y_var = (torch.matmul(w, cov_g) * w).sum(-1).reshape(o).clamp_min(0)
     return _scale_shift(bn, weight, y_mean, y_var, m)
@@ -210,15 +210,11 @@ def _scale_shift(bn: nn.BatchNorm2d, weight: Tensor | None, y_mean: Tensor, y_va
 
 
 def _ring_inside(inside: Tensor | None, value: Tensor, padding: tuple[int, int], size: tuple[int, int]) -> Tensor:
-    """``(1, D, H + 2P_h, W + 2P_w)``: ``value`` on the border ring, ``inside`` (or 0) in the interior."""
-    ph, pw = padding
-    h, w = size
-    mask = torch.zeros(h + 2 * ph, w + 2 * pw, dtype=value.dtype, device=value.device)
-    mask[ph : ph + h, pw : pw + w] = 1
-    ring = value.view(-1, 1, 1) * (1 - mask)
-    if inside is not None:
-        ring = ring + inside.view(-1, 1, 1) * mask
-    return ring.unsqueeze(0)
+    """``(1, D, H + 2P_h, W + 2P_w)``: ``value`` on the border ring, ``inside`` (or 0) in the interior
+    (:func:`~reparam.transforms.value_pad` of a constant map; differentiable in both)."""
+    d = value.shape[0]
+    base = value.new_zeros(1, d, *size) if inside is None else inside.to(value.dtype).view(1, d, 1, 1).expand(1, d, *size)
+    return value_pad(base, padding, value)
 
 
 def _box(channels: int, kernel: tuple[int, int], like: Tensor) -> Tensor:
