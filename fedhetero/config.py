@@ -114,6 +114,30 @@ class AlgorithmConfig:
 
 
 @dataclass(frozen=True)
+class FaultConfig:
+    """Fault injection for tests and drills: each (round, client) task fails with probability
+    ``rate`` (seeded), in one of ``kinds``: ``raise`` (an exception), ``nan`` (a non-finite upload)
+    or ``hang`` (the client never answers; needs ``engine.client_timeout_s``)."""
+
+    rate: float = 0.0
+    kinds: tuple[Literal["raise", "nan", "hang"], ...] = ("raise", "nan")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Where client tasks run. ``local``: in this process, one after another (the reference);
+    ``process``: a pool of worker processes on this machine, results reduced in client-id order
+    (same numbers as ``local``); ``flower``: Flower's simulation or deployment engine (extra
+    ``fedhetero[flower]``)."""
+
+    backend: Literal["local", "process", "flower"] = "local"
+    workers: int | None = None  # process back end: worker processes (None: the machine's cores)
+    client_timeout_s: float | None = None  # a client that takes longer is dropped from the round
+    min_clients: int = 1  # fewer successful clients in a round stops the run with a clear message
+    inject_faults: FaultConfig = field(default_factory=FaultConfig)
+
+
+@dataclass(frozen=True)
 class RunConfig:
     seed: int = 0
     device: str = "cpu"
@@ -126,6 +150,7 @@ class RunConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     budget: BudgetConfig = field(default_factory=BudgetConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
 
 
 # ---------------------------------------------------------------------------- conversion
@@ -284,6 +309,22 @@ def validate(cfg: RunConfig) -> None:
     _check(0 <= b.change < 1, "budget.change", f"must be in [0, 1), got {b.change}")
     _check(0 < b.min_ratio <= b.max_ratio, "budget.min_ratio", "must satisfy 0 < min_ratio <= max_ratio")
     _check(cfg.threads is None or cfg.threads >= 1, "threads", "must be at least 1 or null")
+    e = cfg.engine
+    _check(e.workers is None or e.workers >= 1, "engine.workers", f"must be at least 1 or null, got {e.workers}")
+    _check(
+        e.client_timeout_s is None or e.client_timeout_s > 0,
+        "engine.client_timeout_s",
+        f"must be > 0 seconds or null, got {e.client_timeout_s}",
+    )
+    _check(e.min_clients >= 1, "engine.min_clients", f"must be at least 1, got {e.min_clients}")
+    f = e.inject_faults
+    _check(0 <= f.rate <= 1, "engine.inject_faults.rate", f"must be in [0, 1], got {f.rate}")
+    _check(f.rate == 0 or len(f.kinds) >= 1, "engine.inject_faults.kinds", "name at least one of raise, nan, hang")
+    _check(
+        f.rate == 0 or "hang" not in f.kinds or e.client_timeout_s is not None,
+        "engine.inject_faults.kinds",
+        "'hang' needs engine.client_timeout_s (a hung client is only dropped when its time runs out)",
+    )
     _check(
         cfg.device == "cpu" or cfg.device.startswith("cuda"),
         "device",
@@ -344,6 +385,15 @@ def dump_config(cfg: RunConfig) -> str:
     return yaml.safe_dump(to_dict(cfg), sort_keys=False)
 
 
+#: Fields that choose where the work runs but never change the numbers; they are left out of the
+#: hash so that a run can be resumed on another back end.
+_UNHASHED = {"engine": ("backend", "workers")}
+
+
 def config_hash(cfg: RunConfig) -> str:
-    """SHA-256 of the resolved config's canonical JSON form."""
-    return hashlib.sha256(json.dumps(to_dict(cfg), sort_keys=True).encode()).hexdigest()
+    """SHA-256 of the resolved config's canonical JSON form (without :data:`_UNHASHED` fields)."""
+    data = to_dict(cfg)
+    for section, keys in _UNHASHED.items():
+        for key in keys:
+            data.get(section, {}).pop(key, None)
+    return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()

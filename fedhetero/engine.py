@@ -1,8 +1,12 @@
-"""The in-process federated round loop.
+"""The federated round loop.
 
 :class:`Engine` owns everything that is the same for every method: data and partitions, device
-tiers and budgets, client sampling, the shared local trainer, evaluation, metrics, checkpoints and
-resume. Algorithms (:mod:`fedhetero.algorithms`) see only a :class:`Context`.
+tiers and budgets, client sampling, evaluation, metrics, checkpoints and resume. Algorithms
+(:mod:`fedhetero.algorithms`) see only a :class:`~fedhetero.context.Context`; their client tasks run
+on the back end ``engine.backend`` names (:mod:`fedhetero.engines`). A client task that raises,
+times out or uploads non-finite tensors is dropped from its round and recorded in the round's
+``dropped`` list of ``metrics.jsonl``; a round with fewer than ``engine.min_clients`` successful
+clients stops the run with a message (the last checkpoint stays, so it can be resumed).
 
 Guarantees:
 
@@ -20,281 +24,35 @@ Guarantees:
 
 from __future__ import annotations
 
-import contextlib
 import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import numpy as np
 import torch
-import torch.nn.functional as F
-from torch import nn
 
 from fedhetero import budget as budget_mod
-from fedhetero.algorithms import get_algorithm
-from fedhetero.algorithms.base import Algorithm, ClientInfo, ClientUpdate
-from fedhetero.config import (
-    ConfigError,
-    RunConfig,
-    _from_mapping,
-    config_hash,
-    dump_config,
-    load_config,
-)
-from fedhetero.data import build_federated_data, iterate_batches, save_partition
+from fedhetero.algorithms import build_algorithm
+from fedhetero.algorithms.base import Algorithm, ClientInfo, ClientResult, ClientTask
+from fedhetero.config import ConfigError, RunConfig, config_hash, dump_config, load_config
+from fedhetero.context import Context, RunError, build_data
+from fedhetero.data import save_partition
+from fedhetero.engines import Backend, check_result, make_backend
 from fedhetero.store import ClientStateStore, atomic_save
 from fedhetero.timemodel import ClientCost, TimeModel, smoothed_final_accuracy
 from reparam.allocator import tune_malloc
 
 _TIME_MODEL = TimeModel()
 
-__all__ = ["Context", "Engine", "RunResult", "build_algorithm", "run"]
-
-# Stable ids of the random concerns (never reorder: they define the streams).
-_CONCERNS = {
-    "partition": 1,
-    "tiers": 2,
-    "sample": 3,
-    "budget": 4,
-    "init": 5,
-    "data": 6,
-    "client": 7,
-    "server": 8,
-    "algorithm": 9,
-    "eval": 10,
-}
-
-
-def build_algorithm(cfg: RunConfig) -> Algorithm:
-    """Instantiate the configured algorithm with validated options."""
-    cls = get_algorithm(cfg.algorithm.name)
-    options = _from_mapping(cls.Options, dict(cfg.algorithm.options), "algorithm.options")
-    return cls(options)
-
+__all__ = ["Context", "Engine", "RunError", "RunResult", "build_algorithm", "run"]
 
 @dataclass
 class RunResult:
     out_dir: Path
     summary: dict[str, Any]
     metrics: list[dict[str, Any]] = field(default_factory=list)
-
-
-class Context:
-    """What an algorithm may use: config, data, budgets, RNG streams, trainer, evaluator, store."""
-
-    def __init__(self, cfg: RunConfig, data: Any, store: ClientStateStore, device: torch.device) -> None:
-        self.cfg = cfg
-        self.data = data
-        self.store = store
-        self.device = device
-        self.round = 0
-        self.input_shape: tuple[int, int, int] = tuple(int(s) for s in data.input_shape)  # type: ignore[assignment]
-        self.num_classes = int(data.num_classes)
-        self.dtype = getattr(torch, cfg.dtype)
-        self.current_client: ClientInfo | None = None
-        self.on_client_done: Callable[[int], None] | None = None
-        self.timers: dict[str, float] = {}
-        self._macs_cache: dict[Any, int] = {}
-        self._width_planner: Any = None
-        with self.seeded("init", 0):
-            self.plain_macs = self.macs(self.build_model())
-        self.tier_ratio = {t.name: t.ratio for t in cfg.budget.tiers}
-
-    # ------------------------------------------------------------------ randomness
-    def seed_sequence(self, concern: str, *keys: int) -> np.random.SeedSequence:
-        if concern not in _CONCERNS:
-            raise ValueError(f"unknown random concern {concern!r}")
-        return np.random.SeedSequence(
-            self.cfg.seed, spawn_key=(_CONCERNS[concern], *(int(k) for k in keys))
-        )
-
-    def rng(self, concern: str, *keys: int) -> np.random.Generator:
-        """Independent numpy generator for one concern (and e.g. round, client)."""
-        return np.random.default_rng(self.seed_sequence(concern, *keys))
-
-    def torch_generator(self, concern: str, *keys: int) -> torch.Generator:
-        seed = int(self.seed_sequence(concern, *keys).generate_state(1, dtype=np.uint64)[0] >> 1)
-        return torch.Generator().manual_seed(seed)
-
-    @contextlib.contextmanager
-    def seeded(self, concern: str, *keys: int) -> Iterator[None]:
-        """Seed torch's global RNG (used by module initialisers) for the duration of a block."""
-        state = torch.get_rng_state()
-        seed = int(self.seed_sequence(concern, *keys).generate_state(1, dtype=np.uint64)[0] >> 1)
-        torch.manual_seed(seed)
-        try:
-            yield
-        finally:
-            torch.set_rng_state(state)
-
-    @contextlib.contextmanager
-    def client_scope(self, client: ClientInfo) -> Iterator[None]:
-        """Everything a client does in a round runs with RNG derived from (round, client).
-
-        Torch's default CPU generator is re-seeded on entry (module initialisers of new branches
-        draw from it), so a client's work never depends on what ran before it."""
-        self.current_client = client
-        seed = int(self.seed_sequence("client", self.round, client.cid).generate_state(1, dtype=np.uint64)[0] >> 1)
-        torch.default_generator.manual_seed(seed)
-        if self.device.type == "cuda":
-            torch.cuda.manual_seed(seed)
-        try:
-            yield
-        finally:
-            self.current_client = None
-        if self.on_client_done is not None:
-            self.on_client_done(client.cid)
-
-    @contextlib.contextmanager
-    def timer(self, name: str) -> Iterator[None]:
-        """Accumulate wall time under ``name`` (reported per round in the metrics)."""
-        t0 = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.timers[name] = self.timers.get(name, 0.0) + time.perf_counter() - t0
-
-    # ------------------------------------------------------------------ models & budgets
-    def build_model(self, width: float | None = None, **overrides: Any) -> nn.Module:
-        """A fresh model of the configured architecture (optionally another width)."""
-        from models import build_model
-
-        kw: dict[str, Any] = dict(
-            num_classes=self.num_classes,
-            in_channels=self.input_shape[0],
-            width=self.cfg.model.width if width is None else width,
-            norm=self.cfg.model.norm,
-            input_size=self.input_shape[1],
-        )
-        kw.update(overrides)
-        return build_model(self.cfg.model.name, **kw).to(device=self.device, dtype=self.dtype)
-
-    def macs(self, model: nn.Module) -> int:
-        """Forward MACs per sample (conv + linear; BN, activations and pooling excluded).
-
-        Cached by the model's structure (class, module paths and parameter shapes), so clients
-        training the same architecture cost one counting pass."""
-        key = (type(model).__name__,) + tuple(
-            (path, type(m).__name__, tuple(getattr(m, "weight").shape) if isinstance(getattr(m, "weight", None), torch.Tensor) else ())
-            for path, m in model.named_modules()
-        )
-        hit = self._macs_cache.get(key)
-        if hit is None:
-            if len(self._macs_cache) > 4096:
-                self._macs_cache.clear()
-            hit = self._macs_cache[key] = int(budget_mod.macs(model, self.input_shape))
-        return hit
-
-    def width_for_budget(self, budget_macs: float) -> float:
-        """Largest width (multiples of 1/16 of the configured width, above 1× too) whose model's
-        measured MACs fit ``budget_macs``; ``ValueError`` when even the narrowest does not fit."""
-        if self._width_planner is None:
-            from fedhetero.algorithms._widths import WidthPlanner
-
-            self._width_planner = WidthPlanner(self)
-        return self._width_planner.width_for(budget_macs)
-
-    def min_budget_macs(self) -> float:
-        return min(t.ratio for t in self.cfg.budget.tiers) * self.plain_macs
-
-    def max_budget_macs(self) -> float:
-        return max(t.ratio for t in self.cfg.budget.tiers) * self.plain_macs
-
-    # ------------------------------------------------------------------ training
-    def make_optimizer(self, model: nn.Module, lr: float | None = None) -> torch.optim.Optimizer:
-        t = self.cfg.train
-        return torch.optim.SGD(
-            [p for p in model.parameters() if p.requires_grad],
-            lr=t.lr if lr is None else lr,
-            momentum=t.momentum,
-            weight_decay=t.weight_decay,
-        )
-
-    def client_batches(self, cid: int, epoch: int, batch_size: int | None = None):
-        """The client's shuffled batches for one local epoch (order from (round, client, epoch))."""
-        gen = self.torch_generator("data", self.round, cid, epoch)
-        return iterate_batches(
-            self.data.train,
-            self.data.client_indices[cid],
-            batch_size or self.cfg.train.batch_size,
-            generator=gen,
-            shuffle=True,
-            augment=self.cfg.data.augment,
-        )
-
-    def train(
-        self,
-        model: nn.Module,
-        client: ClientInfo,
-        epochs: int,
-        *,
-        optimizer: torch.optim.Optimizer | None = None,
-        after_backward: Callable[[nn.Module], None] | None = None,
-        on_epoch_end: Callable[[int, nn.Module, torch.optim.Optimizer], Any] | None = None,
-        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
-        first_epoch: int = 0,
-    ) -> dict[str, Any]:
-        """Local SGD: ``epochs`` passes over the client's data.
-
-        ``after_backward(model)`` runs after every backward and before the optimizer step (saliency
-        meters hook in here); ``on_epoch_end(epoch, model, optimizer)`` runs after each epoch and may
-        return a new optimizer (after a structure change). ``first_epoch`` numbers the epochs for
-        the data order when one local round is split over several calls.
-        """
-        model.train()
-        opt = optimizer if optimizer is not None else self.make_optimizer(model)
-        loss_fn = loss_fn or F.cross_entropy
-        losses: list[torch.Tensor] = []
-        sizes: list[int] = []
-        steps = 0
-        for e in range(first_epoch, first_epoch + epochs):
-            losses, sizes = [], []
-            for x, y in self.client_batches(client.cid, e):
-                x = x.to(self.device, self.dtype, non_blocking=True)
-                y = y.to(self.device, non_blocking=True)
-                opt.zero_grad(set_to_none=True)
-                loss = loss_fn(model(x), y)
-                loss.backward()
-                if after_backward is not None:
-                    after_backward(model)
-                opt.step()
-                losses.append(loss.detach())
-                sizes.append(int(y.shape[0]))
-                steps += 1
-            if on_epoch_end is not None:
-                new_opt = on_epoch_end(e, model, opt)
-                if isinstance(new_opt, torch.optim.Optimizer):
-                    opt = new_opt
-        seen = sum(sizes)
-        mean_loss = float(sum(float(l) * n for l, n in zip(losses, sizes)) / seen) if seen else float("nan")
-        return {"loss": mean_loss, "steps": steps, "optimizer": opt}
-
-    @torch.no_grad()
-    def evaluate(self, model: nn.Module, dataset: Any = None, indices: Any = None) -> dict[str, float]:
-        """Accuracy and mean loss of ``model`` (eval mode) on the test set or a given dataset."""
-        ds = self.data.test if dataset is None else dataset
-        idx = np.arange(len(ds.labels)) if indices is None else indices
-        was_training = model.training
-        model.eval()
-        correct = 0
-        loss = 0.0
-        n = 0
-        for x, y in iterate_batches(ds, idx, self.cfg.train.eval_batch_size, shuffle=False):
-            x = x.to(self.device, self.dtype)
-            y = y.to(self.device)
-            out = model(x)
-            loss += float(F.cross_entropy(out, y, reduction="sum"))
-            correct += int((out.argmax(1) == y).sum())
-            n += int(y.shape[0])
-        model.train(was_training)
-        return {"accuracy": correct / max(n, 1), "loss": loss / max(n, 1)}
-
-    def aggregation_weights(self, updates: list[ClientUpdate]) -> list[float]:
-        if self.cfg.train.aggregation == "uniform":
-            return [1.0] * len(updates)
-        return [float(u.num_samples) for u in updates]
 
 
 class Engine:
@@ -309,12 +67,14 @@ class Engine:
         progress: bool = True,
         console: Any = None,
         stop_after: int | None = None,
+        backend: Backend | None = None,
     ) -> None:
         self.out_dir = Path(out_dir)
         self.resume = resume
         self.progress = progress
         self.console = console
         self.stop_after = stop_after  # for tests: stop (as if killed) after this round
+        self.backend = backend  # None: the one cfg.engine.backend names
         if resume:
             cfg_path = self.out_dir / "config.yaml"
             if not cfg_path.is_file():
@@ -325,7 +85,9 @@ class Engine:
                     f"--resume: the given config differs from the one saved in {cfg_path}; "
                     "resume without --config/--set to continue that run"
                 )
-            cfg = saved
+            # the same numbers-relevant config (the hash leaves out where clients run): keep the
+            # given one, so a run can be resumed on another back end
+            cfg = saved if cfg is None else cfg
         self.cfg = cfg
 
     # ------------------------------------------------------------------ set-up
@@ -343,27 +105,11 @@ class Engine:
         if device.type == "cuda" and not torch.cuda.is_available():
             raise ConfigError("device: 'cuda' requested but CUDA is not available; use device=cpu")
         self.out_dir.mkdir(parents=True, exist_ok=True)
-        seq = np.random.SeedSequence(cfg.seed, spawn_key=(_CONCERNS["partition"],))
-        d = cfg.data
-        options = None
-        if d.dataset == "synthetic":
-            options = {"num_samples": d.synthetic_size, "num_test": max(d.synthetic_size // 4, 10)}
-        self.data = build_federated_data(
-            d.dataset,
-            data_dir=d.data_dir,
-            num_clients=d.num_clients,
-            partition=d.partition,
-            alpha=d.alpha,
-            shards=d.shards_per_client,
-            server_fraction=d.server_fraction,
-            server_classes=None if d.server_classes >= 1.0 else d.server_classes,
-            public_fraction=d.public_fraction,
-            rng=np.random.default_rng(seq),
-            min_size=d.min_partition_size,
-            dataset_options=options,
-        )
+        self.data = build_data(cfg)
         self.store = ClientStateStore(self.out_dir / "client_state")
-        self.ctx = Context(cfg, self.data, self.store, device)
+        self.ctx = Context(cfg, self.data, self.store, device, executor=self._execute)
+        if self.backend is None:
+            self.backend = make_backend(cfg, self.data)
         self.algorithm = build_algorithm(cfg)
         with self.ctx.seeded("init", 1):
             self.algorithm.setup(self.ctx)
@@ -393,6 +139,41 @@ class Engine:
         meta["data"] = self.data.summary()
         (self.out_dir / "run.json").write_text(json.dumps(meta, indent=2, default=str))
         save_partition(self.data, self.out_dir / "partition.npz")
+
+    # ------------------------------------------------------------------ client tasks
+    def _execute(self, algorithm: Algorithm, tasks: list[ClientTask]) -> list[ClientResult]:
+        """Run tasks on the back end with each client's private state; keep the new states of the
+        clients that succeeded; record and drop the others (error, time-out, non-finite upload)."""
+        assert self.backend is not None
+        states = {t.cid: self.store.get(t.cid, before_round=t.round) for t in tasks}
+        outcomes = self.backend.run(algorithm, tasks, states, on_done=self.ctx.on_client_done)
+        ok: list[ClientResult] = []
+        for outcome in outcomes:
+            task = outcome.task
+            reason = check_result(outcome, self.cfg.engine.client_timeout_s)
+            if reason is not None:
+                self._dropped.append({"cid": task.cid, "step": task.step, "tier": task.tier, "reason": reason})
+                if self.console is not None and self.progress:
+                    self.console.print(f"[yellow]round {task.round}: client {task.cid} dropped: {reason}[/yellow]", markup=True)
+                continue
+            res = outcome.result
+            assert res is not None
+            if res.client_state is not None:
+                self.store.put(task.cid, res.client_state, task.round)
+            for k, v in res.timers.items():
+                self.ctx.timers[k] = self.ctx.timers.get(k, 0.0) + v
+            ok.append(res)
+        need = min(self.cfg.engine.min_clients, len(tasks))
+        if len(ok) < need:
+            reasons = "; ".join(f"client {d['cid']}: {d['reason']}" for d in self._dropped[-len(tasks):][:5])
+            detail = next((o.detail for o in outcomes if o.detail), "")
+            raise RunError(
+                f"round {self.ctx.round}: only {len(ok)} of {len(tasks)} clients succeeded, fewer than "
+                f"engine.min_clients={self.cfg.engine.min_clients} ({reasons}). The run stopped; the last "
+                f"checkpoint is kept, so fix the cause and continue with --resume."
+                + (f"\nfirst failure:\n{detail}" if detail else "")
+            )
+        return ok
 
     # ------------------------------------------------------------------ rounds
     def sample_clients(self, rnd: int) -> list[int]:
@@ -466,7 +247,15 @@ class Engine:
 
     def run(self) -> RunResult:
         """Run (or resume) the job; returns the summary and the per-round metrics."""
+        try:
+            return self._run()
+        finally:
+            if self.backend is not None:
+                self.backend.close()
+
+    def _run(self) -> RunResult:
         t_start = time.perf_counter()
+        self._dropped: list[dict[str, Any]] = []
         self._setup()
         self._participation = [0] * self.cfg.data.num_clients
         start = 0
@@ -494,8 +283,10 @@ class Engine:
                     self._participation[c] += 1
                 progress.round_started(rnd, len(clients))
                 self.ctx.on_client_done = progress.client_done
+                self._dropped = []
                 updates = self.algorithm.run_round(self.ctx, clients)
                 row: dict[str, Any] = {"round": rnd}
+                row["dropped"] = list(self._dropped)
                 if rnd % self.cfg.train.eval_every == 0 or rnd == rounds:
                     row.update(self._evaluate())
                 by_cid = {c.cid: c for c in clients}
@@ -587,6 +378,7 @@ def summarize(cfg: RunConfig, history: list[dict[str, Any]], plain_macs: int, wa
         "mean_client_macs": float(np.mean([c["macs"] for r in history for c in r["clients"]])) if history else None,
         "bytes_total": history[-1]["bytes_total"] if history else 0,
         "all_fit_budget": bool(all(c["fits_budget"] for r in history for c in r["clients"])),
+        "dropped_clients": int(sum(len(r.get("dropped", ())) for r in history)),
         "wall_s": round(wall, 3),
     }
 

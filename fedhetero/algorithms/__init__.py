@@ -9,10 +9,23 @@ from __future__ import annotations
 
 import importlib
 import pkgutil
+from typing import TYPE_CHECKING
 
-from fedhetero.algorithms.base import Algorithm, ClientInfo, ClientUpdate
+if TYPE_CHECKING:  # pragma: no cover
+    from fedhetero.config import RunConfig
 
-__all__ = ["Algorithm", "ClientInfo", "ClientUpdate", "get_algorithm", "list_algorithms"]
+from fedhetero.algorithms.base import Algorithm, ClientInfo, ClientResult, ClientTask, ClientUpdate
+
+__all__ = [
+    "Algorithm",
+    "ClientInfo",
+    "ClientResult",
+    "ClientTask",
+    "ClientUpdate",
+    "build_algorithm",
+    "get_algorithm",
+    "list_algorithms",
+]
 
 _REGISTRY: dict[str, type[Algorithm]] | None = None
 
@@ -44,11 +57,55 @@ def list_algorithms() -> list[str]:
     return sorted(_discover())
 
 
+def _import_path(name: str) -> type[Algorithm]:
+    """``package.module:Class`` or ``path/to/file.py:Class``: an algorithm outside this package."""
+    from fedhetero.config import ConfigError
+
+    where, _, attr = name.rpartition(":")
+    try:
+        if where.endswith(".py"):
+            import importlib.util
+            import sys
+            from pathlib import Path
+
+            path = Path(where).resolve()
+            mod_name = f"_fedhetero_user_{path.stem}"
+            module = sys.modules.get(mod_name)
+            if module is None:
+                spec = importlib.util.spec_from_file_location(mod_name, path)
+                if spec is None or spec.loader is None or not path.is_file():
+                    raise ImportError(f"no such file: {path}")
+                module = importlib.util.module_from_spec(spec)
+                sys.modules[mod_name] = module
+                spec.loader.exec_module(module)
+        else:
+            module = importlib.import_module(where)
+        cls = getattr(module, attr)
+    except (ImportError, AttributeError, OSError, SyntaxError) as exc:
+        raise ConfigError(f"algorithm.name: cannot load {name!r} ({type(exc).__name__}: {exc})") from None
+    if not (isinstance(cls, type) and issubclass(cls, Algorithm)):
+        raise ConfigError(f"algorithm.name: {name!r} is not a fedhetero.algorithms.Algorithm subclass")
+    return cls
+
+
 def get_algorithm(name: str) -> type[Algorithm]:
-    """The algorithm class registered under ``name``."""
+    """The algorithm class registered under ``name``, or loaded from ``module:Class`` /
+    ``file.py:Class`` for an algorithm of your own (worker processes and Flower nodes load it the
+    same way)."""
+    if ":" in name:
+        return _import_path(name)
     registry = _discover()
     if name not in registry:
         from fedhetero.config import ConfigError
 
         raise ConfigError(f"algorithm.name: unknown algorithm {name!r}; available: {', '.join(sorted(registry))}")
     return registry[name]
+
+
+def build_algorithm(cfg: "RunConfig") -> Algorithm:
+    """Instantiate the configured algorithm with validated options."""
+    from fedhetero.config import _from_mapping
+
+    cls = get_algorithm(cfg.algorithm.name)
+    options = _from_mapping(cls.Options, dict(cfg.algorithm.options), "algorithm.options")
+    return cls(options)

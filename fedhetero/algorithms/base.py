@@ -1,9 +1,22 @@
-"""The algorithm interface.
+"""The algorithm interface: a server half and a client half.
 
-An algorithm is one module in :mod:`fedhetero.algorithms` that subclasses :class:`Algorithm`. The
-engine owns sampling, data, budgets, evaluation, metrics and checkpoints; the algorithm owns only
-what differs between methods. :meth:`Algorithm.run_round` is the template the engine calls once per
-round; methods with several exchanges per round override it.
+An algorithm is one module in :mod:`fedhetero.algorithms` that subclasses :class:`Algorithm`.
+
+**Server half** (runs with the engine, sees the server's :class:`~fedhetero.context.Context`):
+:meth:`Algorithm.setup` creates the global model and server state; :meth:`Algorithm.configure`
+turns the sampled clients into one :class:`ClientTask` each (what the server sends: model state,
+budget, hyper-parameters, the per-(round, client) seed); :meth:`Algorithm.aggregate` and
+:meth:`Algorithm.server_update` make the new global model from the :class:`ClientResult` list;
+:meth:`Algorithm.state_dict` / :meth:`Algorithm.load_state_dict` make it resumable.
+:meth:`Algorithm.run_round` is the template (configure → execute → aggregate → server update);
+methods with several exchanges per round call :meth:`Context.execute` several times.
+
+**Client half** (:meth:`Algorithm.client_update`) runs from the task, the client's own data and its
+own private state only. The engine calls it on a *fresh instance* built from the options (never
+set up), in this process, in a worker process or on a Flower node, so it cannot see the server's
+objects. What a client keeps between rounds is returned as ``ClientResult.client_state`` and
+handed back to it the next time it is sampled (the embedded engines keep it in the on-disk store,
+Flower in the node's state).
 
 Every algorithm declares its options as a dataclass (:attr:`Algorithm.Options`); the config's
 ``algorithm.options`` mapping is validated against it before a run starts, so an unknown or
@@ -20,14 +33,17 @@ import torch
 from torch import nn
 
 if TYPE_CHECKING:  # pragma: no cover
-    from fedhetero.engine import Context
+    from fedhetero.context import ClientContext, Context
     from fedhetero.submodel import SubmodelSpec
 
 __all__ = [
     "Algorithm",
     "ClientInfo",
+    "ClientResult",
+    "ClientTask",
     "ClientUpdate",
     "NoOptions",
+    "payload_bytes",
     "state_bytes",
     "weighted_average",
 ]
@@ -47,8 +63,21 @@ class ClientInfo:
 
 
 @dataclass
-class ClientUpdate:
-    """What one client sends to the server after local training."""
+class ClientTask(ClientInfo):
+    """One client's unit of work for one round: everything the client half may use besides its
+    own data and private state. ``payload`` holds what the server sends (tensors, numbers,
+    strings and lists of them: it must survive a trip to another process); ``seed`` is the
+    per-(round, client) seed torch's generator is set to before the client runs."""
+
+    seed: int = 0
+    payload: dict[str, Any] = field(default_factory=dict)
+    step: int = 0  # exchange index inside a round (methods with several exchanges per round)
+
+
+@dataclass
+class ClientResult:
+    """What one client returns after its task: the upload and its accounting, plus its new
+    private state (``client_state``; None keeps the previous one)."""
 
     cid: int
     num_samples: int
@@ -61,6 +90,12 @@ class ClientUpdate:
     tier: str = ""
     metrics: dict[str, Any] = field(default_factory=dict)
     payload: dict[str, Any] = field(default_factory=dict)
+    client_state: dict[str, Any] | None = None
+    timers: dict[str, float] = field(default_factory=dict)
+
+
+#: The earlier name of :class:`ClientResult`.
+ClientUpdate = ClientResult
 
 
 @dataclass(frozen=True)
@@ -71,6 +106,17 @@ class NoOptions:
 def state_bytes(state: dict[str, torch.Tensor]) -> int:
     """Bytes of a state dict as sent over the wire (numel × element size of every tensor)."""
     return int(sum(t.numel() * t.element_size() for t in state.values()))
+
+
+def payload_bytes(payload: Any) -> int:
+    """Bytes of every tensor in a (nested) task payload: what the server sent."""
+    if isinstance(payload, torch.Tensor):
+        return int(payload.numel() * payload.element_size())
+    if isinstance(payload, dict):
+        return sum(payload_bytes(v) for v in payload.values())
+    if isinstance(payload, (list, tuple)):
+        return sum(payload_bytes(v) for v in payload)
+    return 0
 
 
 def weighted_average(
@@ -117,39 +163,26 @@ class Algorithm:
         self.options = options if options is not None else self.Options()
         self.global_model: nn.Module | None = None
 
-    # ------------------------------------------------------------------ hooks
+    # ------------------------------------------------------------------ server half
     def setup(self, ctx: "Context") -> None:
         """Create :attr:`global_model` (and any server state)."""
         self.global_model = ctx.build_model()
 
-    def client_model(self, ctx: "Context", client: ClientInfo) -> nn.Module:
-        """The model this client trains this round (default: a copy of the global model)."""
+    def configure(self, ctx: "Context", clients: list[ClientInfo]) -> list[ClientTask]:
+        """One task per sampled client (default: the global model's state for everyone)."""
         assert self.global_model is not None
-        return copy.deepcopy(self.global_model)
+        state = dict(self.global_model.state_dict())
+        return [self.task(ctx, c, {"state": state}) for c in clients]
 
-    def local_train(self, ctx: "Context", client: ClientInfo, model: nn.Module) -> dict[str, Any]:
-        """Local training (default: the configured epochs of SGD through the shared trainer)."""
-        return ctx.train(model, client, ctx.cfg.train.local_epochs)
+    @staticmethod
+    def task(ctx: "Context", client: ClientInfo, payload: dict[str, Any], step: int = 0) -> ClientTask:
+        """A :class:`ClientTask` for ``client`` with the per-(round, client) seed filled in."""
+        from fedhetero.context import derive_seed
 
-    def upload(
-        self, ctx: "Context", client: ClientInfo, model: nn.Module, result: dict[str, Any]
-    ) -> ClientUpdate:
-        """What travels to the server (default: the full state dict; the client's model is not used
-        after its upload, so its tensors are sent without copying)."""
-        state = dict(model.state_dict())
-        return ClientUpdate(
-            cid=client.cid,
-            num_samples=client.num_samples,
-            state=state,
-            macs=ctx.macs(model),
-            budget_macs=client.budget_macs,
-            bytes_up=state_bytes(state),
-            bytes_down=state_bytes(self.global_model.state_dict()) if self.global_model else 0,
-            tier=client.tier,
-            metrics=dict(result),
-        )
+        fields = {k: getattr(client, k) for k in ClientInfo.__dataclass_fields__}
+        return ClientTask(**fields, seed=derive_seed(ctx.cfg.seed, "client", client.round, client.cid), payload=payload, step=step)
 
-    def aggregate(self, ctx: "Context", updates: list[ClientUpdate]) -> None:
+    def aggregate(self, ctx: "Context", updates: list[ClientResult]) -> None:
         """New global model (default: sample-weighted mean, or uniform if configured)."""
         assert self.global_model is not None
         if not updates:
@@ -160,17 +193,52 @@ class Algorithm:
     def server_update(self, ctx: "Context") -> None:
         """Server-side step after aggregation (default: none)."""
 
-    def run_round(self, ctx: "Context", clients: list[ClientInfo]) -> list[ClientUpdate]:
-        """One round: every sampled client trains and uploads, then aggregate and server update."""
-        updates: list[ClientUpdate] = []
-        for client in clients:
-            with ctx.client_scope(client):
-                model = self.client_model(ctx, client)
-                result = self.local_train(ctx, client, model)
-                updates.append(self.upload(ctx, client, model, result))
-        self.aggregate(ctx, updates)
+    def run_round(self, ctx: "Context", clients: list[ClientInfo]) -> list[ClientResult]:
+        """One round: configure the sampled clients, run their tasks on the back end, aggregate
+        what came back, then the server update."""
+        results = ctx.execute(self, self.configure(ctx, clients))
+        self.aggregate(ctx, results)
         self.server_update(ctx)
-        return updates
+        return results
+
+    # ------------------------------------------------------------------ client half
+    def client_update(self, ctx: "ClientContext", task: ClientTask, state: dict[str, Any] | None) -> ClientResult:
+        """The client half: build the model from the task, train it, return the upload.
+
+        Runs on a fresh instance (only :attr:`options` is set) with the client's previous private
+        ``state`` (None the first time). The default calls :meth:`client_model`,
+        :meth:`local_train` and :meth:`upload`; override it, or those hooks."""
+        model = self.client_model(ctx, task, state)
+        result = self.local_train(ctx, task, model)
+        return self.upload(ctx, task, model, result)
+
+    def client_model(self, ctx: "ClientContext", task: ClientTask, state: dict[str, Any] | None = None) -> nn.Module:
+        """The model this client trains (default: the configured model, at ``payload["width"]``
+        when given, loaded with ``task.payload["state"]``)."""
+        width = task.payload.get("width")
+        model = ctx.template(("model", width), lambda: ctx.build_model(width=width))
+        model.load_state_dict(task.payload["state"])
+        return model
+
+    def local_train(self, ctx: "ClientContext", task: ClientTask, model: nn.Module) -> dict[str, Any]:
+        """Local training (default: the configured epochs of SGD through the shared trainer)."""
+        return ctx.train(model, task, ctx.cfg.train.local_epochs)
+
+    def upload(self, ctx: "ClientContext", task: ClientTask, model: nn.Module, result: dict[str, Any]) -> ClientResult:
+        """What travels to the server (default: the full state dict; the client's model is not used
+        after its upload, so its tensors are sent without copying)."""
+        state = dict(model.state_dict())
+        return ClientResult(
+            cid=task.cid,
+            num_samples=task.num_samples,
+            state=state,
+            macs=ctx.macs(model),
+            budget_macs=task.budget_macs,
+            bytes_up=state_bytes(state),
+            bytes_down=payload_bytes(task.payload),
+            tier=task.tier,
+            metrics=dict(result),
+        )
 
     def eval_models(self, ctx: "Context") -> dict[str, nn.Module]:
         """Models to evaluate: ``"global"`` plus optional ``"tier:<name>"`` entries.

@@ -37,7 +37,15 @@ from torch import nn
 import reparam
 from reparam.geometry import ConvGeometry
 from reparam.dymm import applicable_kinds
-from fedhetero.algorithms.base import Algorithm, ClientInfo, ClientUpdate, state_bytes, weighted_average
+from fedhetero.algorithms.base import (
+    Algorithm,
+    ClientInfo,
+    ClientResult,
+    ClientTask,
+    payload_bytes,
+    state_bytes,
+    weighted_average,
+)
 from reparam.changes import apply_to_optimizer
 from reparam.dymm import dymm, plan_bottom_up, shrink_to_budget
 from reparam.saliency import SaliencyMeter
@@ -226,6 +234,25 @@ def grow_to_budget(
     return change.extend(fill_to_budget(model, budget_macs, input_shape, init=init))
 
 
+def _plain_architecture(ctx) -> nn.Module:
+    """A copy of the plain (merged) architecture of the configured model, from a per-process
+    template: every conv+BN folded into one biased conv."""
+
+    def make() -> nn.Module:
+        model = ctx.build_model()
+        model.eval()
+        return reparam.merge(model, target="deploy")
+
+    return ctx.template("dynamicfl-plain", make)
+
+
+def _input_sizes(ctx, plain: nn.Module) -> dict:
+    """Conv input sizes of the architecture (they do not depend on the branches; cached)."""
+    if "dynamicfl-sizes" not in ctx.cache:
+        ctx.cache["dynamicfl-sizes"] = reparam.flops.input_sizes(plain, ctx.input_shape)
+    return ctx.cache["dynamicfl-sizes"]
+
+
 class DynamicFL(Algorithm):
     """DynamicFL: FLOPs-budgeted clients grown by lossless re-parameterization, plain global model."""
 
@@ -236,15 +263,13 @@ class DynamicFL(Algorithm):
 
     # ------------------------------------------------------------------ server
     def setup(self, ctx) -> None:
-        model = ctx.build_model()
-        model.eval()
-        self.global_model = reparam.merge(model, target="deploy")
-        self._plain_keys = list(self.global_model.state_dict())
-        # depend on the architecture (and budget) only: computed once per run
-        self._sizes = reparam.flops.input_sizes(self.global_model, ctx.input_shape)
-        self._plans: dict[float, dict[str, tuple[str, ...]]] = {}
+        self.global_model = _plain_architecture(ctx)
 
     # ------------------------------------------------------------------ client
+    # The client half runs on a fresh instance per task; the attributes it sets (``_plain``,
+    # ``_mode``, ``_spec``, ``_model``, ``_s_local``, ``_budget``) are that task's working state.
+    # What depends on the architecture only (plain template, first-round plans, conv input sizes)
+    # is cached in the client context, once per process.
     def _calibration_batch(self, ctx, client: ClientInfo) -> torch.Tensor:
         xs = []
         n = 0
@@ -256,11 +281,11 @@ class DynamicFL(Algorithm):
         return torch.cat(xs).to(ctx.device, ctx.dtype)
 
     def _expand_first(self, ctx, client: ClientInfo) -> nn.Module:
-        plain = copy.deepcopy(self.global_model)
-        key = round(float(client.budget_macs), 3)
-        if key not in self._plans:
-            self._plans[key] = first_plan(plain, client.budget_macs, ctx.input_shape, fill=self.options.fill_budget)
-        plan = self._plans[key]
+        plain = copy.deepcopy(self._plain)
+        key = ("dynamicfl-plan", round(float(client.budget_macs), 3), self.options.fill_budget)
+        if key not in ctx.cache:
+            ctx.cache[key] = first_plan(plain, client.budget_macs, ctx.input_shape, fill=self.options.fill_budget)
+        plan = ctx.cache[key]
         calib = self._calibration_batch(ctx, client) if self.options.anchor_norm == "calibrated" else None
         with ctx.timer("rep"):
             model = reparam.expand(
@@ -273,7 +298,7 @@ class DynamicFL(Algorithm):
         return model
 
     def _restore(self, ctx, stored: dict[str, Any]) -> nn.Module:
-        model = reparam.build(copy.deepcopy(self.global_model), stored["structure"])
+        model = reparam.build(copy.deepcopy(self._plain), stored["structure"])
         model.load_state_dict(stored["state"], strict=True)
         return model
 
@@ -289,15 +314,17 @@ class DynamicFL(Algorithm):
             batches = [x.to(ctx.device, ctx.dtype) for x, _ in ctx.client_batches(client.cid, epoch=10_002, batch_size=100)][:2]
         with ctx.timer("prune"):
             self._spec = plan_for_budget(
-                self.global_model, ctx.input_shape, client.budget_macs, criterion=crit, batches=batches
+                self._plain, ctx.input_shape, client.budget_macs, criterion=crit, batches=batches
             )
-            sub = submodel_from(self.global_model, self._spec)
+            sub = submodel_from(self._plain, self._spec)
         calib = self._calibration_batch(ctx, client) if self.options.anchor_norm == "calibrated" else None
         plan = {path: ("kxk",) for path, _ in _expandable(sub)}
         with ctx.timer("rep"):
             return reparam.expand(sub, plan=plan, inplace=True, anchor_norm=self.options.anchor_norm, calibration_input=calib)
 
-    def client_model(self, ctx, client: ClientInfo) -> nn.Module:
+    def client_model(self, ctx, client: ClientTask, state: dict[str, Any] | None = None) -> nn.Module:
+        self._plain = _plain_architecture(ctx)
+        self._plain.load_state_dict(client.payload["state"])
         self._s_local: dict[tuple[str, str], float] = {}
         self._spec = None
         self._verify_in = None
@@ -306,7 +333,7 @@ class DynamicFL(Algorithm):
             model = self._pruned(ctx, client)
             model.train()
             return model
-        stored = ctx.store.get(client.cid, before_round=ctx.round)
+        stored = state
         if stored is None:
             self._mode = "first"
             model = self._expand_first(ctx, client)
@@ -321,10 +348,10 @@ class DynamicFL(Algorithm):
                 self._mode = "dymm"
             with ctx.timer("rep"):
                 model.eval()
-                reparam.rep_to_local(self.global_model, model)
+                reparam.rep_to_local(self._plain, model)
         model.train()
         if self.options.verify:
-            self._verify_in = self._check(ctx, model, self.global_model)
+            self._verify_in = self._check(ctx, model, self._plain)
         return model
 
     def _check(self, ctx, a: nn.Module, b: nn.Module) -> float:
@@ -439,7 +466,7 @@ class DynamicFL(Algorithm):
                 if self.options.fill_budget:
                     filled = fill_to_budget(
                         m, client.budget_macs, ctx.input_shape, init=self.options.init,
-                        sizes=self._sizes, current_macs=rep.macs_after,
+                        sizes=_input_sizes(ctx, self._plain), current_macs=rep.macs_after,
                     )
                     change = change.extend(filled)
                     report["filled"] = len(filled.added)
@@ -464,23 +491,20 @@ class DynamicFL(Algorithm):
         report["branches"] = sum(len(b.branch_names) for _, b in reparam.iter_blocks(self._model))
         return report
 
-    def upload(self, ctx, client: ClientInfo, model: nn.Module, result: dict[str, Any]) -> ClientUpdate:
+    def upload(self, ctx, client: ClientTask, model: nn.Module, result: dict[str, Any]) -> ClientResult:
         """Eq. 10: store ζ (structure, tensors, S_l) for the next round, merge it into the plain
         structure (eval-exact) and send the plain tensors."""
         model = self._model  # local training may have replaced the model (budget below the plain model)
         model.eval()
         trained_macs = ctx.macs(model)
-        metrics = {k: v for k, v in result.items() if k != "optimizer"}
+        metrics = dict(result)
+        private = None
         if self._mode != "pruned":
-            ctx.store.put(
-                client.cid,
-                {
-                    "structure": reparam.structure(model),
-                    "state": model.state_dict(),
-                    "s_local": {_skey(k): float(v) for k, v in self._s_local.items()},
-                },
-                ctx.round,
-            )
+            private = {
+                "structure": reparam.structure(model),
+                "state": {k: v.clone() for k, v in model.state_dict().items()},
+                "s_local": {_skey(k): float(v) for k, v in self._s_local.items()},
+            }
         # the trained model is not needed after its upload: merge in place unless verifying
         with ctx.timer("merge"):
             plain = reparam.merge(model, target="deploy", inplace=not self.options.verify)
@@ -492,10 +516,10 @@ class DynamicFL(Algorithm):
         if self._mode == "pruned":
             spec, budget, down = self._spec, float(self._budget), state_bytes(state)  # the sub-model slice
         else:
-            if list(state) != self._plain_keys:
+            if list(state) != list(self._plain.state_dict()):
                 raise RuntimeError("dynamicfl: the merged client model does not have the global model's keys")
-            spec, budget, down = None, float(self._budget), state_bytes(self.global_model.state_dict())
-        return ClientUpdate(
+            spec, budget, down = None, float(self._budget), payload_bytes(client.payload)
+        return ClientResult(
             cid=client.cid,
             num_samples=client.num_samples,
             state=state,
@@ -506,9 +530,10 @@ class DynamicFL(Algorithm):
             bytes_down=down,
             tier=client.tier,
             metrics=metrics,
+            client_state=private,
         )
 
-    def aggregate(self, ctx, updates: list[ClientUpdate]) -> None:
+    def aggregate(self, ctx, updates: list[ClientResult]) -> None:
         """Eq. 11: weighted mean of the plain uploads; pruned sub-model uploads are scattered back by
         channel index and every weight is averaged over the clients that trained it (a weight no
         client trained keeps its value)."""

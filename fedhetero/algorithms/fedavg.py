@@ -37,3 +37,9 @@ class FedAvgSmall(Algorithm):
             width = ctx.width_for_budget(ctx.min_budget_macs())
         self.width = width
         self.global_model = ctx.build_model(width=width)
+
+    def configure(self, ctx, clients):
+        tasks = super().configure(ctx, clients)
+        for t in tasks:
+            t.payload["width"] = self.width
+        return tasks

@@ -1,0 +1,346 @@
+"""What an algorithm's two halves may use.
+
+:class:`ClientContext` is everything the client half of an algorithm needs and nothing of the
+server's: the config, the data set (a client reads only its own partition through it), the model
+builder, the MAC counter, the shared local trainer and RNG streams derived from the master seed.
+A worker process or a Flower node builds its own from the config alone (:func:`client_context`).
+
+:class:`Context` (the server's) adds the client-state store, evaluation of global models and
+:meth:`Context.execute`, which sends client tasks to the configured back end.
+
+Seeds per concern: one master seed derives an independent generator per concern (partitioning,
+tiers, sampling, budgets, model init, each client's data order, …) through
+``numpy.random.SeedSequence(seed, spawn_key=(concern, *keys))``, so the same config and seed give
+the same numbers wherever a client runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import time
+from typing import TYPE_CHECKING, Any, Callable, Iterator
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fedhetero import budget as budget_mod
+from fedhetero.config import RunConfig
+from fedhetero.data import build_federated_data, iterate_batches
+
+if TYPE_CHECKING:  # pragma: no cover
+    from fedhetero.algorithms.base import Algorithm, ClientInfo, ClientResult, ClientTask
+    from fedhetero.store import ClientStateStore
+
+__all__ = ["CONCERNS", "ClientContext", "Context", "RunError", "build_data", "client_context", "derive_seed"]
+
+#: Stable ids of the random concerns (never reorder: they define the streams).
+CONCERNS = {
+    "partition": 1,
+    "tiers": 2,
+    "sample": 3,
+    "budget": 4,
+    "init": 5,
+    "data": 6,
+    "client": 7,
+    "server": 8,
+    "algorithm": 9,
+    "eval": 10,
+    "faults": 11,
+}
+
+
+class RunError(RuntimeError):
+    """A run cannot go on (e.g. too few clients survived a round); the message says why."""
+
+
+def derive_seed(master: int, concern: str, *keys: int) -> int:
+    """A 63-bit seed for one concern (and e.g. round, client) of the master seed."""
+    seq = np.random.SeedSequence(master, spawn_key=(CONCERNS[concern], *(int(k) for k in keys)))
+    return int(seq.generate_state(1, dtype=np.uint64)[0] >> 1)
+
+
+def build_data(cfg: RunConfig) -> Any:
+    """The run's federated data set: the same partition wherever it is built (seeded)."""
+    seq = np.random.SeedSequence(cfg.seed, spawn_key=(CONCERNS["partition"],))
+    d = cfg.data
+    options = None
+    if d.dataset == "synthetic":
+        options = {"num_samples": d.synthetic_size, "num_test": max(d.synthetic_size // 4, 10)}
+    return build_federated_data(
+        d.dataset,
+        data_dir=d.data_dir,
+        num_clients=d.num_clients,
+        partition=d.partition,
+        alpha=d.alpha,
+        shards=d.shards_per_client,
+        server_fraction=d.server_fraction,
+        server_classes=None if d.server_classes >= 1.0 else d.server_classes,
+        public_fraction=d.public_fraction,
+        rng=np.random.default_rng(seq),
+        min_size=d.min_partition_size,
+        dataset_options=options,
+    )
+
+
+def client_context(cfg: RunConfig, data: Any | None = None) -> "ClientContext":
+    """A client-side context built from the config alone (worker processes, Flower nodes)."""
+    return ClientContext(cfg, build_data(cfg) if data is None else data, torch.device(cfg.device))
+
+
+class ClientContext:
+    """What the client half of an algorithm may use: config, data, model builder, MAC counter,
+    trainer and RNG streams. It holds no server state; :attr:`cache` keeps things that depend on
+    the architecture only (model templates, plans) between the tasks one process runs."""
+
+    def __init__(self, cfg: RunConfig, data: Any, device: torch.device) -> None:
+        self.cfg = cfg
+        self.data = data
+        self.device = device
+        self.cache: dict[Any, Any] = {}
+        self.round = 0
+        self.input_shape: tuple[int, int, int] = tuple(int(s) for s in data.input_shape)  # type: ignore[assignment]
+        self.num_classes = int(data.num_classes)
+        self.dtype = getattr(torch, cfg.dtype)
+        self.current_client: "ClientInfo | None" = None
+        self.timers: dict[str, float] = {}
+        self._macs_cache: dict[Any, int] = {}
+        self._width_planner: Any = None
+        with self.seeded("init", 0):
+            self.plain_macs = self.macs(self.build_model())
+        self.tier_ratio = {t.name: t.ratio for t in cfg.budget.tiers}
+
+    # ------------------------------------------------------------------ randomness
+    def seed_sequence(self, concern: str, *keys: int) -> np.random.SeedSequence:
+        if concern not in CONCERNS:
+            raise ValueError(f"unknown random concern {concern!r}")
+        return np.random.SeedSequence(
+            self.cfg.seed, spawn_key=(CONCERNS[concern], *(int(k) for k in keys))
+        )
+
+    def rng(self, concern: str, *keys: int) -> np.random.Generator:
+        """Independent numpy generator for one concern (and e.g. round, client)."""
+        return np.random.default_rng(self.seed_sequence(concern, *keys))
+
+    def torch_generator(self, concern: str, *keys: int) -> torch.Generator:
+        seed = int(self.seed_sequence(concern, *keys).generate_state(1, dtype=np.uint64)[0] >> 1)
+        return torch.Generator().manual_seed(seed)
+
+    @contextlib.contextmanager
+    def seeded(self, concern: str, *keys: int) -> Iterator[None]:
+        """Seed torch's global RNG (used by module initialisers) for the duration of a block."""
+        state = torch.get_rng_state()
+        seed = int(self.seed_sequence(concern, *keys).generate_state(1, dtype=np.uint64)[0] >> 1)
+        torch.manual_seed(seed)
+        try:
+            yield
+        finally:
+            torch.set_rng_state(state)
+
+    @contextlib.contextmanager
+    def client_scope(self, client: "ClientInfo") -> Iterator[None]:
+        """Everything a client does in a round runs with RNG derived from (round, client).
+
+        Torch's default generator is re-seeded on entry (module initialisers of new branches draw
+        from it), so a client's work never depends on what ran before it, in this process or in
+        another one."""
+        self.current_client = client
+        self.round = int(client.round)
+        seed = derive_seed(self.cfg.seed, "client", client.round, client.cid)
+        torch.default_generator.manual_seed(seed)
+        if self.device.type == "cuda":
+            torch.cuda.manual_seed(seed)
+        try:
+            yield
+        finally:
+            self.current_client = None
+
+    def template(self, key: Any, make: Callable[[], nn.Module]) -> nn.Module:
+        """A private copy of a cached model template (built once per process by ``make``, with
+        torch's RNG state left as it was, so caching never changes a client's random draws)."""
+        hit = self.cache.get(("template", key))
+        if hit is None:
+            state = torch.get_rng_state()
+            try:
+                hit = self.cache[("template", key)] = make()
+            finally:
+                torch.set_rng_state(state)
+        return copy.deepcopy(hit)
+
+    @contextlib.contextmanager
+    def timer(self, name: str) -> Iterator[None]:
+        """Accumulate wall time under ``name`` (reported per round in the metrics)."""
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.timers[name] = self.timers.get(name, 0.0) + time.perf_counter() - t0
+
+    # ------------------------------------------------------------------ models & budgets
+    def build_model(self, width: float | None = None, **overrides: Any) -> nn.Module:
+        """A fresh model of the configured architecture (optionally another width)."""
+        from models import build_model
+
+        kw: dict[str, Any] = dict(
+            num_classes=self.num_classes,
+            in_channels=self.input_shape[0],
+            width=self.cfg.model.width if width is None else width,
+            norm=self.cfg.model.norm,
+            input_size=self.input_shape[1],
+        )
+        kw.update(overrides)
+        return build_model(self.cfg.model.name, **kw).to(device=self.device, dtype=self.dtype)
+
+    def macs(self, model: nn.Module) -> int:
+        """Forward MACs per sample (conv + linear; BN, activations and pooling excluded).
+
+        Cached by the model's structure (class, module paths and parameter shapes), so clients
+        training the same architecture cost one counting pass."""
+        key = (type(model).__name__,) + tuple(
+            (path, type(m).__name__, tuple(getattr(m, "weight").shape) if isinstance(getattr(m, "weight", None), torch.Tensor) else ())
+            for path, m in model.named_modules()
+        )
+        hit = self._macs_cache.get(key)
+        if hit is None:
+            if len(self._macs_cache) > 4096:
+                self._macs_cache.clear()
+            hit = self._macs_cache[key] = int(budget_mod.macs(model, self.input_shape))
+        return hit
+
+    def width_for_budget(self, budget_macs: float) -> float:
+        """Largest width (multiples of 1/16 of the configured width, above 1× too) whose model's
+        measured MACs fit ``budget_macs``; ``ValueError`` when even the narrowest does not fit."""
+        if self._width_planner is None:
+            from fedhetero.algorithms._widths import WidthPlanner
+
+            self._width_planner = WidthPlanner(self)
+        return self._width_planner.width_for(budget_macs)
+
+    def min_budget_macs(self) -> float:
+        return min(t.ratio for t in self.cfg.budget.tiers) * self.plain_macs
+
+    def max_budget_macs(self) -> float:
+        return max(t.ratio for t in self.cfg.budget.tiers) * self.plain_macs
+
+    # ------------------------------------------------------------------ training
+    def make_optimizer(self, model: nn.Module, lr: float | None = None) -> torch.optim.Optimizer:
+        t = self.cfg.train
+        return torch.optim.SGD(
+            [p for p in model.parameters() if p.requires_grad],
+            lr=t.lr if lr is None else lr,
+            momentum=t.momentum,
+            weight_decay=t.weight_decay,
+        )
+
+    def client_batches(self, cid: int, epoch: int, batch_size: int | None = None):
+        """The client's shuffled batches for one local epoch (order from (round, client, epoch))."""
+        gen = self.torch_generator("data", self.round, cid, epoch)
+        return iterate_batches(
+            self.data.train,
+            self.data.client_indices[cid],
+            batch_size or self.cfg.train.batch_size,
+            generator=gen,
+            shuffle=True,
+            augment=self.cfg.data.augment,
+        )
+
+    def train(
+        self,
+        model: nn.Module,
+        client: ClientInfo,
+        epochs: int,
+        *,
+        optimizer: torch.optim.Optimizer | None = None,
+        after_backward: Callable[[nn.Module], None] | None = None,
+        on_epoch_end: Callable[[int, nn.Module, torch.optim.Optimizer], Any] | None = None,
+        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+        first_epoch: int = 0,
+    ) -> dict[str, Any]:
+        """Local SGD: ``epochs`` passes over the client's data.
+
+        ``after_backward(model)`` runs after every backward and before the optimizer step (saliency
+        meters hook in here); ``on_epoch_end(epoch, model, optimizer)`` runs after each epoch and may
+        return a new optimizer (after a structure change). ``first_epoch`` numbers the epochs for
+        the data order when one local round is split over several calls.
+        """
+        model.train()
+        opt = optimizer if optimizer is not None else self.make_optimizer(model)
+        loss_fn = loss_fn or F.cross_entropy
+        losses: list[torch.Tensor] = []
+        sizes: list[int] = []
+        steps = 0
+        for e in range(first_epoch, first_epoch + epochs):
+            losses, sizes = [], []
+            for x, y in self.client_batches(client.cid, e):
+                x = x.to(self.device, self.dtype, non_blocking=True)
+                y = y.to(self.device, non_blocking=True)
+                opt.zero_grad(set_to_none=True)
+                loss = loss_fn(model(x), y)
+                loss.backward()
+                if after_backward is not None:
+                    after_backward(model)
+                opt.step()
+                losses.append(loss.detach())
+                sizes.append(int(y.shape[0]))
+                steps += 1
+            if on_epoch_end is not None:
+                new_opt = on_epoch_end(e, model, opt)
+                if isinstance(new_opt, torch.optim.Optimizer):
+                    opt = new_opt
+        seen = sum(sizes)
+        mean_loss = float(sum(float(l) * n for l, n in zip(losses, sizes)) / seen) if seen else float("nan")
+        return {"loss": mean_loss, "steps": steps}
+
+    @torch.no_grad()
+    def evaluate(self, model: nn.Module, dataset: Any = None, indices: Any = None) -> dict[str, float]:
+        """Accuracy and mean loss of ``model`` (eval mode) on the test set or a given dataset."""
+        ds = self.data.test if dataset is None else dataset
+        idx = np.arange(len(ds.labels)) if indices is None else indices
+        was_training = model.training
+        model.eval()
+        correct = 0
+        loss = 0.0
+        n = 0
+        for x, y in iterate_batches(ds, idx, self.cfg.train.eval_batch_size, shuffle=False):
+            x = x.to(self.device, self.dtype)
+            y = y.to(self.device)
+            out = model(x)
+            loss += float(F.cross_entropy(out, y, reduction="sum"))
+            correct += int((out.argmax(1) == y).sum())
+            n += int(y.shape[0])
+        model.train(was_training)
+        return {"accuracy": correct / max(n, 1), "loss": loss / max(n, 1)}
+
+    def aggregation_weights(self, updates: "list[ClientResult]") -> list[float]:
+        if self.cfg.train.aggregation == "uniform":
+            return [1.0] * len(updates)
+        return [float(u.num_samples) for u in updates]
+
+
+
+
+class Context(ClientContext):
+    """The server's context: a :class:`ClientContext` plus the client-state store and
+    :meth:`execute`, which runs client tasks on the configured back end."""
+
+    def __init__(
+        self,
+        cfg: RunConfig,
+        data: Any,
+        store: "ClientStateStore",
+        device: torch.device,
+        executor: "Callable[[Algorithm, list[ClientTask]], list[ClientResult]] | None" = None,
+    ) -> None:
+        super().__init__(cfg, data, device)
+        self.store = store
+        self._executor = executor
+        self.on_client_done: Callable[[int], None] | None = None
+
+    def execute(self, algorithm: "Algorithm", tasks: "list[ClientTask]") -> "list[ClientResult]":
+        """Run client tasks on the back end; the results of the clients that succeeded, sorted by
+        client id (failed clients are recorded by the engine and left out)."""
+        if self._executor is None:  # pragma: no cover - the engine always sets one
+            raise RuntimeError("this context has no back end to run client tasks")
+        return self._executor(algorithm, tasks)

@@ -1,0 +1,205 @@
+"""Back ends that execute client tasks.
+
+The run loop (:class:`fedhetero.engine.Engine`) owns sampling, aggregation, evaluation, metrics
+and checkpoints; a back end only runs :class:`~fedhetero.algorithms.base.ClientTask` objects and
+returns one :class:`Outcome` per task, **sorted by client id**, whatever order the work finished
+in. That is what makes every back end give the numbers of ``local``:
+
+* ``local`` — in this process, one task after another (the reference).
+* ``process`` — a pool of persistent worker processes on this machine
+  (:mod:`fedhetero.engines.process`).
+* ``flower`` — Flower's simulation or deployment engine (:mod:`fedhetero.integrations.flower`,
+  extra ``fedhetero[flower]``).
+
+Every back end runs a task through :func:`run_task`, which applies injected faults, times the
+client and turns an exception into a failed :class:`Outcome` instead of stopping the run.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import traceback
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable
+
+import numpy as np
+import torch
+
+from fedhetero.context import derive_seed
+
+if TYPE_CHECKING:  # pragma: no cover
+    from fedhetero.algorithms.base import Algorithm, ClientResult, ClientTask
+    from fedhetero.config import FaultConfig, RunConfig
+    from fedhetero.context import ClientContext
+
+__all__ = [
+    "Backend",
+    "InjectedFault",
+    "LocalBackend",
+    "Outcome",
+    "check_result",
+    "injected_fault",
+    "make_backend",
+    "run_task",
+]
+
+
+class InjectedFault(RuntimeError):
+    """Raised by a client task chosen by ``engine.inject_faults`` to fail."""
+
+
+@dataclass
+class Outcome:
+    """One task's end: the result, or why there is none (``error``), and its wall time."""
+
+    task: "ClientTask"
+    result: "ClientResult | None"
+    error: str | None = None
+    seconds: float = 0.0
+    detail: str = ""  # a traceback, for the log
+
+
+def injected_fault(cfg: "RunConfig", task: "ClientTask") -> str | None:
+    """The fault ``engine.inject_faults`` assigns to this (round, client, step), or None.
+
+    Seeded by the master seed, so the same clients fail on every back end and on resume."""
+    faults: FaultConfig = cfg.engine.inject_faults
+    if faults.rate <= 0:
+        return None
+    rng = np.random.default_rng(derive_seed(cfg.seed, "faults", task.round, task.cid, task.step))
+    if rng.random() >= faults.rate:
+        return None
+    return str(faults.kinds[int(rng.integers(len(faults.kinds)))])
+
+
+def _poison(state: dict[str, torch.Tensor]) -> None:
+    for value in state.values():
+        if torch.is_floating_point(value) and value.numel():
+            value.view(-1)[0] = float("nan")
+            return
+
+
+def run_task(
+    make_algorithm: Callable[[], "Algorithm"],
+    ctx: "ClientContext",
+    task: "ClientTask",
+    state: dict[str, Any] | None,
+    *,
+    hang_seconds: float | None = None,
+) -> Outcome:
+    """Run one client task on a fresh algorithm instance; never raises for the client's faults.
+
+    ``hang_seconds``: how long an injected ``hang`` blocks (a worker process is killed by its pool
+    long before; in-process the back end then reports the time-out)."""
+    t0 = time.perf_counter()
+    fault = injected_fault(ctx.cfg, task)
+    try:
+        if fault == "raise":
+            raise InjectedFault(f"injected fault in client {task.cid}, round {task.round}")
+        if fault == "hang":
+            limit = ctx.cfg.engine.client_timeout_s or 0.0
+            time.sleep(hang_seconds if hang_seconds is not None else limit * 1.05 + 0.01)
+        algorithm = make_algorithm()
+        ctx.timers = {}
+        with ctx.client_scope(task):
+            result = algorithm.client_update(ctx, task, state)
+        result.timers = dict(ctx.timers)
+        if fault == "nan":
+            _poison(result.state)
+        return Outcome(task, result, None, time.perf_counter() - t0)
+    except Exception as exc:  # a failing client is dropped from its round, not fatal
+        return Outcome(task, None, f"{type(exc).__name__}: {exc}", time.perf_counter() - t0, traceback.format_exc())
+
+
+def _finite(value: Any) -> bool:
+    if isinstance(value, torch.Tensor):
+        return not torch.is_floating_point(value) or bool(torch.isfinite(value).all())
+    if isinstance(value, float):
+        return math.isfinite(value)
+    if isinstance(value, dict):
+        return all(_finite(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return all(_finite(v) for v in value)
+    return True
+
+
+def check_result(outcome: Outcome, timeout_s: float | None) -> str | None:
+    """Why an outcome must be dropped (an error, a time-out, a non-finite upload), or None."""
+    if outcome.error is not None:
+        return outcome.error
+    if timeout_s is not None and outcome.seconds > timeout_s:
+        return f"timeout: {outcome.seconds:.2f} s > engine.client_timeout_s={timeout_s:g}"
+    res = outcome.result
+    assert res is not None
+    if not _finite(res.state):
+        bad = [k for k, v in res.state.items() if not _finite(v)]
+        return f"non-finite upload ({', '.join(bad[:3])}{', …' if len(bad) > 3 else ''})"
+    if not _finite(res.payload):
+        return "non-finite upload (payload)"
+    return None
+
+
+class Backend:
+    """Executes client tasks; :meth:`run` returns one :class:`Outcome` per task, sorted by client
+    id. ``states`` maps a client id to its private state from earlier rounds (or None)."""
+
+    name = "base"
+
+    def run(
+        self,
+        algorithm: "Algorithm",
+        tasks: "list[ClientTask]",
+        states: dict[int, dict[str, Any] | None],
+        on_done: Callable[[int], None] | None = None,
+    ) -> list[Outcome]:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Release workers or connections (idempotent)."""
+
+
+class LocalBackend(Backend):
+    """In this process, one client after another, on a client context of its own (it shares the
+    read-only data set with the server but none of its state)."""
+
+    name = "local"
+
+    def __init__(self, cfg: "RunConfig", data: Any) -> None:
+        from fedhetero.context import ClientContext
+
+        self.cfg = cfg
+        self.ctx = ClientContext(cfg, data, torch.device(cfg.device))
+
+    def run(self, algorithm, tasks, states, on_done=None):  # type: ignore[no-untyped-def]
+        cls, options = type(algorithm), algorithm.options
+        out = []
+        for task in sorted(tasks, key=lambda t: t.cid):
+            out.append(run_task(lambda: cls(options), self.ctx, task, states.get(task.cid)))
+            if on_done is not None:
+                on_done(task.cid)
+        return out
+
+
+def make_backend(cfg: "RunConfig", data: Any, **kw: Any) -> Backend:
+    """The back end ``cfg.engine.backend`` names."""
+    name = cfg.engine.backend
+    if name == "local":
+        return LocalBackend(cfg, data)
+    if name == "process":
+        from fedhetero.engines.process import ProcessBackend
+
+        return ProcessBackend(cfg)
+    if name == "flower":
+        grid = kw.get("grid")
+        if grid is None:
+            from fedhetero.config import ConfigError
+
+            raise ConfigError(
+                "engine.backend: 'flower' runs inside a Flower ServerApp; start it with "
+                "`fedhetero flower simulate` or `flwr run` (see the README), or choose local/process"
+            )
+        from fedhetero.integrations.flower.backend import FlowerBackend
+
+        return FlowerBackend(cfg, grid)
+    raise ValueError(f"unknown back end {name!r}")  # pragma: no cover - the config validates it

@@ -1,0 +1,261 @@
+"""The ``process`` back end: persistent worker processes on one machine.
+
+Each worker is a fresh interpreter started once per run (``python -m fedhetero.engines.process``,
+connected over a local socket: no forked OpenMP or allocator state, and the caller's ``__main__``
+is never re-imported, so scripts need no ``if __name__ == "__main__"`` guard). It builds the data
+set and a :class:`~fedhetero.context.ClientContext` from the config alone, and then runs the
+client tasks it is sent. Tasks go out in client-id order to whichever worker is free; outcomes come
+back in any order and are returned sorted by client id, so the server reduces them in exactly the
+order of the ``local`` back end and the numbers are the same bit for bit (on CPU, with the same
+thread count per client).
+
+A worker that overruns ``engine.client_timeout_s`` is killed and replaced, and its client is
+dropped from the round; a worker that dies takes only its current client with it.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import secrets
+import subprocess
+import sys
+import tempfile
+import time
+from multiprocessing.connection import Client, Connection, Listener, wait
+from typing import Any, Callable
+
+from fedhetero.config import ConfigError, RunConfig, from_dict, to_dict
+from fedhetero.context import RunError
+from fedhetero.engines import Backend, Outcome, run_task
+
+__all__ = ["ProcessBackend"]
+
+_STARTUP_S = 300.0
+
+
+def _worker_main(conn: Connection) -> None:
+    """Worker loop: build the client side from the config, then run tasks until told to stop."""
+    try:
+        cfg_data, threads, path = pickle.loads(conn.recv_bytes())
+        for entry in reversed(path):
+            if entry not in sys.path:
+                sys.path.insert(0, entry)
+        import torch
+
+        torch.set_num_threads(threads)
+        cfg = from_dict(cfg_data)
+        if cfg.tune_malloc and cfg.device == "cpu":
+            from reparam.allocator import tune_malloc
+
+            tune_malloc()
+        from fedhetero.algorithms import build_algorithm
+        from fedhetero.context import client_context
+
+        ctx = client_context(cfg)
+        proto = build_algorithm(cfg)
+        cls, options = type(proto), proto.options
+    except Exception as exc:  # reported to the server, which stops the run with this message
+        conn.send_bytes(pickle.dumps(("error", f"{type(exc).__name__}: {exc}")))
+        return
+    conn.send_bytes(pickle.dumps(("ready", os.getpid())))
+    while True:
+        try:
+            msg = conn.recv_bytes()
+        except (EOFError, OSError):
+            return
+        job = pickle.loads(msg)
+        if job is None:
+            return
+        task, state = job
+        outcome = run_task(lambda: cls(options), ctx, task, state, hang_seconds=3600.0)
+        conn.send_bytes(pickle.dumps(outcome, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+class _Worker:
+    """One worker interpreter and its connection."""
+
+    def __init__(self, cfg_data: dict[str, Any], threads: int) -> None:
+        folder = tempfile.mkdtemp(prefix="fedhetero-worker-")
+        address = os.path.join(folder, "sock")
+        key = secrets.token_bytes(16)
+        self._listener = Listener(address, family="AF_UNIX", authkey=key)
+        self._folder = folder
+        env = dict(os.environ, FEDHETERO_WORKER_KEY=key.hex(), OMP_NUM_THREADS=str(threads))
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "fedhetero.engines.process", address], env=env, stdin=subprocess.DEVNULL
+        )
+        self._init = pickle.dumps((cfg_data, threads, list(sys.path)))
+        self.conn: Connection | None = None
+        self.ready = False
+        self.job: tuple[Any, float] | None = None  # (task, start time)
+
+    def connect(self) -> None:
+        """Wait for the started interpreter to connect and send it the config (started workers
+        import torch in parallel; this only waits)."""
+        if self.conn is not None:
+            return
+        try:
+            self.conn = _accept(self._listener, self.proc)
+        finally:
+            self._listener.close()
+            try:
+                os.rmdir(self._folder)
+            except OSError:
+                pass
+        self.conn.send_bytes(self._init)
+
+    @property
+    def exitcode(self) -> int | None:
+        return self.proc.poll()
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:  # pragma: no cover
+            pass
+        if self.conn is not None:
+            self.conn.close()
+        else:
+            self._listener.close()
+
+
+def _accept(listener: Listener, proc: "subprocess.Popen[bytes]") -> Connection:
+    """Accept the worker's connection, failing clearly if it dies before connecting."""
+    import socket
+
+    sock = listener._listener._socket  # type: ignore[attr-defined]
+    deadline = time.monotonic() + _STARTUP_S
+    sock.settimeout(0.2)
+    while True:
+        try:
+            return listener.accept()
+        except (socket.timeout, TimeoutError):
+            if proc.poll() is not None:
+                raise RunError(f"engine.backend=process: a worker exited while starting (exit code {proc.returncode})") from None
+            if time.monotonic() > deadline:
+                proc.kill()
+                raise RunError(f"engine.backend=process: a worker did not start within {_STARTUP_S:g} s") from None
+
+
+class ProcessBackend(Backend):
+    """A pool of ``engine.workers`` persistent worker processes (default: the machine's cores)."""
+
+    name = "process"
+
+    def __init__(self, cfg: RunConfig) -> None:
+        self.cfg = cfg
+        self.size = cfg.engine.workers or os.cpu_count() or 1
+        self.threads = cfg.threads or 1
+        self.timeout = cfg.engine.client_timeout_s
+        self._cfg_data = to_dict(cfg)
+        self._workers: list[_Worker] = []
+
+    # ------------------------------------------------------------------ pool
+    def _start(self) -> None:
+        while len(self._workers) < self.size:
+            self._workers.append(_Worker(self._cfg_data, self.threads))
+
+    def _await_ready(self, worker: _Worker) -> None:
+        if worker.ready:
+            return
+        worker.connect()
+        assert worker.conn is not None
+        if not worker.conn.poll(_STARTUP_S):
+            worker.kill()
+            raise RunError(f"engine.backend=process: a worker did not start within {_STARTUP_S:g} s")
+        try:
+            kind, value = pickle.loads(worker.conn.recv_bytes())
+        except (EOFError, OSError):
+            raise RunError(f"engine.backend=process: a worker died while starting (exit code {worker.exitcode})") from None
+        if kind == "error":
+            worker.kill()
+            raise ConfigError(f"engine.backend=process: a worker could not set up the client side: {value}")
+        worker.ready = True
+
+    def _replace(self, worker: _Worker) -> _Worker:
+        worker.kill()
+        fresh = _Worker(self._cfg_data, self.threads)
+        self._workers[self._workers.index(worker)] = fresh
+        return fresh
+
+    # ------------------------------------------------------------------ running
+    def run(self, algorithm, tasks, states, on_done: Callable[[int], None] | None = None):  # type: ignore[no-untyped-def]
+        self._start()
+        for w in self._workers:
+            self._await_ready(w)
+        queue = sorted(tasks, key=lambda t: t.cid)
+        pending = list(queue)
+        done: dict[int, Outcome] = {}
+        while pending or any(w.job is not None for w in self._workers):
+            for w in self._workers:
+                if w.job is None and pending:
+                    task = pending.pop(0)
+                    self._await_ready(w)
+                    payload = pickle.dumps((task, states.get(task.cid)), protocol=pickle.HIGHEST_PROTOCOL)
+                    try:
+                        w.conn.send_bytes(payload)
+                    except (BrokenPipeError, OSError):
+                        done[task.cid] = Outcome(task, None, f"worker died (exit code {w.exitcode})")
+                        self._replace(w)
+                        continue
+                    w.job = (task, time.perf_counter())
+            busy = [w for w in self._workers if w.job is not None]
+            if not busy:
+                continue
+            wait_s = None
+            if self.timeout is not None:
+                now = time.perf_counter()
+                wait_s = max(0.0, min(w.job[1] + self.timeout - now for w in busy if w.job) + 0.01)
+            ready = wait([w.conn for w in busy], timeout=wait_s)
+            now = time.perf_counter()
+            for w in busy:
+                assert w.job is not None
+                task, started = w.job
+                if w.conn in ready:
+                    try:
+                        outcome = pickle.loads(w.conn.recv_bytes())
+                    except (EOFError, OSError):
+                        outcome = Outcome(task, None, f"worker died (exit code {w.exitcode})", now - started)
+                        w = self._replace(w)
+                    w.job = None
+                    done[task.cid] = outcome
+                    if on_done is not None:
+                        on_done(task.cid)
+                elif self.timeout is not None and now - started > self.timeout:
+                    done[task.cid] = Outcome(
+                        task, None, f"timeout: no answer within engine.client_timeout_s={self.timeout:g} s", now - started
+                    )
+                    self._replace(w)
+                    if on_done is not None:
+                        on_done(task.cid)
+        return [done[t.cid] for t in queue]
+
+    def close(self) -> None:
+        for w in self._workers:
+            try:
+                if w.proc.poll() is None and w.conn is not None:
+                    w.conn.send_bytes(pickle.dumps(None))
+            except (BrokenPipeError, OSError):
+                pass
+        for w in self._workers:
+            try:
+                w.proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                pass
+            w.kill()
+        self._workers = []
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point of a worker interpreter: connect back to the server and serve tasks."""
+    args = sys.argv[1:] if argv is None else argv
+    key = bytes.fromhex(os.environ.pop("FEDHETERO_WORKER_KEY"))
+    conn = Client(args[0], family="AF_UNIX", authkey=key)
+    _worker_main(conn)
+
+
+if __name__ == "__main__":
+    main()
