@@ -1,7 +1,7 @@
 """Use ``reparam`` on a model you did not write: expand, train, merge back to a plain model.
 
 Steps:
-1. take an off-the-shelf ResNet-18 (timm if importable, else torchvision);
+1. take an off-the-shelf ResNet-18 (timm if installed, else torchvision);
 2. ``reparam.expand`` turns every 3×3 conv (+ its BatchNorm) into a Diverse Branch Block — the
    expanded model computes exactly what the original computes, in train and eval mode;
 3. train a few steps on random data (all branches learn);
@@ -26,20 +26,17 @@ from reparam.flops import model_macs
 
 
 def off_the_shelf_resnet18(num_classes: int = 10) -> tuple[nn.Module, str]:
-    """A timm ResNet-18, or torchvision's when timm is not importable."""
+    """A timm ResNet-18, or torchvision's when timm is not installed.
+
+    ``import reparam`` (above) has already made ``import torchvision`` / ``import timm`` work on a
+    CPU build of torch with a torchvision wheel built for CUDA (see ``reparam._compat``)."""
     try:
-        from fedhetero._compat import import_timm
+        import timm
+    except ImportError:
+        import torchvision
 
-        timm = import_timm()
-        return timm.create_model("resnet18", pretrained=False, num_classes=num_classes), "timm resnet18"
-    except Exception:  # noqa: BLE001 - fall back to torchvision
-        try:
-            from fedhetero._compat import import_torchvision
-
-            tv = import_torchvision()
-        except ImportError:
-            import torchvision as tv
-        return tv.models.resnet18(num_classes=num_classes), "torchvision resnet18"
+        return torchvision.models.resnet18(num_classes=num_classes), "torchvision resnet18"
+    return timm.create_model("resnet18", pretrained=False, num_classes=num_classes), "timm resnet18"
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:

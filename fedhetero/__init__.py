@@ -7,3 +7,13 @@ the quick start and :mod:`fedhetero.engine` for the round loop.
 
 __version__ = "0.1.0"
 __all__ = ["__version__"]
+
+
+def load_model(run_dir, which="final"):  # type: ignore[no-untyped-def]
+    """The trained global model of a run directory, rebuilt and loaded (see :mod:`fedhetero.export`)."""
+    from fedhetero.export import load_model as _load
+
+    return _load(run_dir, which)
+
+
+__all__ += ["load_model"]

@@ -2,7 +2,7 @@
 
 ``fedhetero train``    run one federated job (the embedded default when given no arguments)
 ``fedhetero compare``  run several algorithms on the same clients, data, budgets and seeds
-``fedhetero bench``    benchmarks (``reparam``, ``round``, ``memory``)
+``fedhetero bench``    benchmarks (``reparam``, ``round``, ``memory``, ``engines``)
 ``fedhetero info``     algorithms, models, datasets and versions
 """
 
@@ -29,8 +29,9 @@ def _fmt_macs(v: float | None) -> str:
 
 
 def _fmt_bytes(v: float) -> str:
-    for unit in ("B", "KB", "MB", "GB"):
-        if v < 1024 or unit == "GB":
+    """Binary units, named as such (KiB, MiB, GiB)."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if v < 1024 or unit == "GiB":
             return f"{v:.1f} {unit}" if unit != "B" else f"{int(v)} B"
         v /= 1024
     return str(v)  # pragma: no cover
@@ -41,7 +42,12 @@ def _fmt_acc(v: float | None) -> str:
 
 
 def default_out_dir(cfg: Any) -> Path:
-    return Path("runs") / f"{cfg.algorithm.name}-{cfg.data.dataset}-{cfg.model.name}-s{cfg.seed}"
+    """``runs/<algorithm>-<dataset>-<model>-s<seed>-<hash>``: the short config hash makes runs with
+    other settings land in other directories."""
+    from fedhetero.config import config_hash
+
+    algo = Path(cfg.algorithm.name.split(":")[-1]).name
+    return Path("runs") / f"{algo}-{cfg.data.dataset}-{cfg.model.name}-s{cfg.seed}-{config_hash(cfg)[:8]}"
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -59,7 +65,7 @@ def _train(args: argparse.Namespace) -> int:
     else:
         cfg = load_config(args.config, args.set)
         out = out or default_out_dir(cfg)
-        engine = Engine(cfg, out, progress=not args.quiet, console=console)
+        engine = Engine(cfg, out, progress=not args.quiet, console=console, overwrite=args.overwrite)
     cfg = engine.cfg
     if not args.quiet:
         console.print(
@@ -69,14 +75,45 @@ def _train(args: argparse.Namespace) -> int:
         )
     result = engine.run()
     print_summary(console, result.summary, out)
+    _plot_run(console, result, out)
     return 0
+
+
+def _plot_run(console: Any, result: Any, out: Path) -> None:
+    """accuracy.png beside the metrics (needs the plot extra; otherwise a hint)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        console.print("no plot written: install the plot extra with pip install 'fedhetero\\[plot]'")
+        return
+    rows = [r for r in result.metrics if r.get("accuracy") is not None]
+    if not rows:
+        return
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.plot([r["round"] for r in rows], [100 * r["accuracy"] for r in rows], label="global")
+    tiers = sorted({t for r in rows for t in r.get("tier_accuracy", {})})
+    for t in tiers:
+        vals = [100 * r["tier_accuracy"][t] for r in rows if t in r.get("tier_accuracy", {})]
+        if vals != [100 * r["accuracy"] for r in rows]:
+            ax.plot([r["round"] for r in rows], vals, label=f"tier {t}", alpha=0.7)
+    ax.set_xlabel("round")
+    ax.set_ylabel("test accuracy (%)")
+    ax.set_title(result.summary.get("algorithm", ""))
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "accuracy.png", dpi=120)
+    plt.close(fig)
 
 
 def print_summary(console: Any, summary: dict[str, Any], out: Path | None = None) -> None:
     from rich.table import Table
 
     table = Table(title=f"{summary['algorithm']}: final accuracy {_fmt_acc(summary['final_accuracy'])} %")
-    for col in ("tier", "ratio", "budget MFLOPs", "trained MFLOPs", "fits", "client-rounds", "accuracy %"):
+    for col in ("tier", "ratio", "budget MMACs", "trained MMACs", "fits", "client-rounds", "sent up", "sent down", "accuracy %"):
         table.add_column(col, justify="right")
     for name, t in summary["tiers"].items():
         table.add_row(
@@ -86,14 +123,20 @@ def print_summary(console: Any, summary: dict[str, Any], out: Path | None = None
             _fmt_macs(t["macs"]),
             "—" if t["fits_budget"] is None else ("yes" if t["fits_budget"] else "NO"),
             str(t["client_rounds"]),
+            _fmt_bytes(t.get("bytes_up", 0)),
+            _fmt_bytes(t.get("bytes_down", 0)),
             _fmt_acc(t["accuracy"]),
         )
     console.print(table)
+    dropped = summary.get("dropped_clients") or 0
     console.print(
         f"best accuracy {_fmt_acc(summary['best_accuracy'])} %, mean of last 5 "
-        f"{_fmt_acc(summary['mean_last5_accuracy'])} %, bytes sent {_fmt_bytes(summary['bytes_total'])}, "
-        f"plain model {_fmt_macs(summary['plain_macs'])} MFLOPs (MACs/sample), wall {summary['wall_s']:.1f} s"
-        + (f"; run directory {out}" if out else "")
+        f"{_fmt_acc(summary['mean_last5_accuracy'])} %, sent {_fmt_bytes(summary.get('bytes_up', 0))} up + "
+        f"{_fmt_bytes(summary.get('bytes_down', 0))} down, plain model {_fmt_macs(summary['plain_macs'])} MMACs "
+        f"per sample (multiply-accumulates), wall {summary['wall_s']:.1f} s"
+        + (f", {dropped} client-rounds dropped (see metrics.jsonl)" if dropped else "")
+        + (f"; run directory {out}" if out else ""),
+        markup=False,
     )
 
 
@@ -121,13 +164,15 @@ def _bench(args: argparse.Namespace) -> int:
     if args.what == "reparam":
         from reparam.bench import main as bench_main
 
-        return int(bench_main(args.rest) or 0)
+        return int(bench_main(args.rest, prog="fedhetero bench reparam") or 0)
     from fedhetero import bench
 
     if args.what == "round":
         return int(bench.round_main(args.rest) or 0)
     if args.what == "memory":
         return int(bench.memory_main(args.rest) or 0)
+    if args.what == "engines":
+        return int(bench.engines_main(args.rest) or 0)
     raise SystemExit(f"unknown benchmark {args.what!r}")  # pragma: no cover
 
 
@@ -147,7 +192,7 @@ def _info(args: argparse.Namespace) -> int:
         scen = ",".join(sorted(cls.adapts_to))
         console.print(f"  {name:<16} {doc[0] if doc else ''} [dim](budgets: {scen})[/dim]")
     console.print("[bold]models[/bold]: " + ", ".join(list_models()))
-    console.print("[bold]datasets[/bold]: digits (bundled), cifar10, cifar100, dermamnist, synthetic")
+    console.print("[bold]datasets[/bold]: digits (bundled), cifar10, cifar100, dermamnist, mnist, fashion_mnist, synthetic")
     return 0
 
 
@@ -157,6 +202,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Federated learning across clients with very different compute, "
         "built on lossless structural re-parameterization.",
     )
+    import fedhetero
+
+    parser.add_argument("--version", action="version", version=f"fedhetero {fedhetero.__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     p = sub.add_parser(
@@ -167,8 +215,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--config", help="YAML config file (see examples/configs/)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field, e.g. --set train.rounds=50 (repeatable)")
-    p.add_argument("--out", help="run directory (default: runs/<algorithm>-<dataset>-<model>-s<seed>)")
+    p.add_argument("--out", help="run directory (default: runs/<algorithm>-<dataset>-<model>-s<seed>-<config hash>)")
     p.add_argument("--resume", action="store_true", help="continue the run in --out from its last checkpoint")
+    p.add_argument("--overwrite", action="store_true", help="replace a run that --out already holds (otherwise refused)")
     p.add_argument("--quiet", action="store_true", help="no progress display")
     p.set_defaults(func=_train)
 
@@ -189,8 +238,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quiet", action="store_true", help="no progress display")
     p.set_defaults(func=_compare)
 
-    p = sub.add_parser("bench", help="benchmarks: reparam | round | memory", description="Benchmarks measured side by side in one run; pass --help after the name for its options.")
-    p.add_argument("what", choices=["reparam", "round", "memory"])
+    p = sub.add_parser("bench", help="benchmarks: reparam | round | memory | engines", description="Benchmarks measured side by side in one run; pass --help after the name for its options.")
+    p.add_argument("what", choices=["reparam", "round", "memory", "engines"])
     p.add_argument("rest", nargs=argparse.REMAINDER, help="options of the benchmark")
     p.set_defaults(func=_bench)
 
@@ -205,19 +254,39 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 0
+    import os
+
     from fedhetero.config import ConfigError
+    from fedhetero.context import RunError
+    from fedhetero.data.errors import DataConfigError, DatasetFormatError
+    from fedhetero.rundir import RunDirError
 
     try:
         return int(args.func(args) or 0)
     except ConfigError as exc:
         print(f"fedhetero: config error: {exc}", file=sys.stderr)
         return 2
-    except FileNotFoundError as exc:
+    except (FileNotFoundError, RunDirError, DataConfigError, DatasetFormatError) as exc:
         print(f"fedhetero: {exc}", file=sys.stderr)
+        return 2
+    except RunError as exc:
+        print(f"fedhetero: {exc}", file=sys.stderr)
+        return 1
+    except PermissionError as exc:
+        print(f"fedhetero: permission denied: {exc.filename or exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("fedhetero: interrupted; continue with --resume", file=sys.stderr)
         return 130
+    except Exception as exc:  # anything else: one line, the traceback on request
+        if os.environ.get("FEDHETERO_DEBUG"):
+            raise
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        print(
+            f"fedhetero: {type(exc).__name__}: {first} (set FEDHETERO_DEBUG=1 for the traceback)",
+            file=sys.stderr,
+        )
+        return 1
 
 
 if __name__ == "__main__":  # pragma: no cover

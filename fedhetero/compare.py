@@ -119,6 +119,7 @@ def run_comparison(
     from rich.table import Table
 
     from fedhetero.engine import Engine
+    from fedhetero.rundir import read_metrics
 
     if not algorithms:
         raise ConfigError("--algorithms: give at least one algorithm name")
@@ -128,6 +129,13 @@ def run_comparison(
         get_algorithm(a)  # fail fast on unknown names
     base = load_config(config, overrides)
     per_algo = parse_options(options or [], algorithms)
+    from fedhetero.algorithms import build_algorithm
+
+    from fedhetero.engine import _check_splits
+
+    for a in algorithms:  # every option and needed split checked before anything runs
+        cfg_a = _cfg_for(base, a, base.seed, per_algo.get(a))
+        _check_splits(cfg_a, type(build_algorithm(cfg_a)), allow_unused=True)
     out = out or Path("runs") / f"compare-{base.data.dataset}-{base.model.name}"
     out.mkdir(parents=True, exist_ok=True)
     tiers = [t.name for t in base.budget.tiers]
@@ -148,12 +156,16 @@ def run_comparison(
             done = run_dir / "summary.json"
             if resume and done.is_file():
                 summary = json.loads(done.read_text())
-                hist = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines() if l.strip()]
+                hist = read_metrics(run_dir / "metrics.jsonl")
             else:
                 if console is not None and progress:
                     console.print(f"[bold]{algo}[/bold] seed {base.seed + s}")
                 can_resume = resume and (run_dir / "checkpoint.pt").is_file()
-                engine = Engine(None if can_resume else cfg, run_dir, resume=can_resume, progress=progress, console=console)
+                engine = Engine(
+                    None if can_resume else cfg, run_dir, resume=can_resume, progress=progress, console=console,
+                    overwrite=not can_resume,  # the comparison owns its run directories
+                    shared_splits=True,
+                )
                 res = engine.run()
                 summary, hist = res.summary, res.metrics
             results[algo].append(summary)
@@ -224,7 +236,7 @@ def _plot(out: Path, histories: dict[str, list[list[dict[str, Any]]]], tiers: li
         import matplotlib.pyplot as plt
     except ImportError:
         if console is not None:
-            console.print("[dim]matplotlib not installed (pip install 'fedhetero[plot]'): no PNG plots[/dim]")
+            console.print("[dim]matplotlib not installed (pip install 'fedhetero\\[plot]'): no PNG plots[/dim]")
         return
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for algo, runs in histories.items():

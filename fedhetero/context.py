@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import math
 import time
+import weakref
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import numpy as np
@@ -28,13 +30,48 @@ from torch import nn
 
 from fedhetero import budget as budget_mod
 from fedhetero.config import RunConfig
-from fedhetero.data import build_federated_data, iterate_batches
+from fedhetero.data import build_federated_data, iterate_batches, num_batches
 
 if TYPE_CHECKING:  # pragma: no cover
     from fedhetero.algorithms.base import Algorithm, ClientInfo, ClientResult, ClientTask
     from fedhetero.store import ClientStateStore
 
-__all__ = ["CONCERNS", "ClientContext", "Context", "RunError", "build_data", "client_context", "derive_seed"]
+__all__ = [
+    "CONCERNS",
+    "OPTIMIZER_STATE_KEY",
+    "ClientContext",
+    "Context",
+    "RunError",
+    "build_data",
+    "client_context",
+    "derive_seed",
+    "merge_optimizer_state",
+    "split_optimizer_state",
+]
+
+#: Key under which ``train.optimizer_state: persistent`` keeps a client's SGD momentum buffers in
+#: its private state. The back ends strip it before the client half sees its state and add it back
+#: to what the client half returns, so algorithms never handle it.
+OPTIMIZER_STATE_KEY = "__optimizer_state__"
+
+
+def split_optimizer_state(state: dict[str, Any] | None) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+    """``(algorithm's state, optimizer buffers)`` of a client's stored private state."""
+    if not state or OPTIMIZER_STATE_KEY not in state:
+        return state, None
+    rest = {k: v for k, v in state.items() if k != OPTIMIZER_STATE_KEY}
+    return (rest or None), state[OPTIMIZER_STATE_KEY]
+
+
+def merge_optimizer_state(
+    returned: dict[str, Any] | None, previous: dict[str, Any] | None, buffers: dict[str, Any] | None
+) -> dict[str, Any] | None:
+    """The client state to store: what the client half returned (None: its ``previous`` state)
+    plus the optimizer ``buffers`` (nothing changes when there are none)."""
+    if buffers is None:
+        return returned
+    base = returned if returned is not None else (previous or {})
+    return {**base, OPTIMIZER_STATE_KEY: buffers}
 
 #: Stable ids of the random concerns (never reorder: they define the streams).
 CONCERNS = {
@@ -72,6 +109,7 @@ def build_data(cfg: RunConfig) -> Any:
     return build_federated_data(
         d.dataset,
         data_dir=d.data_dir,
+        download=d.download,
         num_clients=d.num_clients,
         partition=d.partition,
         alpha=d.alpha,
@@ -108,6 +146,11 @@ class ClientContext:
         self.timers: dict[str, float] = {}
         self._macs_cache: dict[Any, int] = {}
         self._width_planner: Any = None
+        # train.optimizer_state: persistent — the current client's momentum buffers by parameter
+        # name, and the optimizers made here whose buffers are kept
+        self._momentum: dict[str, torch.Tensor] | None = None
+        self._live: tuple[nn.Module, torch.optim.Optimizer] | None = None  # the optimizer training now
+        self._tracked_optimizers: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()
         with self.seeded("init", 0):
             self.plain_macs = self.macs(self.build_model())
         self.tier_ratio = {t.name: t.ratio for t in cfg.budget.tiers}
@@ -140,14 +183,18 @@ class ClientContext:
             torch.set_rng_state(state)
 
     @contextlib.contextmanager
-    def client_scope(self, client: "ClientInfo") -> Iterator[None]:
+    def client_scope(self, client: "ClientInfo", optimizer_state: dict[str, Any] | None = None) -> Iterator[None]:
         """Everything a client does in a round runs with RNG derived from (round, client).
 
         Torch's default generator is re-seeded on entry (module initialisers of new branches draw
         from it), so a client's work never depends on what ran before it, in this process or in
-        another one."""
+        another one. ``optimizer_state``: the client's momentum buffers from its last round
+        (``train.optimizer_state: persistent``; see :meth:`optimizer_state`)."""
         self.current_client = client
         self.round = int(client.round)
+        self._momentum = dict(optimizer_state) if optimizer_state else None
+        self._live = None
+        self._tracked_optimizers = weakref.WeakSet()
         seed = derive_seed(self.cfg.seed, "client", client.round, client.cid)
         torch.default_generator.manual_seed(seed)
         if self.device.type == "cuda":
@@ -156,10 +203,11 @@ class ClientContext:
             yield
         finally:
             self.current_client = None
+            self._momentum = None
+            self._live = None
+            self._tracked_optimizers = weakref.WeakSet()
 
-    def template(self, key: Any, make: Callable[[], nn.Module]) -> nn.Module:
-        """A private copy of a cached model template (built once per process by ``make``, with
-        torch's RNG state left as it was, so caching never changes a client's random draws)."""
+    def _cached_model(self, key: Any, make: Callable[[], nn.Module]) -> nn.Module:
         hit = self.cache.get(("template", key))
         if hit is None:
             state = torch.get_rng_state()
@@ -167,7 +215,21 @@ class ClientContext:
                 hit = self.cache[("template", key)] = make()
             finally:
                 torch.set_rng_state(state)
-        return copy.deepcopy(hit)
+        return hit
+
+    def template(self, key: Any, make: Callable[[], nn.Module]) -> nn.Module:
+        """A private copy of a cached model template (built once per process by ``make``, with
+        torch's RNG state left as it was, so caching never changes a client's random draws)."""
+        return copy.deepcopy(self._cached_model(key, make))
+
+    def reusable(self, key: Any, make: Callable[[], nn.Module]) -> nn.Module:
+        """The one cached instance for ``key`` in this process, for a client that loads every
+        parameter and buffer into it and changes no structure. It is handed to the next task in
+        this process too: clone what must outlive the task (uploads)."""
+        model = self._cached_model(("reusable", key), make)
+        for p in model.parameters():
+            p.grad = None
+        return model
 
     @contextlib.contextmanager
     def timer(self, name: str) -> Iterator[None]:
@@ -213,7 +275,7 @@ class ClientContext:
         """Largest width (multiples of 1/16 of the configured width, above 1× too) whose model's
         measured MACs fit ``budget_macs``; ``ValueError`` when even the narrowest does not fit."""
         if self._width_planner is None:
-            from fedhetero.algorithms._widths import WidthPlanner
+            from fedhetero.widths import WidthPlanner
 
             self._width_planner = WidthPlanner(self)
         return self._width_planner.width_for(budget_macs)
@@ -225,14 +287,76 @@ class ClientContext:
         return max(t.ratio for t in self.cfg.budget.tiers) * self.plain_macs
 
     # ------------------------------------------------------------------ training
-    def make_optimizer(self, model: nn.Module, lr: float | None = None) -> torch.optim.Optimizer:
+    def lr_at(self, rnd: int | None = None) -> float:
+        """The local learning rate of round ``rnd`` (default: the current round) under
+        ``train.lr_schedule``, one value per round (rounds count from 1):
+
+        * ``constant``: ``train.lr``;
+        * ``cosine``: ``lr_min + (lr − lr_min)·(1 + cos(π·(t−1)/T))/2`` (cosine annealing with
+          ``T = train.rounds``, stepped once per round);
+        * ``polynomial``: ``lr_min + (lr − lr_min)·(1 − (t−1)/T)^lr_power``.
+        """
         t = self.cfg.train
-        return torch.optim.SGD(
+        if t.lr_schedule == "constant":
+            return t.lr
+        k = min(max(int(self.round if rnd is None else rnd), 1), t.rounds) - 1
+        frac = k / t.rounds
+        if t.lr_schedule == "cosine":
+            return t.lr_min + (t.lr - t.lr_min) * 0.5 * (1.0 + math.cos(math.pi * frac))
+        return t.lr_min + (t.lr - t.lr_min) * (1.0 - frac) ** t.lr_power
+
+    def local_momentum(self) -> float:
+        """The momentum of the local SGD optimiser (0 with ``train.optimizer_state: none``)."""
+        t = self.cfg.train
+        return 0.0 if t.optimizer_state == "none" else t.momentum
+
+    def make_optimizer(self, model: nn.Module, lr: float | None = None) -> torch.optim.Optimizer:
+        """The configured local SGD for ``model``'s trainable parameters: learning rate of the
+        round (:meth:`lr_at`) unless ``lr`` is given, momentum (Nesterov when ``train.nesterov``),
+        weight decay. With ``train.optimizer_state: persistent`` the momentum buffers the client
+        kept from its last round are loaded (matched by parameter name and shape; a parameter
+        whose shape changed starts a new buffer), and :meth:`train` keeps them again."""
+        t = self.cfg.train
+        momentum = self.local_momentum()
+        opt = torch.optim.SGD(
             [p for p in model.parameters() if p.requires_grad],
-            lr=t.lr if lr is None else lr,
-            momentum=t.momentum,
+            lr=self.lr_at() if lr is None else lr,
+            momentum=momentum,
             weight_decay=t.weight_decay,
+            nesterov=t.nesterov,
         )
+        if t.optimizer_state == "persistent" and momentum > 0:
+            source = self._momentum if self._live is None else self._buffers(*self._live)
+            self._tracked_optimizers.add(opt)
+            for name, p in model.named_parameters():
+                buf = (source or {}).get(name)
+                if p.requires_grad and isinstance(buf, torch.Tensor) and buf.shape == p.shape:
+                    opt.state[p]["momentum_buffer"] = buf.detach().to(device=p.device, dtype=p.dtype).clone()
+        return opt
+
+    @staticmethod
+    def _buffers(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+        out = {}
+        for name, p in model.named_parameters():
+            buf = opt.state[p].get("momentum_buffer") if p in opt.state else None
+            if isinstance(buf, torch.Tensor):
+                out[name] = buf
+        return out
+
+    def _keep_momentum(self, model: nn.Module, opt: torch.optim.Optimizer) -> None:
+        """Track ``opt`` (while it trains, a new optimizer starts from its buffers) and copy its
+        buffers as the client's to keep."""
+        if opt not in self._tracked_optimizers:
+            return
+        self._momentum = {k: v.detach().to("cpu").clone() for k, v in self._buffers(model, opt).items()}
+
+    def optimizer_state(self) -> dict[str, torch.Tensor] | None:
+        """The current client's momentum buffers to keep (``train.optimizer_state: persistent``):
+        those of the last optimizer :meth:`make_optimizer` made and :meth:`train` used, or the
+        ones it brought when it trained none; None in the other modes."""
+        if self.cfg.train.optimizer_state != "persistent":
+            return None
+        return self._momentum
 
     def client_batches(self, cid: int, epoch: int, batch_size: int | None = None):
         """The client's shuffled batches for one local epoch (order from (round, client, epoch))."""
@@ -261,34 +385,83 @@ class ClientContext:
         """Local SGD: ``epochs`` passes over the client's data.
 
         ``after_backward(model)`` runs after every backward and before the optimizer step (saliency
-        meters hook in here); ``on_epoch_end(epoch, model, optimizer)`` runs after each epoch and may
-        return a new optimizer (after a structure change). ``first_epoch`` numbers the epochs for
-        the data order when one local round is split over several calls.
+        meters and gradient corrections hook in here); then the gradient norm is clipped to
+        ``train.clip_grad_norm`` when set. ``on_epoch_end(epoch, model, optimizer)`` runs after each
+        epoch and may return a new optimizer (after a structure change). ``first_epoch`` numbers
+        the epochs for the data order when one local round is split over several calls.
+
+        With ``train.local_steps`` set, the local round of ``train.local_epochs`` epochs is
+        ``local_steps`` optimizer steps instead: epoch ``e`` becomes steps
+        ``⌊local_steps·e/E⌋ … ⌊local_steps·(e+1)/E⌋ − 1`` (so a round split over calls by epochs
+        gets its proportional share of steps), and step ``s`` takes the batches in order, pass
+        after pass: batch ``s mod B`` of pass ``⌊s/B⌋`` (``B`` batches per pass), each pass in the
+        order :meth:`client_batches` gives that epoch number.
+
+        Returns ``{"loss": mean loss of the last epoch, "steps": optimizer steps taken}``.
         """
         model.train()
+        t = self.cfg.train
         opt = optimizer if optimizer is not None else self.make_optimizer(model)
+        if opt in self._tracked_optimizers:
+            self._live = (model, opt)
         loss_fn = loss_fn or F.cross_entropy
+        clip = t.clip_grad_norm
         losses: list[torch.Tensor] = []
         sizes: list[int] = []
         steps = 0
-        for e in range(first_epoch, first_epoch + epochs):
-            losses, sizes = [], []
-            for x, y in self.client_batches(client.cid, e):
-                x = x.to(self.device, self.dtype, non_blocking=True)
-                y = y.to(self.device, non_blocking=True)
-                opt.zero_grad(set_to_none=True)
-                loss = loss_fn(model(x), y)
-                loss.backward()
-                if after_backward is not None:
-                    after_backward(model)
-                opt.step()
-                losses.append(loss.detach())
-                sizes.append(int(y.shape[0]))
-                steps += 1
+
+        def step(x: torch.Tensor, y: torch.Tensor) -> None:
+            nonlocal steps
+            x = x.to(self.device, self.dtype, non_blocking=True)
+            y = y.to(self.device, non_blocking=True)
+            opt.zero_grad(set_to_none=True)
+            loss = loss_fn(model(x), y)
+            loss.backward()
+            if after_backward is not None:
+                after_backward(model)
+            if clip is not None:
+                torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None], clip)
+            opt.step()
+            losses.append(loss.detach())
+            sizes.append(int(y.shape[0]))
+            steps += 1
+
+        def epoch_end(e: int) -> None:
+            nonlocal opt
             if on_epoch_end is not None:
                 new_opt = on_epoch_end(e, model, opt)
                 if isinstance(new_opt, torch.optim.Optimizer):
+                    self._keep_momentum(model, opt)
                     opt = new_opt
+                    self._live = (model, opt) if opt in self._tracked_optimizers else None
+
+        if t.local_steps is None:
+            for e in range(first_epoch, first_epoch + epochs):
+                losses, sizes = [], []
+                for x, y in self.client_batches(client.cid, e):
+                    step(x, y)
+                epoch_end(e)
+        else:
+            per_pass = num_batches(len(self.data.client_indices[client.cid]), t.batch_size)
+            E = t.local_epochs
+            s = t.local_steps * first_epoch // E
+            batches: Iterator[tuple[torch.Tensor, torch.Tensor]] | None = None
+            current = -1
+            for e in range(first_epoch, first_epoch + epochs):
+                stop = t.local_steps * (e + 1) // E
+                if stop > s:
+                    losses, sizes = [], []
+                while s < stop:
+                    p, pos = divmod(s, per_pass)
+                    if p != current or batches is None:
+                        batches, current = iter(self.client_batches(client.cid, p)), p
+                        for _ in range(pos):  # resume a pass mid-way (a split local round)
+                            next(batches)
+                    step(*next(batches))
+                    s += 1
+                epoch_end(e)
+        self._keep_momentum(model, opt)
+        self._live = None
         seen = sum(sizes)
         mean_loss = float(sum(float(l) * n for l, n in zip(losses, sizes)) / seen) if seen else float("nan")
         return {"loss": mean_loss, "steps": steps}

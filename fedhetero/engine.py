@@ -25,6 +25,7 @@ Guarantees:
 from __future__ import annotations
 
 import json
+import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,6 +41,16 @@ from fedhetero.config import ConfigError, RunConfig, config_hash, dump_config, l
 from fedhetero.context import Context, RunError, build_data
 from fedhetero.data import save_partition
 from fedhetero.engines import Backend, check_result, make_backend
+from fedhetero.rundir import (
+    RunDirError,
+    RunLock,
+    atomic_write_text,
+    clean_stale,
+    describe_run,
+    dumps_row,
+    finite_json,
+    read_metrics,
+)
 from fedhetero.store import ClientStateStore, atomic_save
 from fedhetero.timemodel import ClientCost, TimeModel, smoothed_final_accuracy
 from reparam.allocator import tune_malloc
@@ -68,26 +79,38 @@ class Engine:
         console: Any = None,
         stop_after: int | None = None,
         backend: Backend | None = None,
+        overwrite: bool = False,
+        shared_splits: bool = False,
     ) -> None:
         self.out_dir = Path(out_dir)
         self.resume = resume
+        self.overwrite = overwrite
+        # a comparison holds the same server/public splits out for every method, used or not
+        self.shared_splits = shared_splits
         self.progress = progress
         self.console = console
         self.stop_after = stop_after  # for tests: stop (as if killed) after this round
         self.backend = backend  # None: the one cfg.engine.backend names
+        self._own_backend = backend is None  # a back end passed in is the caller's to close
         if resume:
-            cfg_path = self.out_dir / "config.yaml"
-            if not cfg_path.is_file():
-                raise ConfigError(f"--resume: no config.yaml in {self.out_dir}; is this a run directory?")
-            saved = load_config(cfg_path)
+            saved = _saved_config(self.out_dir)
             if cfg is not None and config_hash(cfg) != config_hash(saved):
                 raise ConfigError(
-                    f"--resume: the given config differs from the one saved in {cfg_path}; "
+                    f"--resume: the given config differs from the one saved in {self.out_dir / 'config.yaml'}; "
                     "resume without --config/--set to continue that run"
                 )
             # the same numbers-relevant config (the hash leaves out where clients run): keep the
             # given one, so a run can be resumed on another back end
             cfg = saved if cfg is None else cfg
+        elif not overwrite:
+            held = describe_run(self.out_dir)
+            if held is not None:
+                raise RunDirError(
+                    f"{self.out_dir} already holds {held}; continue it with --resume, replace it with "
+                    "--overwrite, or choose another --out"
+                )
+        if cfg is None:
+            raise ConfigError("no config given")
         self.cfg = cfg
 
     # ------------------------------------------------------------------ set-up
@@ -104,7 +127,13 @@ class Engine:
             torch.backends.cudnn.benchmark = False
         if device.type == "cuda" and not torch.cuda.is_available():
             raise ConfigError("device: 'cuda' requested but CUDA is not available; use device=cpu")
-        self.out_dir.mkdir(parents=True, exist_ok=True)
+        cls = type(build_algorithm(cfg))
+        _check_splits(cfg, cls, allow_unused=self.shared_splits)
+        if cfg.budget.scenario not in cls.adapts_to:
+            raise ConfigError(
+                f"budget.scenario: {cfg.algorithm.name} cannot follow {cfg.budget.scenario!r} budgets "
+                f"(it follows: {', '.join(sorted(cls.adapts_to))})"
+            )
         self.data = build_data(cfg)
         self.store = ClientStateStore(self.out_dir / "client_state")
         self.ctx = Context(cfg, self.data, self.store, device, executor=self._execute)
@@ -123,7 +152,7 @@ class Engine:
         )
 
     def _write_run_files(self) -> None:
-        (self.out_dir / "config.yaml").write_text(dump_config(self.cfg))
+        atomic_write_text(self.out_dir / "config.yaml", dump_config(self.cfg))
         meta = {
             "config_hash": config_hash(self.cfg),
             "algorithm": self.cfg.algorithm.name,
@@ -137,7 +166,7 @@ class Engine:
             "public_samples": int(len(self.data.public_indices)) if self.data.public_indices is not None else 0,
         }
         meta["data"] = self.data.summary()
-        (self.out_dir / "run.json").write_text(json.dumps(meta, indent=2, default=str))
+        atomic_write_text(self.out_dir / "run.json", json.dumps(finite_json(meta), indent=2, default=str))
         save_partition(self.data, self.out_dir / "partition.npz")
 
     # ------------------------------------------------------------------ client tasks
@@ -154,7 +183,7 @@ class Engine:
             if reason is not None:
                 self._dropped.append({"cid": task.cid, "step": task.step, "tier": task.tier, "reason": reason})
                 if self.console is not None and self.progress:
-                    self.console.print(f"[yellow]round {task.round}: client {task.cid} dropped: {reason}[/yellow]", markup=True)
+                    self.console.print(f"round {task.round}: client {task.cid} dropped: {reason}", markup=False, highlight=False, soft_wrap=True, style="yellow")
                 continue
             res = outcome.result
             assert res is not None
@@ -174,6 +203,17 @@ class Engine:
                 + (f"\nfirst failure:\n{detail}" if detail else "")
             )
         return ok
+
+    def _sample_passes(self, u: ClientResult) -> float:
+        """Samples a client pushed through its model this round (for the simulated time): its
+        reported optimizer steps times the batch size when it trained a fixed number of steps,
+        else its data times the local epochs."""
+        t = self.cfg.train
+        if getattr(t, "local_steps", None):
+            steps = u.metrics.get("steps")
+            n = int(steps) if isinstance(steps, (int, float)) else int(t.local_steps)
+            return float(n * t.batch_size)
+        return float(u.num_samples * t.local_epochs)
 
     # ------------------------------------------------------------------ rounds
     def sample_clients(self, rnd: int) -> list[int]:
@@ -215,6 +255,7 @@ class Engine:
             "algorithm": self.algorithm.state_dict(),
             "participation": list(self._participation),
             "ratios": list(self.schedule.state()),
+            "best_accuracy": self._best,
         }
         atomic_save(state, self.out_dir / "checkpoint.pt")
         self.store.compact(rnd)
@@ -223,55 +264,92 @@ class Engine:
         path = self.out_dir / "checkpoint.pt"
         if not path.is_file():
             return 0
-        state = torch.load(path, weights_only=True, map_location="cpu")
+        try:
+            state = torch.load(path, weights_only=True, map_location="cpu")
+        except Exception as exc:  # unpickling refused, truncated file, …
+            raise RunDirError(f"{path} cannot be loaded ({type(exc).__name__}: {exc}); the checkpoint is damaged") from None
+        if not isinstance(state, dict) or not {"round", "config_hash", "algorithm"} <= set(state):
+            raise RunDirError(f"{path} is not a fedhetero checkpoint")
         if state["config_hash"] != config_hash(self.cfg):
             raise ConfigError(f"--resume: checkpoint {path} belongs to a different config")
-        self.algorithm.load_state_dict(state["algorithm"])
-        self._participation = list(state["participation"])
-        self.schedule.load_state(state["ratios"])
-        rnd = int(state["round"])
+        rnd = state["round"]
+        if not isinstance(rnd, int) or not 0 <= rnd <= self.cfg.train.rounds:
+            raise RunDirError(f"{path}: round {rnd!r} is outside 0..train.rounds={self.cfg.train.rounds}; the checkpoint is damaged")
+        bad = _non_finite(state["algorithm"])
+        if bad:
+            raise RunDirError(f"{path}: non-finite values in {bad}; the checkpoint is damaged")
+        try:
+            self.algorithm.load_state_dict(state["algorithm"])
+            self._participation = [int(v) for v in state["participation"]]
+            self.schedule.load_state(state["ratios"])
+        except (RuntimeError, KeyError, ValueError, TypeError) as exc:
+            raise RunDirError(f"{path} does not fit this run's model ({type(exc).__name__}: {str(exc).splitlines()[0]})") from None
+        if len(self._participation) != self.cfg.data.num_clients:
+            raise RunDirError(f"{path}: participation counts for {len(self._participation)} clients, the config has {self.cfg.data.num_clients}")
+        self._best = state.get("best_accuracy")
         self.store.rollback(rnd)
         return rnd
 
     def _read_metrics(self, upto: int) -> list[dict[str, Any]]:
         path = self.out_dir / "metrics.jsonl"
-        rows: list[dict[str, Any]] = []
-        if path.is_file():
-            for line in path.read_text().splitlines():
-                if line.strip():
-                    row = json.loads(line)
-                    if row["round"] <= upto:
-                        rows.append(row)
-        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        rows = read_metrics(path, upto)
+        atomic_write_text(path, "".join(dumps_row(r) + "\n" for r in rows))
         return rows
 
+    def _save_model(self, name: str) -> None:
+        """The global model as a weights-only file that :func:`fedhetero.load_model` rebuilds."""
+        from fedhetero.export import save_global_model
+
+        save_global_model(self, name)
+
     def run(self) -> RunResult:
-        """Run (or resume) the job; returns the summary and the per-round metrics."""
+        """Run (or resume) the job; returns the summary and the per-round metrics.
+
+        Nothing is written before the config, data and algorithm are set up, so a bad input leaves
+        no directory behind. The run directory is locked for the duration of the run."""
+        lock = None
         try:
+            self._setup()
+            self.out_dir.mkdir(parents=True, exist_ok=True)
+            lock = RunLock(self.out_dir).acquire()
             return self._run()
         finally:
-            if self.backend is not None:
+            if self.backend is not None and self._own_backend:
                 self.backend.close()
+            if lock is not None:
+                lock.release()
+
+    def _say(self, text: str) -> None:
+        if self.progress and self.console is not None:
+            self.console.print(text, markup=False, highlight=False, soft_wrap=True)
 
     def _run(self) -> RunResult:
         t_start = time.perf_counter()
         self._dropped: list[dict[str, Any]] = []
-        self._setup()
+        self._best: float | None = None
+        clean_stale(self.out_dir)
         self._participation = [0] * self.cfg.data.num_clients
         start = 0
         if self.resume:
             start = self._load_checkpoint()
             history = self._read_metrics(start)
+            if start == 0:
+                self._say(f"{self.out_dir}: no checkpoint yet; starting again from round 0")
+                self.store.rollback(0)
+            else:
+                self._say(f"resumed from round {start} of {self.cfg.train.rounds} ({self.out_dir})")
         else:
-            for stale in ("metrics.jsonl", "checkpoint.pt", "summary.json"):
+            for stale in ("metrics.jsonl", "checkpoint.pt", "summary.json", "final_model.pt", "best_model.pt", "model.json"):
                 (self.out_dir / stale).unlink(missing_ok=True)
-            self.store.rollback(-1)
+            shutil.rmtree(self.out_dir / "client_state", ignore_errors=True)
             history = []
             self._write_run_files()
+        prior_wall = float(sum(r.get("wall_s", 0.0) for r in history))
         cum_bytes = sum(r["bytes_up"] + r["bytes_down"] for r in history)
         metrics_path = self.out_dir / "metrics.jsonl"
         rounds = self.cfg.train.rounds
         progress = _Progress(self.progress, rounds, start, self.console)
+        t_rounds = time.perf_counter()
         with progress:
             for rnd in range(start + 1, rounds + 1):
                 t0 = time.perf_counter()
@@ -307,7 +385,7 @@ class Engine:
                 row["sim_s"] = _TIME_MODEL.round_seconds(
                     ClientCost(
                         macs_per_sample=float(u.macs),
-                        sample_passes=float(u.num_samples * self.cfg.train.local_epochs),
+                        sample_passes=self._sample_passes(u),
                         bytes_up=float(u.bytes_up),
                         bytes_down=float(u.bytes_down),
                     )
@@ -319,18 +397,86 @@ class Engine:
                 cum_bytes += row["bytes_up"] + row["bytes_down"]
                 row["bytes_total"] = int(cum_bytes)
                 row["timers"] = {k: round(v, 6) for k, v in self.ctx.timers.items()}
+                if "accuracy" in row and (self._best is None or row["accuracy"] > self._best):
+                    self._best = float(row["accuracy"])
+                    self._save_model("best")
                 row["wall_s"] = round(time.perf_counter() - t0, 4)
                 with metrics_path.open("a") as fh:
-                    fh.write(json.dumps(row) + "\n")
+                    fh.write(dumps_row(row) + "\n")
                 history.append(row)
                 progress.round_done(row)
                 if rnd % self.cfg.train.checkpoint_every == 0 or rnd == rounds:
                     self._checkpoint(rnd)
                 if self.stop_after is not None and rnd >= self.stop_after:
                     return RunResult(self.out_dir, {}, history)
-        summary = summarize(self.cfg, history, self.ctx.plain_macs, time.perf_counter() - t_start)
-        (self.out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        self._save_model("final")
+        # wall time of every segment's rounds plus this segment's set-up and wrap-up
+        wall = prior_wall + (time.perf_counter() - t_start)
+        summary = summarize(self.cfg, history, self.ctx.plain_macs, wall)
+        summary["resumed_from_round"] = start if self.resume else None
+        atomic_write_text(self.out_dir / "summary.json", json.dumps(finite_json(summary), indent=2))
         return RunResult(self.out_dir, summary, history)
+
+
+def _check_splits(cfg: RunConfig, cls: type[Algorithm], allow_unused: bool = False) -> None:
+    """A server or public split the method does not use only withholds data from the clients; one
+    it needs must exist."""
+    name = cfg.algorithm.name
+    for field_name, need, what in (
+        ("server_fraction", cls.server_data, "labelled server data"),
+        ("public_fraction", cls.public_data, "an unlabelled public split"),
+    ):
+        value = getattr(cfg.data, field_name)
+        if need == "unused" and value > 0 and not allow_unused:
+            raise ConfigError(
+                f"data.{field_name}: {name} does not use {what}; {value:g} of the training set would be "
+                f"withheld from its clients. Set data.{field_name}=0"
+            )
+        if need == "required" and value <= 0:
+            raise ConfigError(f"data.{field_name}: {name} needs {what}; set data.{field_name} > 0 (e.g. 0.1)")
+
+
+def _saved_config(out_dir: Path) -> RunConfig:
+    """The config saved in a run directory, checked against the hash recorded at the start."""
+    path = out_dir / "config.yaml"
+    if not path.is_file():
+        raise ConfigError(f"--resume: {out_dir} holds no run (no config.yaml); start it without --resume")
+    if path.stat().st_size == 0:
+        raise RunDirError(f"--resume: {path} is empty (damaged); the run cannot be continued")
+    try:
+        saved = load_config(path)
+    except ConfigError as exc:
+        raise RunDirError(f"--resume: {path} is damaged ({exc})") from None
+    meta = out_dir / "run.json"
+    if meta.is_file():
+        try:
+            recorded = json.loads(meta.read_text()).get("config_hash")
+        except (json.JSONDecodeError, OSError):
+            recorded = None
+        if recorded is not None and recorded != config_hash(saved):
+            raise RunDirError(f"--resume: {path} was changed after the run started (its hash differs from run.json)")
+    return saved
+
+
+def _non_finite(tree: Any, prefix: str = "") -> str | None:
+    """The first path in a nested state whose floating tensor or float is not finite."""
+    if isinstance(tree, torch.Tensor):
+        if torch.is_floating_point(tree) and not bool(torch.isfinite(tree).all()):
+            return prefix or "a tensor"
+        return None
+    if isinstance(tree, float):
+        return None if tree == tree and abs(tree) != float("inf") else (prefix or "a number")
+    if isinstance(tree, dict):
+        for k, v in tree.items():
+            hit = _non_finite(v, f"{prefix}.{k}" if prefix else str(k))
+            if hit:
+                return hit
+    if isinstance(tree, (list, tuple)):
+        for i, v in enumerate(tree):
+            hit = _non_finite(v, f"{prefix}[{i}]")
+            if hit:
+                return hit
+    return None
 
 
 def _jsonable(v: Any) -> bool:
@@ -350,9 +496,12 @@ def summarize(cfg: RunConfig, history: list[dict[str, Any]], plain_macs: int, wa
             "macs": float(np.mean([c["macs"] for c in rows])) if rows else None,
             "fits_budget": bool(all(c["fits_budget"] for c in rows)) if rows else None,
             "client_rounds": len(rows),
+            "bytes_up": int(sum(c["bytes_up"] for c in rows)),
+            "bytes_down": int(sum(c["bytes_down"] for c in rows)),
             "accuracy": evals[-1]["tier_accuracy"].get(t.name) if evals else None,
         }
     k = min(5, len(accs))
+    client_macs = [c["macs"] for r in history for c in r["clients"]]
     target = cfg.train.target_accuracy
     reached = None
     if target is not None and evals:
@@ -362,6 +511,10 @@ def summarize(cfg: RunConfig, history: list[dict[str, Any]], plain_macs: int, wa
     if len(accs) >= 5:
         window = min(39, len(accs) if len(accs) % 2 else len(accs) - 1)
         smoothed = float(smoothed_final_accuracy(accs, window=window, polyorder=min(3, window - 1)))
+        # a polynomial fit can overshoot at the end of the curve: keep it within the accuracies of
+        # its window, so it never reports more than any round reached
+        recent = accs[-window:]
+        smoothed = min(max(smoothed, min(recent)), max(recent))
     return {
         "algorithm": cfg.algorithm.name,
         "rounds": len(history),
@@ -375,8 +528,10 @@ def summarize(cfg: RunConfig, history: list[dict[str, Any]], plain_macs: int, wa
         "rounds_to_target": reached["round"] if reached else None,
         "time_to_target": reached["sim_time_s"] if reached else None,
         "sim_time_s": history[-1]["sim_time_s"] if history else 0.0,
-        "mean_client_macs": float(np.mean([c["macs"] for r in history for c in r["clients"]])) if history else None,
+        "mean_client_macs": float(np.mean(client_macs)) if client_macs else None,
         "bytes_total": history[-1]["bytes_total"] if history else 0,
+        "bytes_up": int(sum(r["bytes_up"] for r in history)),
+        "bytes_down": int(sum(r["bytes_down"] for r in history)),
         "all_fit_budget": bool(all(c["fits_budget"] for r in history for c in r["clients"])),
         "dropped_clients": int(sum(len(r.get("dropped", ())) for r in history)),
         "wall_s": round(wall, 3),
@@ -384,7 +539,8 @@ def summarize(cfg: RunConfig, history: list[dict[str, Any]], plain_macs: int, wa
 
 
 class _Progress:
-    """rich progress over rounds and clients (silent when disabled)."""
+    """Progress over rounds and clients: a rich display on a terminal, one plain line per round
+    otherwise (``| tee``, ``nohup``, cluster logs); silent when disabled."""
 
     def __init__(self, enabled: bool, rounds: int, start: int, console: Any) -> None:
         self.enabled = enabled
@@ -392,23 +548,29 @@ class _Progress:
         self.start = start
         self.console = console
         self._progress = None
+        self._plain = False
+        self._t0 = time.perf_counter()
 
     def __enter__(self) -> "_Progress":
-        if self.enabled:
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+        if not self.enabled:
+            return self
+        if self.console is not None and not self.console.is_terminal:
+            self._plain = True
+            return self
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-            self._progress = Progress(
-                TextColumn("[bold]{task.description}"),
-                BarColumn(),
-                MofNCompleteColumn(),
-                TextColumn("{task.fields[info]}"),
-                TimeElapsedColumn(),
-                TimeRemainingColumn(),
-                console=self.console,
-            )
-            self._progress.__enter__()
-            self._rounds_task = self._progress.add_task("rounds", total=self.rounds, completed=self.start, info="")
-            self._client_task = self._progress.add_task("clients", total=1, info="")
+        self._progress = Progress(
+            TextColumn("[bold]{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("{task.fields[info]}"),
+            TimeElapsedColumn(),
+            TimeRemainingColumn(),
+            console=self.console,
+        )
+        self._progress.__enter__()
+        self._rounds_task = self._progress.add_task("rounds", total=self.rounds, completed=self.start, info="")
+        self._client_task = self._progress.add_task("clients", total=1, info="")
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -427,6 +589,16 @@ class _Progress:
         if self._progress is not None:
             info = f"acc {row['accuracy']:.3f}" if "accuracy" in row else ""
             self._progress.update(self._rounds_task, advance=1, info=info)
+        elif self._plain:
+            acc = f" accuracy {row['accuracy']:.4f}" if row.get("accuracy") is not None else ""
+            dropped = f" dropped {len(row['dropped'])}" if row.get("dropped") else ""
+            self.console.print(
+                f"round {row['round']}/{self.rounds}{acc} clients {len(row['clients'])}{dropped} "
+                f"round {row['wall_s']:.2f} s elapsed {time.perf_counter() - self._t0:.1f} s",
+                markup=False,
+                highlight=False,
+                soft_wrap=True,
+            )
 
 
 def run(cfg: RunConfig, out_dir: str | Path, **kw: Any) -> RunResult:

@@ -39,8 +39,8 @@ class ClientStateStore:
     """Disk-backed store: ``put(cid, state, round)`` / ``get(cid, before_round)``."""
 
     def __init__(self, root: str | Path) -> None:
-        self.root = Path(root)
-        self.root.mkdir(parents=True, exist_ok=True)
+        self.root = Path(root)  # created on the first put, so an aborted set-up leaves nothing
+        self._touched: set[int] | None = None  # clients written since the last compaction (None: all)
 
     def _dir(self, cid: int) -> Path:
         return self.root / f"client_{int(cid):06d}"
@@ -60,6 +60,8 @@ class ClientStateStore:
         """Store ``state`` as the version written in ``round``; older versions are kept until
         :meth:`compact` (a checkpoint may still need them)."""
         atomic_save(state, self._dir(cid) / f"r{int(round):06d}.pt")
+        if self._touched is not None:
+            self._touched.add(int(cid))
 
     def get(self, cid: int, before_round: int | None = None) -> dict[str, Any] | None:
         """Newest state written before ``before_round`` (all rounds when None), or None."""
@@ -77,6 +79,8 @@ class ClientStateStore:
         return bool(versions)
 
     def clients(self) -> list[int]:
+        if not self.root.is_dir():
+            return []
         return sorted(
             int(p.name.split("_")[1]) for p in self.root.iterdir() if p.name.startswith("client_")
         )
@@ -86,11 +90,13 @@ class ClientStateStore:
 
         Called after a checkpoint of ``upto_round`` is safely on disk.
         """
-        for cid in self.clients():
+        cids = self.clients() if self._touched is None else sorted(self._touched)
+        for cid in cids:
             versions = self._versions(cid)
             old = [v for v in versions if v[0] <= upto_round]
             for _, p in old[:-1]:
                 p.unlink(missing_ok=True)
+        self._touched = set()
 
     def rollback(self, to_round: int) -> None:
         """Delete versions written after ``to_round`` (resuming from that round's checkpoint)."""
@@ -100,4 +106,6 @@ class ClientStateStore:
                     p.unlink(missing_ok=True)
 
     def disk_bytes(self) -> int:
+        if not self.root.is_dir():
+            return 0
         return sum(p.stat().st_size for p in self.root.rglob("*.pt"))

@@ -1,11 +1,13 @@
 """Model zoo used in the seed papers (torch only): LeNet-5, the FedDUMAP CNN, VGG-11, CIFAR ResNet-18
-and CIFAR GoogLeNet, all built from standard ``Conv2d`` + ``BatchNorm2d`` (+ ReLU) modules, each with a
-``channel_groups()`` description for sub-model slicing."""
+and CIFAR GoogLeNet, all built from standard ``Conv2d`` + ``BatchNorm2d`` (+ ReLU) modules, plus
+multinomial logistic regression (``logreg``); each has a ``channel_groups()`` description for
+sub-model slicing."""
 
 from .cnn import CNN
 from .googlenet import GoogLeNet, Inception
 from .groups import CLASSES, INPUT, ChannelGroups, DimMap, GroupLayout, Segment, scale_channels
 from .lenet import LeNet5
+from .logreg import LogReg
 from .registry import build_model, canonical_name, list_models
 from .resnet import BasicBlock, ResNet, ResNet18
 from .vgg import VGG11
@@ -15,6 +17,7 @@ __all__ = [
     "list_models",
     "canonical_name",
     "LeNet5",
+    "LogReg",
     "CNN",
     "VGG11",
     "ResNet",

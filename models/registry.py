@@ -9,6 +9,7 @@ from torch import nn
 from .cnn import CNN
 from .googlenet import GoogLeNet
 from .lenet import LeNet5
+from .logreg import LogReg
 from .resnet import ResNet18
 from .vgg import VGG11
 
@@ -20,8 +21,16 @@ _MODELS: dict[str, Callable[..., nn.Module]] = {
     "vgg11": VGG11,
     "resnet18": ResNet18,
     "googlenet": GoogLeNet,
+    "logreg": LogReg,
 }
-_ALIASES = {"lenet": "lenet5", "vgg": "vgg11", "resnet": "resnet18", "feddumapcnn": "cnn"}
+_ALIASES = {
+    "lenet": "lenet5",
+    "vgg": "vgg11",
+    "resnet": "resnet18",
+    "feddumapcnn": "cnn",
+    "logisticregression": "logreg",
+    "mlr": "logreg",
+}
 
 
 def list_models() -> list[str]:
@@ -60,7 +69,8 @@ def build_model(
     Parameters
     ----------
     name:
-        one of :func:`list_models` (``lenet5``, ``cnn``, ``vgg11``, ``resnet18``, ``googlenet``).
+        one of :func:`list_models` (``lenet5``, ``cnn``, ``vgg11``, ``resnet18``, ``googlenet``,
+        ``logreg``).
     num_classes, in_channels:
         logits and image channels (never scaled by ``width``).
     width:

@@ -12,10 +12,18 @@ Quick start::
     plain = reparam.merge(big.eval())            # one biased conv per block, BNs folded
     reparam.testing.assert_equivalent(big, plain, x)
 
-Depends on torch only.
+Depends on torch only (numpy and the standard library aside). Importing it also installs a small
+import hook, :mod:`reparam._compat`, that lets ``import torchvision`` / ``import timm`` work when the
+installed torchvision wheel was built against another torch build than the installed one (its
+compiled detection operators fail to load; classification models do not need them). The hook does
+nothing for a working installation and is switched off with ``REPARAM_NO_TORCHVISION_FIX=1``.
 """
 
 from __future__ import annotations
+
+from . import _compat
+
+_compat._auto_install()
 
 from . import testing, transforms
 from .block import ANCHOR_NORMS, DEFAULT_BRANCHES, DEPTHWISE_BRANCHES, DiverseBranchBlock
@@ -32,10 +40,12 @@ from .branches import (
 from .changes import StructureChange, apply_to_optimizer
 from .convert import (
     ConvScan,
+    FoldedIdentity,
     build,
     detect_form,
     expand,
     find_conv_bn_pairs,
+    find_identity_branches,
     iter_blocks,
     merge,
     merge_state_dict,
@@ -73,6 +83,8 @@ __all__ = [
     "apply_to_optimizer",
     "ConvScan",
     "find_conv_bn_pairs",
+    "find_identity_branches",
+    "FoldedIdentity",
     "expand",
     "merge",
     "structure",

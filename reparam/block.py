@@ -1,7 +1,7 @@
 """The Diverse Branch Block: named branches around an anchor conv, with exact growth, merge,
 fold and re-solve.
 
-Exactness guarantees (spec sections 5-8):
+Exactness guarantees:
 
 * :meth:`DiverseBranchBlock.from_conv` and :meth:`~DiverseBranchBlock.add_branch` with
   ``init="zero_gamma"`` are **bit-exact in train and eval mode**: the anchor is the original conv
@@ -43,7 +43,7 @@ from . import fused
 from .changes import StructureChange
 from .errors import AlignmentError, NotMergeableError, ReparamError, ReparamModeError
 from .geometry import ConvGeometry
-from .transforms import BNStats, add_branches, bn_stats, fuse_bn
+from .transforms import BNStats, add_branches, bn_impurity, bn_stats, fuse_bn
 
 __all__ = ["DiverseBranchBlock", "DEFAULT_BRANCHES", "DEPTHWISE_BRANCHES", "ANCHOR_NORMS", "ANCHOR_STATS", "INITS"]
 
@@ -106,7 +106,8 @@ class DiverseBranchBlock(nn.Module):
             present until the block is deployed (:meth:`switch_to_deploy`), after which it is empty.
         bn_path / host_path: module paths of the host BN and conv (set by ``reparam.expand``).
         depth / max_depth: nesting depth of this block and the limit for nested growth.
-        gamma_floor: γ guard of the anchor inverse (spec 8.4).
+        gamma_floor: γ guard of the anchor inverse: re-solving the anchor divides by its BN's γ,
+            so ``|γ|`` is kept at least this large.
 
     State-dict keys: ``branches.<kind>.<sub>.<param>``, e.g. ``branches.1x1_kxk.bn2.running_var``.
     """
@@ -197,6 +198,9 @@ class DiverseBranchBlock(nn.Module):
         factory: dict[str, Any] = {"device": p.device, "dtype": p.dtype}
         if bn is not None:
             bn_stats(bn)  # refuses norms without running statistics
+            impure = bn_impurity(bn)
+            if impure is not None:
+                raise NotMergeableError(impure)
             n = getattr(bn, "num_features", None) or bn.running_mean.numel()
             if n != geometry.out_channels:
                 raise ReparamError(f"bn has {n} channels but the conv has {geometry.out_channels} outputs")
@@ -446,7 +450,7 @@ class DiverseBranchBlock(nn.Module):
     deployed = is_merged
 
     def applicable(self) -> list[str]:
-        """Kinds applicable to this geometry (spec 4.2), in forward order."""
+        """Kinds applicable to this geometry (their kernels embed exactly), in forward order."""
         return [k for k, r in applicability(self.geometry).items() if r is None]
 
     def extra_repr(self) -> str:
@@ -677,7 +681,7 @@ class DiverseBranchBlock(nn.Module):
                         write(bn.bias, beta)
                     if isinstance(stats, BNStats) and conv_bias_t is not None and not hasattr(conv, "_equivalent") and conv.bias is not None:
                         write(conv.bias, conv_bias_t)
-            # gamma guard (spec 8.4)
+            # gamma guard: the inverse below divides by γ; keep |γ| >= gamma_floor
             gamma_t = getattr(bn, "weight", None)
             if gamma_t is not None and not isinstance(bn, FrozenIdentityBN):
                 small = gamma_t.abs() < self.gamma_floor
@@ -845,7 +849,7 @@ class DiverseBranchBlock(nn.Module):
     ) -> StructureChange:
         """Re-solve the anchor so the block equals the plain layer ``conv(weight, bias)`` (followed by
         ``target_bn`` when given) in eval mode; every other branch keeps its parameters and BN
-        statistics (DynamicFL ``REP(global, local)``, spec 8).
+        statistics (DynamicFL ``REP(global, local)``).
 
         Args:
             weight, bias: the target conv's parameters (main geometry shape; ``bias`` may be None).
@@ -854,7 +858,8 @@ class DiverseBranchBlock(nn.Module):
                 ``"identity"`` (anchor BN reset to γ=1, β=0, μ=0, v=1−eps).
             target_bn: BatchNorm (module or :class:`BNStats`) following the target conv, if any.
 
-        Exact in eval mode up to rounding; the γ guard (spec 8.4) clamps |γ| < ``gamma_floor``.
+        Exact in eval mode up to rounding; the γ guard clamps |γ| < ``gamma_floor`` (the anchor
+        inverse divides by γ).
 
         Raises:
             ReparamError: shape mismatch, unknown ``anchor_stats``, ``"adopt"`` without ``target_bn``.
@@ -995,7 +1000,8 @@ class DiverseBranchBlock(nn.Module):
 
     # ------------------------------------------------------------------------------ spec
     def spec(self) -> dict[str, Any]:
-        """JSON-serialisable record of this block's structure (spec section 12)."""
+        """JSON-serialisable record of this block's structure (enough to rebuild it around a plain
+        conv and load its state dict strictly)."""
         branches: dict[str, dict[str, Any]] = {}
         nested: dict[str, Any] = {}
         for name in self._order:

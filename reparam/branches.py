@@ -1,4 +1,4 @@
-"""Branch modules of the Diverse Branch Block (spec section 4).
+"""Branch modules of the Diverse Branch Block.
 
 Each branch is a small ``nn.Module`` with
 
@@ -344,9 +344,8 @@ class ConvBNBranch(nn.Module):
         scale = t.view(-1, 1, 1, 1)
         shape = acc_shape(geometry, rows)
         if (kh, kw) == geometry.kernel_size and (acc is None or tuple(acc.shape) != shape):
-            # promote once, scale and add a broadcast accumulator in place (same-dtype kernels only)
-            k = w.to(dt, copy=True).mul_(scale)
-            return k if acc is None else k.add_(acc)
+            # one pass: promote, scale and add the broadcast accumulator (type promotion to ``dt``)
+            return torch.mul(w, scale) if acc is None else torch.addcmul(acc, w, scale)
         acc = _full_acc(acc, shape, bias)
         oh, ow = self.offset
         acc[:, :, oh : oh + kh, ow : ow + kw].addcmul_(w, scale)
@@ -406,32 +405,58 @@ class OneByOneKxKBranch(nn.Module):
 
     @torch.no_grad()
     def merge_terms(self, geometry: ConvGeometry, dtype: torch.dtype) -> tuple[Any, ...]:
-        """``(W2, t2, identity-part scale (O, D/g) or None, A·t1 as (g, 1, C/g, D/g) or None, b,
-        b1 per tap)``, computed once per merge (see :meth:`accumulate_`)."""
+        """The branch's share of the merged pair, computed once per merge in ``dtype``.
+
+        Two forms (see :meth:`accumulate_`):
+
+        * ``("scale", W2, t2, scale, b, b1 per tap)`` when the first stage is an identity-based 1×1
+          whose residual ``R`` is exactly zero (a freshly grown branch): the composition is then an
+          elementwise scale of ``W2``, ``K[o, c, :] = t2[o]·t1[c]·W2[o, c, :]``, and no matrix
+          product is needed.
+        * ``("gemm", P, b)`` otherwise (a trained residual or a plain first stage): ``P`` holds
+          ``t2[o]·Σ_d W2[o, d, tap]·t1[d]·A[d, c]`` for every group, computed by **one** batched
+          matrix product over the groups (a single GEMM for a dense conv) with the taps and output
+          rows as the long dimension. The first stage's bias goes through the same product as one
+          extra row, so ``b`` already holds ``Σ_d,taps W2·b1``.
+        """
         g = geometry.groups
         o, cg = geometry.out_channels, geometry.in_channels // g
+        opg = o // g
         t1, b1 = bn_scale_shift(self.bn1, dtype)
         w2, c2 = conv_kernel_bias(self.conv2, fast=True)
         t2, shift2 = bn_scale_shift(self.bn2, dtype)
-        d = w2.shape[1] * g
-        dg = d // g
-        scale = None
-        a, c1 = conv_kernel_bias(self.conv1, fast=True)
-        if isinstance(self.conv1, IdentityBasedConv1x1):
-            # identity part: K[o, c', :] += t2[o] * t1[d=c'] * W2[o, c', :]
-            scale = (t2.view(g, o // g, 1) * t1.view(g, 1, dg)).view(o, dg, 1, 1)
-            residual = self.conv1.weight
-            a = residual if bool(residual.detach().ne(0).any()) else None
-        a_g = None
-        if a is not None:
-            a_g = (a.reshape(d, cg).to(dtype) * t1.view(-1, 1)).view(g, 1, dg, cg).transpose(2, 3)
+        dg = w2.shape[1]
+        d = dg * g
+        taps = w2.shape[2] * w2.shape[3]
+        identity_based = isinstance(self.conv1, IdentityBasedConv1x1)
+        if identity_based:
+            a, c1 = self.conv1.weight.detach(), None  # the residual R; I is added in ``dtype`` below
+        else:
+            a, c1 = conv_kernel_bias(self.conv1, fast=True)
         if c1 is not None:
             b1 = b1 + t1 * c1.to(dtype)
         bias = shift2 if c2 is None else shift2 + t2 * c2.to(dtype)
-        # the first stage's bias through the K×K kernel, Σ_d,taps W2[o, d, :]·b1[d], is added per
-        # chunk of rows (where W2 is in cache in the compute dtype) with b1 repeated over the taps
-        b1_taps = b1.view(g, dg, 1).expand(g, dg, w2.shape[2] * w2.shape[3]).reshape(g, -1, 1)
-        return w2, t2, scale, a_g, bias, b1_taps
+        if identity_based and not bool(a.ne(0).any()):
+            # identity part only: K[o, c', :] += t2[o] * t1[d=c'] * W2[o, c', :]
+            scale = (t2.view(g, opg, 1) * t1.view(g, 1, dg)).view(o, dg, 1, 1)
+            # the first stage's bias through the K×K kernel, Σ_d,taps W2[o, d, :]·b1[d], is added
+            # per chunk of rows (where W2 is in cache in the compute dtype), b1 repeated over taps
+            b1_taps = b1.view(g, dg, 1).expand(g, dg, taps).reshape(g, -1, 1)
+            return ("scale", w2, t2, scale, bias, b1_taps)
+        # left operand (g, C/g + 1, D/g): rows c = (A·diag(t1))ᵀ, last row = b1. An identity-based
+        # stage is A = R + I with I added here, in the compute dtype (R + 1 in float32 would round)
+        left = torch.empty((g, cg + 1, dg), dtype=dtype, device=t1.device)
+        torch.mul(a.reshape(g, dg, cg).transpose(1, 2), t1.view(g, 1, dg), out=left[:, :cg])
+        if identity_based:
+            left[:, :cg].diagonal(dim1=1, dim2=2).add_(t1.view(g, dg))
+        left[:, cg].copy_(b1.view(g, dg))
+        # right operand (g, D/g, O/g·taps): W2 with its rows scaled by t2, transposed and cast in
+        # one pass
+        right = torch.empty((g, dg, opg, taps), dtype=dtype, device=t1.device)
+        torch.mul(w2.reshape(g, opg, dg, taps).transpose(1, 2), t2.view(g, 1, opg, 1), out=right)
+        prod = torch.bmm(left, right.view(g, dg, opg * taps)).view(g, cg + 1, opg, taps)
+        bias = bias + prod[:, cg].sum(-1).reshape(o)
+        return ("gemm", prod[:, :cg], bias)
 
     @torch.no_grad()
     def accumulate_(
@@ -441,32 +466,44 @@ class OneByOneKxKBranch(nn.Module):
         """In-place accumulation of T-III; see :meth:`ConvBNBranch.accumulate_` (a chunk of
         ``rows`` lies inside one group or covers whole groups).
 
-        With an identity-based first stage ``A = R + I`` the identity part is an elementwise
-        multiply-add; the batched matrix product runs only for the non-zero residual ``R`` (or for a
-        plain first stage)."""
+        With an identity-based first stage whose residual is zero the composition is an elementwise
+        multiply-add; otherwise the product computed once by :meth:`merge_terms` is added with its
+        output rows moved in front of the input channels."""
         dt = bias.dtype
         g = geometry.groups
         o_all = geometry.out_channels
         o, cg, kh, kw = acc_shape(geometry, rows)
         opg = o_all // g  # output rows per group
         g0, gn = 0, g  # first group and groups in this chunk
+        r0, r1 = 0, opg  # rows of the group when the chunk lies inside one group
         if rows is not None:
             start, stop = rows.indices(o_all)[:2]
             g0 = start // opg
             if (stop - 1) // opg == g0:  # a chunk inside one group
-                gn, opg = 1, stop - start
+                gn = 1
+                r0, r1 = start - g0 * opg, stop - g0 * opg
             else:  # whole groups
                 gn = (stop - start) // opg
-        w2, t2, scale, a_g, b, b1_taps = terms or self.merge_terms(geometry, dt)
+        terms = terms or self.merge_terms(geometry, dt)
+        if terms[0] == "gemm":
+            _, prod, b = terms
+            (b,) = _take(rows, b)
+            bias.add_(b)
+            src = prod[g0 : g0 + gn, :, r0:r1].transpose(1, 2)  # (gn, rows per group, C/g, taps)
+            if acc is None or tuple(acc.shape) != (o, cg, kh, kw):
+                base = acc
+                acc = torch.empty((o, cg, kh, kw), dtype=dt, device=bias.device)
+                acc.view(src.shape).copy_(src)
+                return acc if base is None else acc.add_(base)
+            acc.view(src.shape).add_(src)
+            return acc
+        _, w2, t2, scale, b, b1_taps = terms
         w2, t2, scale, b = _take(rows, w2, t2, scale, b)
-        w2 = w2.to(dt)  # once per chunk: used by the identity part, the residual and the bias
+        w2 = w2.to(dt)  # once per chunk: used by the identity part and the bias
         dg = w2.shape[1]
+        opg = r1 - r0
         acc = _full_acc(acc, (o, cg, kh, kw), bias)
-        if scale is not None:
-            acc.addcmul_(w2, scale)
-        if a_g is not None:
-            bs = (w2 * t2.view(-1, 1, 1, 1)).view(gn, opg, dg, kh * kw)
-            acc.view(gn, opg, cg, kh * kw).add_(torch.matmul(a_g[g0 : g0 + gn], bs))
+        acc.addcmul_(w2, scale)
         through = torch.bmm(w2.view(gn, opg, dg * kh * kw), b1_taps[g0 : g0 + gn]).view(o)
         bias.add_(b).addcmul_(t2, through)
         return acc
@@ -638,7 +675,8 @@ def _half(d: int, k: int) -> int | None:
 
 
 def branch_geometry(kind: str, main: ConvGeometry) -> ConvGeometry:
-    """Geometry of the single conv of ``1x1``, ``1xk`` or ``kx1`` on ``main`` (spec 4.1).
+    """Geometry of the single conv of ``1x1``, ``1xk`` or ``kx1`` on ``main``: the unit axes take
+    the padding that centres them in the main kernel, so the branch reads the main conv's centre taps.
 
     Raises:
         AlignmentError: the branch does not align (parity mismatch or negative padding).

@@ -24,6 +24,7 @@ from __future__ import annotations
 import copy
 import fnmatch
 import logging
+import operator
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator, Mapping
@@ -38,13 +39,15 @@ from .block import DiverseBranchBlock
 from .changes import StructureChange
 from .errors import NotMergeableError, ReparamError, ReparamModeError
 from .geometry import ConvGeometry
-from .transforms import BNStats, fuse_bn
+from .transforms import BNStats, bn_impurity, bn_stats, check_identity, fuse_bn
 
 __all__ = [
     "SPEC_FORMAT",
     "SPEC_VERSION",
     "ConvScan",
     "find_conv_bn_pairs",
+    "find_identity_branches",
+    "FoldedIdentity",
     "expand",
     "merge",
     "structure",
@@ -117,7 +120,19 @@ def _info(model: nn.Module) -> dict[str, Any]:
     info = getattr(model, _INFO_ATTR, None)
     if not isinstance(info, dict):
         info = {"pairs": {}, "skipped": {}}
-    return {"pairs": dict(info.get("pairs", {})), "skipped": dict(info.get("skipped", {}))}
+    out = {"pairs": dict(info.get("pairs", {})), "skipped": dict(info.get("skipped", {}))}
+    if "identity_bns" in info:
+        out["identity_bns"] = {k: dict(v) for k, v in dict(info["identity_bns"]).items()}
+    return out
+
+
+def _identity_record(model: nn.Module, identity: Mapping[str, str]) -> dict[str, dict[str, Any]]:
+    """``{BN path: {"into": conv path, "eps": eps}}`` for the structure spec."""
+    out: dict[str, dict[str, Any]] = {}
+    for bn_path, conv_path in identity.items():
+        bn = model.get_submodule(bn_path)
+        out[bn_path] = {"into": conv_path, "eps": float(getattr(bn, "eps", 1e-5))}
+    return out
 
 
 def _set_info(model: nn.Module, info: dict[str, Any]) -> None:
@@ -151,11 +166,17 @@ class ConvScan:
         convs: conv path → BN path (``None`` when no BN consumes only its output), in module order.
         calls: conv path → number of calls in one forward pass.
         method: ``"fx"`` or ``"probe"``.
+        notes: conv path → why the BatchNorm consuming its output was not paired with it (a
+            norm+activation layer with a real activation, ...).
+        identity: BN path → conv path for every BN-only identity branch (see
+            :func:`find_identity_branches`); filled by the ``torch.fx`` scan only.
     """
 
     convs: dict[str, str | None] = field(default_factory=dict)
     calls: dict[str, int] = field(default_factory=dict)
     method: str = "fx"
+    notes: dict[str, str] = field(default_factory=dict)
+    identity: dict[str, str] = field(default_factory=dict)
 
     @property
     def pairs(self) -> dict[str, str]:
@@ -187,13 +208,171 @@ def _scan_fx(model: nn.Module) -> ConvScan:
             u = users[0]
             um = modules.get(u.target)
             if um is not None and _is_bn_like(um) and calls[u.target] == 1 and tuple(u.args) == (node,) and not u.kwargs:
-                bn_path = str(u.target)
+                impure = bn_impurity(um)
+                if impure is None:
+                    bn_path = str(u.target)
+                else:
+                    scan.notes[str(node.target)] = f"its BatchNorm {u.target}: {impure}"
         found[str(node.target)] = bn_path
     for path, m in _host_modules(model):
         if _is_plain_conv(m):
             scan.convs[path] = found.get(path)
             scan.calls[path] = calls.get(path, 0)
+    scan.identity = {bn: conv for bn, (conv, _) in _identity_branches(graph, modules, calls).items()}
     return scan
+
+
+# ---------------------------------------------------------------------------------------------
+# BN-only identity branches (RepVGG-style ``conv(x) + ... + bn(x)``)
+
+
+class FoldedIdentity(nn.Module):
+    """Stands where a BN-only identity branch was after :func:`merge` folded it into the conv at
+    path ``into``. Its forward returns a zero scalar (0-dim tensor of the input's dtype and device):
+    the model's own sum ``... + branch(x)`` broadcasts it and leaves every value unchanged, so the
+    model's forward code keeps working without the BatchNorm. No parameters, no state-dict keys."""
+
+    def __init__(self, into: str = "") -> None:
+        super().__init__()
+        self.into = into
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x.new_zeros(())
+
+    def extra_repr(self) -> str:
+        return f"into={self.into!r}"
+
+
+_ADD_FUNCTIONS = (operator.add, operator.iadd, torch.add)
+_ADD_METHODS = ("add", "add_", "__add__", "__iadd__")
+
+
+def _is_add(node: torch.fx.Node) -> bool:
+    if len(node.args) != 2 or node.kwargs:
+        return False
+    if node.op == "call_function":
+        return node.target in _ADD_FUNCTIONS
+    return node.op == "call_method" and node.target in _ADD_METHODS
+
+
+def _sum_terms(node: torch.fx.Node, exclude: torch.fx.Node, modules: Mapping[str, nn.Module]) -> list[torch.fx.Node]:
+    """Operands of the sum rooted at ``node``, ``exclude`` left out. Inner additions used only by
+    the sum are expanded, also when they reach it through modules that are identities in eval mode
+    (``drop_path(conv_1x1(x) + conv_kxk(x)) + bn(x)``)."""
+    out: list[torch.fx.Node] = []
+    for a in node.args:
+        if not isinstance(a, torch.fx.Node) or a is exclude:
+            continue
+        inner = a
+        while (
+            inner.op == "call_module" and len(inner.users) == 1 and len(inner.args) == 1 and not inner.kwargs
+            and isinstance(inner.args[0], torch.fx.Node) and _is_passthrough(modules.get(str(inner.target)))
+        ):
+            inner = inner.args[0]
+        if _is_add(inner) and len(inner.users) == 1:
+            out.extend(_sum_terms(inner, exclude, modules))
+        else:
+            out.append(a)
+    return out
+
+
+def _is_passthrough(m: nn.Module | None) -> bool:
+    """Modules that are the identity in eval mode (the only mode in which merges are exact)."""
+    return isinstance(m, (nn.Identity, nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout))
+
+
+def _conv_feeding(term: torch.fx.Node, x: torch.fx.Node, modules: Mapping[str, nn.Module], calls: Counter) -> tuple[str, bool] | None:
+    """``(conv path, through a BN)`` when ``term`` is ``conv(x)``, optionally followed by the conv's
+    own BatchNorm and by modules that are identities in eval mode, each used only on this path."""
+    node, via_bn = term, False
+    while True:
+        if node.op != "call_module" or len(node.users) != 1 or calls[node.target] != 1 or node.kwargs:
+            return None
+        m = modules.get(str(node.target))
+        if m is None or len(node.args) != 1:
+            return None
+        if isinstance(m, nn.Conv2d) or _is_block(m):
+            return (str(node.target), via_bn) if node.args[0] is x else None
+        prev = node.args[0]
+        if not isinstance(prev, torch.fx.Node):
+            return None
+        if _is_bn_like(m) and not via_bn and bn_impurity(m) is None:
+            via_bn = True
+        elif not _is_passthrough(m):
+            return None
+        node = prev
+
+
+def _identity_fits(conv: nn.Module, bn: nn.Module) -> str | None:
+    """Why the identity through ``bn`` cannot be added to ``conv``'s kernel (``None``: it can)."""
+    geometry = conv.geometry if _is_block(conv) else ConvGeometry.from_conv(conv)  # type: ignore[arg-type]
+    try:
+        check_identity(geometry)
+    except ReparamError as exc:
+        return str(exc)
+    n = getattr(bn, "num_features", None) or getattr(bn, "running_mean").numel()
+    if n != geometry.out_channels:
+        return f"the BatchNorm has {n} channels, the conv {geometry.out_channels} outputs"
+    return None
+
+
+def _identity_branches(
+    graph: torch.fx.Graph, modules: Mapping[str, nn.Module], calls: Counter
+) -> dict[str, tuple[str, bool]]:
+    """BN path → (conv path, conv reaches the sum through its own BN) for every BN-only branch."""
+    found: dict[str, tuple[str, bool]] = {}
+    for node in graph.nodes:
+        if node.op != "call_module" or calls[node.target] != 1 or node.kwargs or len(node.args) != 1:
+            continue
+        bn = modules.get(str(node.target))
+        if bn is None or not _is_bn_like(bn) or bn_impurity(bn) is not None or len(node.users) != 1:
+            continue
+        x = node.args[0]
+        (user,) = node.users
+        if not isinstance(x, torch.fx.Node) or not _is_add(user):
+            continue
+        best: tuple[int, str, bool] | None = None
+        for term in _sum_terms(user, node, modules):
+            hit = _conv_feeding(term, x, modules, calls)
+            if hit is None:
+                continue
+            conv = modules[hit[0]]
+            if _identity_fits(conv, bn) is not None:
+                continue
+            size = max(conv.geometry.kernel_size if _is_block(conv) else conv.kernel_size)
+            if best is None or size > best[0]:
+                best = (size, hit[0], hit[1])
+        if best is not None:
+            found[str(node.target)] = (best[1], best[2])
+    return found
+
+
+def find_identity_branches(model: nn.Module) -> dict[str, str]:
+    """BN-only identity branches of ``model``: ``{BN path: conv path}``.
+
+    A BN-only identity branch is a BatchNorm applied to a tensor ``x`` whose output is summed with
+    ``conv(x)`` (RepVGG's identity branch: ``conv_kxk(x) + conv_1x1(x) + bn(x)``). In eval mode it
+    equals a conv with the identity kernel folded through the BN, so :func:`merge` adds it to the
+    conv's kernel and bias when the geometry allows an identity (``C == O``, stride 1, a
+    size-preserving odd kernel; any groups). Found from the ``torch.fx`` graph (traced in eval
+    mode): the BN is called once, its only consumer is the sum, and the conv term reaches the sum
+    only through its own BatchNorm and modules that are identities in eval mode. Models that do not
+    trace give ``{}``.
+    """
+    flags = {m: m.training for m in model.modules()}
+    try:
+        model.eval()
+        graph = _LeafTracer().trace(model)
+    except Exception as exc:  # noqa: BLE001 - untraceable models simply have no detected branches
+        logger.info("torch.fx could not trace the model (%s: %s); BN-only identity branches are not detected",
+                    type(exc).__name__, exc)
+        return {}
+    finally:
+        for m, t in flags.items():
+            m.training = t
+    modules = dict(model.named_modules())
+    calls = Counter(n.target for n in graph.nodes if n.op == "call_module")
+    return {bn: conv for bn, (conv, _) in _identity_branches(graph, modules, calls).items()}
 
 
 _NON_CONSUMING = {"size", "dim", "numel", "stride", "is_contiguous", "__len__", "data_ptr", "element_size",
@@ -308,7 +487,11 @@ def _scan_probe(model: nn.Module, example_input: Any) -> ConvScan:
             and state["bn_calls"][bns[0]] == 1
             and path not in state["other"]
         ):
-            bn_path = bns[0]
+            impure = bn_impurity(model.get_submodule(bns[0]))
+            if impure is None:
+                bn_path = bns[0]
+            else:
+                scan.notes[path] = f"its BatchNorm {bns[0]}: {impure}"
         scan.convs[path] = bn_path
     state["keep"].clear()
     return scan
@@ -342,7 +525,24 @@ def _matches(path: str, patterns: str | Iterable[str] | None) -> bool:
 
 
 def _default_filter(conv: nn.Conv2d) -> bool:
-    return 1 < max(conv.kernel_size) <= 5
+    return _default_reason(conv) is None
+
+
+def _default_reason(conv: nn.Conv2d) -> str | None:
+    """Why the default plan leaves ``conv`` plain (``None``: it expands it)."""
+    kh, kw = conv.kernel_size
+    if max(kh, kw) <= 1:
+        return (
+            "1x1 kernel: the default plan expands kernels with 1 < max(K) <= 5 (a 1x1 conv has no "
+            "spatial branches to add); name the conv in a plan to expand it anyway"
+        )
+    if max(kh, kw) > 5:
+        return (
+            f"{kh}x{kw} kernel: the default plan expands kernels up to 5x5 (for large kernels, e.g. "
+            "ConvNeXt's 7x7 depthwise convs, the extra branches cost far more than they add); name "
+            "the conv in a plan to expand it anyway"
+        )
+    return None
 
 
 def _capture_inputs(model: nn.Module, paths: list[str], batches: Any) -> dict[str, list[Tensor]]:
@@ -400,9 +600,11 @@ def expand(
         init, allow_new_bias, generator: passed to :meth:`DiverseBranchBlock.from_conv`.
         example_input: input for the forward probe when the model does not trace with ``torch.fx``.
 
-    Convs that cannot be expanded exactly are left as they are and reported (INFO log and the
-    ``"skipped"`` entry of :func:`structure`), unless the plan names them explicitly, in which case
-    the reason is raised. A conv paired with a BN is expanded together with it (the BN slot becomes
+    Every conv that is left plain is reported with the reason (INFO log and the ``"skipped"``
+    mapping ``conv path → reason`` of :func:`structure`): outside the default kernel range
+    (1×1, or larger than 5×5 such as ConvNeXt's 7×7 depthwise convs), filtered out by
+    ``include``/``exclude`` or the plan, never called, or not expandable exactly. A conv that the
+    plan names explicitly and that cannot be expanded raises the reason instead. A conv paired with a BN is expanded together with it (the BN slot becomes
     ``nn.Identity``). Convs that are already blocks are left alone (a second expand is a no-op).
     """
     if not isinstance(model, nn.Module):
@@ -433,24 +635,36 @@ def expand(
         unknown = [p for p in unknown if p not in unknown_blocks]
         if unknown:
             raise ReparamError(f"plan names paths that are not plain Conv2d modules of the model: {unknown}")
+    not_requested: dict[str, str] = {}  # conv path -> why it is left plain
     for path, bn_path in scan.convs.items():
         conv = model.get_submodule(path)
         if include is not None and not _matches(path, include):
+            not_requested[path] = f"not matched by include={include!r}"
             continue
         if _matches(path, exclude):
+            not_requested[path] = f"matched by exclude={exclude!r}"
             continue
         bn = model.get_submodule(bn_path) if bn_path else None
         if isinstance(plan, Mapping):
             if path not in plan or plan[path] is None:
+                not_requested[path] = "not named in the plan" if path not in plan else "the plan maps it to None"
                 continue
             requests.append((path, plan[path], True))
         elif plan is not None:
             kinds = plan(path, conv, bn)
             if kinds is None:
+                not_requested[path] = "the plan returned None for it"
                 continue
             requests.append((path, kinds, True))
-        elif _default_filter(conv):  # type: ignore[arg-type]
-            requests.append((path, branches, False))
+        else:
+            reason = _default_reason(conv)  # type: ignore[arg-type]
+            if reason is None:
+                requests.append((path, branches, False))
+            else:
+                not_requested[path] = reason
+    for path, reason in not_requested.items():
+        logger.info("conv %s left unexpanded: %s", path, reason)
+        info["skipped"][path] = reason
     calib: dict[str, list[Tensor]] = {}
     if anchor_norm == "calibrated":
         need = [p for p, _, _ in requests if scan.convs[p] is None]
@@ -481,9 +695,10 @@ def expand(
                     generator=generator,
                 )
             except ReparamError as exc:
+                note = f"{scan.notes[path]}; " if bn is None and path in scan.notes else ""
                 if explicit:
-                    raise type(exc)(f"{path}: {exc}") from exc
-                reason = str(exc)
+                    raise type(exc)(f"{path}: {note}{exc}") from exc
+                reason = f"{note}{exc}"
         if block is None:
             if explicit:
                 raise NotMergeableError(f"{path}: {reason}")
@@ -497,6 +712,11 @@ def expand(
             _set_module(model, bn_path, nn.Identity())
         info["skipped"].pop(path, None)
     info["pairs"] = {c: b for c, b in scan.pairs.items() if not _is_block(model.get_submodule(c))}
+    if scan.method == "fx":
+        info["identity_bns"] = _identity_record(model, scan.identity)
+    else:
+        logger.info("BN-only identity branches are found from the torch.fx graph; this model does not trace")
+        info.setdefault("identity_bns", {})
     _set_info(model, info)
     return model
 
@@ -518,7 +738,9 @@ def _fold_pair(conv: nn.Conv2d, bn: nn.Module, compute_dtype: torch.dtype) -> nn
     return new
 
 
-def _current_pairs(model: nn.Module, example_input: Any) -> dict[str, str]:
+def _current_pairs(model: nn.Module, example_input: Any) -> tuple[dict[str, str], dict[str, str]]:
+    """The conv→BN pairs still to fold and the BN-only identity branches (BN path → conv path),
+    from the record kept by :func:`expand` / :func:`merge` when it is still valid, else scanned."""
     info = getattr(model, _INFO_ATTR, None)
     if isinstance(info, dict) and "pairs" in info:
         pairs = {}
@@ -531,13 +753,40 @@ def _current_pairs(model: nn.Module, example_input: Any) -> dict[str, str]:
                 break
             if isinstance(bm, nn.Identity) or _is_block(cm):
                 continue
-            if not (_is_plain_conv(cm) and _is_bn_like(bm)):
+            if not (_is_plain_conv(cm) and _is_bn_like(bm)) or bn_impurity(bm) is not None:
                 valid = False
                 break
             pairs[c] = b
         if valid:
-            return pairs
-    return find_conv_bn_pairs(model, example_input).pairs
+            identity = {b: str(rec["into"]) for b, rec in dict(info.get("identity_bns", {})).items()}
+            return pairs, identity
+    scan = find_conv_bn_pairs(model, example_input)
+    return scan.pairs, dict(scan.identity)
+
+
+def _fold_identity(conv: nn.Conv2d, bn: nn.Module, compute_dtype: torch.dtype) -> nn.Conv2d:
+    """A biased conv computing ``conv(x) + bn(x)`` in eval mode (identity kernel through the BN)."""
+    geometry = ConvGeometry.from_conv(conv)
+    check_identity(geometry)
+    s = bn_stats(bn)
+    with torch.no_grad():
+        t = torch.rsqrt(s.var.to(compute_dtype) + s.eps)
+        if s.gamma is not None:
+            t = s.gamma.to(compute_dtype) * t
+        shift = -t * s.mean.to(compute_dtype)
+        if s.beta is not None:
+            shift = shift + s.beta.to(compute_dtype)
+        w = conv.weight.to(compute_dtype, copy=True)
+        b = shift if conv.bias is None else conv.bias.to(compute_dtype) + shift
+        c = geometry.in_channels
+        idx = torch.arange(c, device=w.device)
+        kh, kw = geometry.kernel_size
+        w[idx, idx % (c // geometry.groups), kh // 2, kw // 2] += t.to(w.device)
+        new = geometry.make_conv(bias=True, initialize=False, device=conv.weight.device, dtype=conv.weight.dtype)
+        new.weight.copy_(w)
+        new.bias.copy_(b)
+    new.train(conv.training)
+    return new
 
 
 def merge(
@@ -605,7 +854,9 @@ def merge(
                 _set_module(model, blk.bn_path, bn)
                 info["pairs"][path] = blk.bn_path
     if target == "deploy":
-        for conv_path, bn_path in _current_pairs(model, example_input).items():
+        pairs, identity = _current_pairs(model, example_input)
+        unfolded: set[str] = set()
+        for conv_path, bn_path in pairs.items():
             conv = model.get_submodule(conv_path)
             bn = model.get_submodule(bn_path)
             if require_eval and getattr(bn, "training", False) and isinstance(bn, nn.modules.batchnorm._BatchNorm):
@@ -616,12 +867,47 @@ def merge(
                 new = _fold_pair(conv, bn, compute_dtype)  # type: ignore[arg-type]
             except ReparamError as exc:
                 logger.info("pair %s -> %s not folded: %s", conv_path, bn_path, exc)
+                unfolded.add(conv_path)
                 continue
             _set_module(model, conv_path, new)
             _set_module(model, bn_path, nn.Identity())
         info["pairs"] = {}
+        _fold_identities(model, identity, unfolded, require_eval, compute_dtype)
     _set_info(model, info)
     return model
+
+
+def _fold_identities(
+    model: nn.Module, identity: Mapping[str, str], unfolded: set[str], require_eval: bool, compute_dtype: torch.dtype
+) -> None:
+    """Fold each BN-only identity branch into its conv (deploy merge, after the pairs are folded);
+    the BN slot becomes :class:`FoldedIdentity`. Branches that no longer fit are left and logged."""
+    for bn_path, conv_path in identity.items():
+        try:
+            bn, conv = model.get_submodule(bn_path), model.get_submodule(conv_path)
+        except AttributeError:
+            logger.info("identity branch %s -> %s: module missing; not folded", bn_path, conv_path)
+            continue
+        if isinstance(bn, FoldedIdentity):
+            continue
+        reason = None
+        if conv_path in unfolded:
+            reason = "the conv's own BatchNorm could not be folded"
+        elif not _is_plain_conv(conv):
+            reason = f"{conv_path} is a {type(conv).__name__}, not a plain conv"
+        elif not _is_bn_like(bn) or bn_impurity(bn) is not None:
+            reason = bn_impurity(bn) or f"{bn_path} is a {type(bn).__name__}, not a BatchNorm"
+        else:
+            reason = _identity_fits(conv, bn)
+        if reason is not None:
+            logger.info("identity branch %s -> %s not folded: %s", bn_path, conv_path, reason)
+            continue
+        if require_eval and getattr(bn, "training", False) and isinstance(bn, nn.modules.batchnorm._BatchNorm):
+            raise ReparamModeError(
+                f"{bn_path}: BatchNorm in training mode; folding is exact in eval mode only: call model.eval()"
+            )
+        _set_module(model, conv_path, _fold_identity(conv, bn, compute_dtype))  # type: ignore[arg-type]
+        _set_module(model, bn_path, FoldedIdentity(conv_path))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -629,12 +915,22 @@ def merge(
 
 
 def structure(model: nn.Module) -> dict[str, Any]:
-    """JSON-serialisable ``ModelSpec`` of ``model`` (spec section 12): every outermost block's
-    structure, the unexpanded conv→BN pairs, and the convs left unexpanded with their reasons."""
+    """JSON-serialisable ``ModelSpec`` of ``model``: what :func:`build` and
+    :func:`merge_state_dict` need to rebuild or merge the model from a plain copy and a state dict.
+
+    Keys: ``blocks`` (every outermost block's structure), ``pairs`` (unexpanded conv→BN pairs,
+    folded by a deploy merge) and ``pair_eps``, ``skipped`` (every conv left plain by
+    :func:`expand`, with the reason), ``identity_bns`` (BN-only identity branches
+    ``{BN path: {"into": conv path, "eps": eps, "folded": bool}}``, folded into that conv by a deploy
+    merge; ``folded`` is true once the BN slot holds :class:`FoldedIdentity`)."""
     info = _info(model)
     blocks = {path: blk.spec() for path, blk in iter_blocks(model)}
     modules = dict(model.named_modules())
     pair_eps = {b: float(modules[b].eps) for b in info["pairs"].values() if b in modules and hasattr(modules[b], "eps")}
+    identity = {
+        b: {**rec, "folded": isinstance(modules.get(b), FoldedIdentity)}
+        for b, rec in dict(info.get("identity_bns", {})).items()
+    }
     return {
         "format": SPEC_FORMAT,
         "version": SPEC_VERSION,
@@ -642,6 +938,7 @@ def structure(model: nn.Module) -> dict[str, Any]:
         "pairs": dict(info["pairs"]),
         "pair_eps": pair_eps,
         "skipped": dict(info["skipped"]),
+        "identity_bns": identity,
     }
 
 
@@ -699,7 +996,18 @@ def build(model: nn.Module, spec: Mapping[str, Any], *, form: str = "train", inp
             _set_module(model, c, new)
             _set_module(model, b, nn.Identity())
         pairs = {}
-    _set_info(model, {"pairs": pairs, "skipped": dict(spec.get("skipped", {}))})
+    identity = {b: {"into": rec["into"], "eps": float(rec.get("eps", 1e-5))} for b, rec in dict(spec.get("identity_bns", {})).items()}
+    if form == "deploy":
+        for b, rec in identity.items():
+            conv = _get_module(model, rec["into"])
+            if not isinstance(conv, nn.Conv2d):
+                raise ReparamError(f"identity branch {b}: {rec['into']} is a {type(conv).__name__}, expected nn.Conv2d")
+            if conv.bias is None:
+                new = ConvGeometry.from_conv(conv).make_conv(bias=True, device=conv.weight.device, dtype=conv.weight.dtype)
+                new.train(conv.training)
+                _set_module(model, rec["into"], new)
+            _set_module(model, b, FoldedIdentity(rec["into"]))
+    _set_info(model, {"pairs": pairs, "skipped": dict(spec.get("skipped", {})), "identity_bns": identity})
     return model
 
 
@@ -803,7 +1111,35 @@ def merge_state_dict(
             k, bb = fuse_bn(w.to(torch.float64), None if bias is None else bias.to(torch.float64), stats)
             out[f"{c}.weight"] = k.to(w.dtype)
             out[f"{c}.bias"] = bb.to(w.dtype)
+        for b, rec in dict(spec.get("identity_bns", {})).items():
+            bn_sd = _sub(out, b + ".")
+            if not bn_sd:
+                continue  # already folded
+            c = rec["into"]
+            stats = BNStats(bn_sd["running_mean"], bn_sd["running_var"], bn_sd.get("weight"), bn_sd.get("bias"),
+                            float(rec.get("eps", 1e-5)))
+            w = out[f"{c}.weight"]
+            k, bb = _identity_pair(w, out.get(f"{c}.bias"), stats)
+            out[f"{c}.weight"] = k.to(w.dtype)
+            out[f"{c}.bias"] = bb.to(w.dtype)
     return out
+
+
+def _identity_pair(weight: Tensor, bias: Tensor | None, stats: BNStats, sign: float = 1.0) -> tuple[Tensor, Tensor]:
+    """``(weight, bias)`` plus ``sign`` times the identity kernel through a BN, in float64. The
+    identity needs ``C == O``, so the groups follow from the weight shape ``(O, O/g, K_h, K_w)``."""
+    w = weight.to(torch.float64, copy=True)
+    o, cpg, kh, kw = w.shape
+    t = torch.rsqrt(stats.var.to(torch.float64) + stats.eps)
+    if stats.gamma is not None:
+        t = stats.gamma.to(torch.float64) * t
+    shift = -t * stats.mean.to(torch.float64)
+    if stats.beta is not None:
+        shift = shift + stats.beta.to(torch.float64)
+    idx = torch.arange(o, device=w.device)
+    w[idx, idx % cpg, kh // 2, kw // 2] += sign * t.to(w.device)
+    b = torch.zeros(o, dtype=torch.float64, device=w.device) if bias is None else bias.to(torch.float64)
+    return w, b + sign * shift.to(b.device)
 
 
 def _pair_eps(spec: Mapping[str, Any], bn_path: str) -> float:
@@ -848,6 +1184,31 @@ def rep_to_local(
     change = StructureChange()
     used: set[str] = set()
     handled_local: set[str] = set()
+    info = _info(local_model)
+    # BN-only identity branches of the local model that the global (deploy) model has folded into
+    # a conv: the local BN stays, and its identity part is taken out of that conv's target
+    identity_into: dict[str, list[nn.Module]] = {}
+    for b, rec in dict(info.get("identity_bns", {})).items():
+        if f"{b}.running_mean" in gsd:
+            continue  # the global model keeps the BN: copied like any other module below
+        try:
+            bn = local_model.get_submodule(b)
+        except AttributeError:
+            continue
+        if not _is_bn_like(bn):
+            continue
+        identity_into.setdefault(str(rec["into"]), []).append(bn)
+        handled_local.update(f"{b}.{k}" for k in bn.state_dict())
+
+    def target(path: str, weight: Tensor, bias: Tensor | None) -> tuple[Tensor, Tensor | None]:
+        with torch.no_grad():
+            for bn in identity_into.get(path, []):
+                s = bn_stats(bn)
+                stats = BNStats(s.mean.detach(), s.var.detach(), None if s.gamma is None else s.gamma.detach(),
+                                None if s.beta is None else s.beta.detach(), s.eps)
+                weight, bias = _identity_pair(weight, bias, stats, sign=-1.0)
+        return weight, bias
+
     blocks = list(iter_blocks(local_model))
     for path, blk in blocks:
         wk, bk = f"{path}.weight", f"{path}.bias"
@@ -867,13 +1228,12 @@ def rep_to_local(
         mode = anchor_stats
         if mode == "adopt" and target_bn is None:
             mode = "keep"
-        change.extend(blk.load_plain(gsd[wk], gsd.get(bk), anchor_stats=mode, target_bn=target_bn))
+        change.extend(blk.load_plain(*target(path, gsd[wk], gsd.get(bk)), anchor_stats=mode, target_bn=target_bn))
         for k, _ in blk.named_parameters():
             handled_local.add(f"{path}.{k}")
         for k, _ in blk.named_buffers():
             handled_local.add(f"{path}.{k}")
     # local conv+BN pairs whose global counterpart is folded
-    info = _info(local_model)
     for c, b in info["pairs"].items():
         try:
             conv, bn = local_model.get_submodule(c), local_model.get_submodule(b)
@@ -883,8 +1243,7 @@ def rep_to_local(
             continue
         if f"{b}.running_mean" in gsd or f"{c}.weight" not in gsd:
             continue  # global has the same layout: plain copy below
-        w_t = gsd[f"{c}.weight"].to(torch.float64)
-        b_t = gsd.get(f"{c}.bias")
+        w_t, b_t = target(c, gsd[f"{c}.weight"].to(torch.float64), gsd.get(f"{c}.bias"))
         b_t = torch.zeros(w_t.shape[0], dtype=torch.float64) if b_t is None else b_t.to(torch.float64)
         tmp = DiverseBranchBlock.from_conv(conv, bn, [])  # type: ignore[arg-type]
         change.extend(tmp.load_plain(w_t, b_t, anchor_stats="keep"))
@@ -895,6 +1254,29 @@ def rep_to_local(
             handled_local.add(f"{b}.{k}")
         for k, _ in bn.named_buffers():
             handled_local.add(f"{b}.{k}")
+    # plain local convs (neither block nor pair) that a folded identity branch feeds into
+    block_paths = {p for p, _ in blocks}
+    for c in identity_into:
+        if c in block_paths or f"{c}.weight" in handled_local or f"{c}.weight" not in gsd:
+            continue
+        conv = local_model.get_submodule(c)
+        if not _is_plain_conv(conv):
+            continue
+        w_t, b_t = target(c, gsd[f"{c}.weight"], gsd.get(f"{c}.bias"))
+        with torch.no_grad():
+            if conv.bias is None:
+                if b_t is not None and bool(b_t.ne(0).any()):
+                    raise ReparamError(
+                        f"{c}: the global conv carries the bias of the folded identity branch but the local conv "
+                        "has no bias to hold it"
+                    )
+            else:
+                conv.bias.copy_(b_t.to(conv.bias.dtype))
+                change.overwritten.append(conv.bias)
+            conv.weight.copy_(w_t.to(conv.weight.dtype))
+            change.overwritten.append(conv.weight)
+        used.update({f"{c}.weight", f"{c}.bias"})
+        handled_local.update(f"{c}.{k}" for k, _ in conv.named_parameters())
     params = dict(local_model.named_parameters())
     missing = []
     with torch.no_grad():

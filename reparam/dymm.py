@@ -5,7 +5,7 @@
   budget allows, then fill the remaining budget with the cheapest single branches that fit. The
   plan is a mapping ``conv path -> branch kinds`` for :func:`reparam.expand`; expanding with it
   gives a model whose forward MACs (:func:`reparam.flops.model_macs`) are at most the budget.
-* :func:`dymm` — DynamicFL Eq. 6 / §2.3 (``reparam.md`` §9.1, ``dynamicfl.md``): classify the
+* :func:`dymm` — DynamicFL Eq. 6 (dynamic model modulation): classify the
   non-anchor branches by the quantiles of the local (``S_l``) and global (``S_g``) saliencies into
   redundant / important / common, fold the redundant ones into their block's anchor (eval-exact,
   Eq. 15), then grow the blocks of the important branches (highest ``S_g`` first) with the branch
@@ -95,7 +95,8 @@ def _pair(v: Any) -> tuple[int, int]:
 
 
 def applicable_kinds(geometry: Any) -> tuple[str, ...]:
-    """Branch kinds applicable to a host conv (``reparam.md`` §4.2), in forward order.
+    """Branch kinds applicable to a host conv (those whose geometry can be embedded in the host
+    kernel exactly, see :func:`reparam.branches.applicability`), in forward order.
 
     ``geometry`` is a ``ConvGeometry`` or an ``nn.Conv2d``. Returns ``()`` for convs that cannot
     be expanded (``K = 1`` or a geometry the package refuses).
@@ -351,7 +352,10 @@ def classify_branches(
     small_q: float = 0.3,
     large_q: float = 0.7,
 ) -> tuple[dict[Key, str], dict[str, float]]:
-    """Classify branches as ``"redundant"``, ``"important"`` or ``"common"`` (DynamicFL §2.3).
+    """Classify branches as ``"redundant"``, ``"important"`` or ``"common"``.
+
+    DynamicFL's rule: a small local saliency marks a branch the client does not need, a large
+    global saliency one worth growing.
 
     Among ``keys`` (the non-anchor branches of one client model) "small" means strictly below the
     ``small_q`` quantile of that signal and "large" strictly above the ``large_q`` quantile
@@ -572,7 +576,8 @@ def dymm(
     pool: Iterable[str] = BRANCH_KINDS,
     regrow_folded: bool = False,
 ) -> DymmReport:
-    """Dynamic model modulation (DynamicFL Eq. 6, ``reparam.md`` §9.1), in place.
+    """Dynamic model modulation (DynamicFL Eq. 6), in place: fold redundant branches, grow
+    important ones, stay within the MAC budget.
 
     Args:
         model: a model with ``DiverseBranchBlock`` modules (the temporary model ``ε``).

@@ -22,7 +22,9 @@ class ReparamError(ValueError):
 
 
 class AlignmentError(ReparamError):
-    """A branch's geometry does not align with the main conv (section 3.6 of the spec)."""
+    """A branch's geometry does not align with the main conv (different stride or channels, a
+    parity or padding mismatch, taps that fall outside or between the main kernel's taps), so it
+    cannot be embedded into the main kernel exactly."""
 
 
 class NotMergeableError(ReparamError):

@@ -159,8 +159,8 @@ def branch_macs(kind: str, geometry: Any, in_hw: Any, internal: int | None = Non
         in_hw: input ``(H, W)`` of the host conv (an int means square).
         internal: internal width ``D`` of ``1x1_kxk`` (default: ``2C`` depthwise, else ``C``).
 
-    The value does not check applicability (section 4.2 of the spec); it is the cost the branch
-    would have if it exists.
+    The value does not check applicability (whether the branch can exist on this geometry, see
+    :func:`reparam.branches.applicability`); it is the cost the branch would have if it exists.
     """
     if kind not in BRANCH_KINDS:
         raise ReparamError(f"kind must be one of {BRANCH_KINDS}, got {kind!r}")

@@ -233,7 +233,8 @@ class ConvGeometry:
 
     # ------------------------------------------------------------------ JSON
     def to_dict(self) -> dict[str, Any]:
-        """JSON form used in the structure spec (section 12)."""
+        """JSON form used in the structure records of :func:`reparam.structure` (so that a model
+        can be rebuilt from a plain copy and a state dict)."""
         return {
             "in": self.in_channels,
             "out": self.out_channels,

@@ -1,10 +1,10 @@
-"""Pure tensor transforms of structural re-parameterization (spec section 3).
+"""Pure tensor transforms of structural re-parameterization (the kernel algebra every merge uses).
 
 One side-effect-free function per transform of the Diverse Branch Block paper:
 
 =======================  =========================================================================
 ``fuse_bn``              T-I: fold a BatchNorm (eval statistics) into the preceding conv
-``unfold_bn``            inverse of T-I with chosen BN statistics (sections 7 and 8)
+``unfold_bn``            inverse of T-I with chosen BN statistics (folding and re-solving branches)
 ``add_branches``         T-II: sum of parallel equivalent pairs
 ``merge_1x1_kxk``        T-III: sequential 1×1 → K×K, any groups, one vectorised einsum
 ``concat_depth``         T-IV: depth concatenation
@@ -37,6 +37,7 @@ from .geometry import ConvGeometry
 __all__ = [
     "BNStats",
     "bn_stats",
+    "bn_impurity",
     "fuse_bn",
     "unfold_bn",
     "add_branches",
@@ -99,6 +100,48 @@ def bn_stats(bn: Any) -> BNStats:
     return BNStats(mean, var, gamma, beta, float(bn.eps))
 
 
+#: BatchNorm classes (by name) whose forward adds optional ``drop`` and ``act`` layers after the
+#: normalisation (timm's norm+activation layers); they are a plain BN when both are identities
+_NORM_ACT_CLASSES = ("BatchNormAct2d", "SyncBatchNormAct", "FrozenBatchNormAct2d")
+#: BatchNorm-like classes from other libraries whose forward is the BN formula alone
+_PURE_BN_NAMES = ("FrozenBatchNorm2d", "FrozenIdentityBN")
+_TORCH_BN_FORWARDS = (nn.modules.batchnorm._BatchNorm.forward, nn.BatchNorm2d.forward, nn.SyncBatchNorm.forward)
+
+
+def bn_impurity(bn: Any) -> str | None:
+    """Why ``bn`` is not a plain per-channel affine map in eval mode (``None`` when it is).
+
+    A BN subclass that applies an activation or dropout after normalising (timm's
+    ``BatchNormAct2d`` with ``act=ReLU``, ...) is not linear, so it can neither be folded into the
+    preceding conv nor serve as the anchor norm of a block; folding it would silently drop the
+    activation. Torch's BatchNorm classes, ``FrozenBatchNorm2d`` and subclasses that keep torch's
+    forward are plain; norm+activation layers are plain when their ``act`` and ``drop`` layers are
+    identities; any other subclass that overrides ``forward`` is treated as not plain.
+    """
+    if isinstance(bn, BNStats):
+        return None
+    cls = type(bn)
+    name = cls.__name__
+    if name in _PURE_BN_NAMES:
+        return None
+    if name in _NORM_ACT_CLASSES or hasattr(bn, "act") or hasattr(bn, "drop"):
+        extra = [
+            f"{attr}={type(getattr(bn, attr)).__name__}"
+            for attr in ("drop", "act")
+            if getattr(bn, attr, None) is not None and not isinstance(getattr(bn, attr), nn.Identity)
+        ]
+        if extra:
+            return (
+                f"{name} applies {' and '.join(extra)} after normalising: it is not a linear map, "
+                "so it cannot be folded into the conv (that would drop the activation)"
+            )
+        if name in _NORM_ACT_CLASSES:
+            return None
+    if isinstance(bn, nn.modules.batchnorm._BatchNorm) and getattr(cls, "forward", None) not in _TORCH_BN_FORWARDS:
+        return f"{name} overrides BatchNorm's forward: it is not known to be a plain per-channel affine map"
+    return None
+
+
 def _vec(t: Tensor | None, like: Tensor, fill: float, n: int) -> Tensor:
     if t is None:
         return torch.full((n,), fill, dtype=like.dtype, device=like.device)
@@ -141,7 +184,8 @@ def unfold_bn(kernel: Tensor, bias: Tensor, bn: Any, conv_bias: Tensor | None = 
     ``W = (σ/γ)·K``, ``β = b − (γ/σ)·(c − μ)``.
 
     Raises:
-        ReparamError: some ``γ`` is exactly 0 (clamp it first: the γ guard of spec 8.4).
+        ReparamError: some ``γ`` is exactly 0 (no inverse exists; clamp ``|γ|`` away from 0 first,
+            as the blocks' γ guard does).
     """
     s = bn_stats(bn)
     n = kernel.shape[0]
@@ -151,7 +195,7 @@ def unfold_bn(kernel: Tensor, bias: Tensor, bn: Any, conv_bias: Tensor | None = 
     if bool((gamma == 0).any()):
         raise ReparamError(
             "unfold_bn: some BN gamma is exactly 0, so the inverse does not exist; clamp gamma away "
-            "from 0 first (gamma guard, spec 8.4)"
+            "from 0 first (as the blocks' gamma guard does)"
         )
     w = kernel * (std / gamma).reshape(-1, 1, 1, 1)
     c = torch.zeros_like(mean) if conv_bias is None else conv_bias.to(dtype=kernel.dtype, device=kernel.device)
@@ -336,7 +380,7 @@ def embed_kernel(
 
 
 def check_alignment(main: ConvGeometry, branch: ConvGeometry) -> tuple[int, int]:
-    """The alignment rule of spec 3.6: can ``branch`` be added to ``main`` after embedding?
+    """The alignment rule: can ``branch`` be added to ``main`` after embedding its kernel?
 
     Per axis with main ``(K, s, P, d)`` and branch ``(k, s_b, q, d_b)``: equal stride, equal output
     length for every input length (``2q − d_b(k − 1) == 2P − d(K − 1)``), and branch taps a subset of
@@ -393,8 +437,9 @@ def check_alignment(main: ConvGeometry, branch: ConvGeometry) -> tuple[int, int]
 
 
 def check_identity(geometry: ConvGeometry) -> None:
-    """Raise :class:`AlignmentError` unless an identity branch fits ``geometry`` (spec 3.7):
-    ``C == O``, stride 1, size-preserving padding ``2P == d(K − 1)`` and odd ``K`` per axis."""
+    """Raise :class:`AlignmentError` unless an identity branch fits ``geometry``: the identity
+    maps each input position to the same output position, which needs ``C == O``, stride 1,
+    size-preserving padding ``2P == d(K − 1)`` and an odd ``K`` per axis (a centre tap)."""
     if geometry.in_channels != geometry.out_channels:
         raise AlignmentError(
             f"identity needs in_channels == out_channels, got {geometry.in_channels} != {geometry.out_channels}"
@@ -448,7 +493,7 @@ def merge_kxk_kxk_valid(
 
     ``K[o, c, i+i', j+j'] += Σ_m B[o, m, i, j]·A[m, c, i', j']``, ``b = b_B + Σ B·b_A``. Exact only for
     this pad-once form: with "same" padding at each stage the first conv's border outputs depend on
-    the input and no single conv reproduces them (refuse that case, spec 3.9).
+    the input and no single conv reproduces them, so that case must be refused.
     """
     if kernel1.dim() != 4 or kernel2.dim() != 4:
         raise NotMergeableError("merge_kxk_kxk_valid expects 4-d conv kernels")
@@ -513,7 +558,9 @@ def value_pad(x: Tensor, padding: tuple[int, int], value: Tensor) -> Tensor:
 
     The interior is **copied**, not recomputed, so it is bit-identical to ``x``; the border equals
     ``value`` exactly. Differentiable in ``x`` and ``value`` (the border gradient reaches
-    ``value``). This is the padding of the intermediate in a 1×1 → K×K branch (spec 3.3).
+    ``value``). This is the padding of the intermediate in a 1×1 → K×K branch: padding the
+    intermediate with the first stage's output for a zero input makes the branch equal one K×K conv
+    on a zero-padded input, so the branch merges exactly.
     """
     ph, pw = int(padding[0]), int(padding[1])
     if ph == 0 and pw == 0:

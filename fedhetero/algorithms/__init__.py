@@ -106,6 +106,14 @@ def build_algorithm(cfg: "RunConfig") -> Algorithm:
     """Instantiate the configured algorithm with validated options."""
     from fedhetero.config import _from_mapping
 
+    from fedhetero.config import ConfigError
+
     cls = get_algorithm(cfg.algorithm.name)
-    options = _from_mapping(cls.Options, dict(cfg.algorithm.options), "algorithm.options")
+    try:
+        options = _from_mapping(cls.Options, dict(cfg.algorithm.options), "algorithm.options")
+    except ConfigError:
+        raise
+    except (ValueError, TypeError) as exc:  # a range check of the options class
+        msg = str(exc)
+        raise ConfigError(msg if msg.startswith("algorithm.options") else f"algorithm.options ({cfg.algorithm.name}): {msg}") from None
     return cls(options)

@@ -10,8 +10,11 @@
   to teacher probabilities.
 * :func:`distill` — the generic student loop (optimizer, optional cosine schedule, gradient
   clipping, optional early stopping on a labeled validation split, best-state restore).
+* :func:`member_payload` / :func:`member_model` / :func:`member_result` / :func:`member_teachers`
+  — a tier-model exchange: what the server sends, the client's copy, its upload, and the
+  server's teachers rebuilt from the uploads.
 
-Nothing here touches client data; everything runs on the server or on the public split.
+Nothing here reads client data; distillation runs on the server or on the public split.
 """
 
 from __future__ import annotations
@@ -26,21 +29,23 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fedhetero.algorithms._widths import WidthPlanner
-from fedhetero.algorithms.base import state_bytes
+from fedhetero.widths import WidthPlanner
+from fedhetero.algorithms.base import ClientResult, payload_bytes, state_bytes
 
 if TYPE_CHECKING:  # pragma: no cover
-    from fedhetero.engine import Context
+    from fedhetero.context import ClientContext, Context
 
 __all__ = [
-    "member_client_model",
-    "member_upload_parts",
     "FamilyMember",
     "ModelFamily",
     "PublicDataError",
     "distill",
     "kd_loss",
     "logits_on",
+    "member_model",
+    "member_payload",
+    "member_result",
+    "member_teachers",
     "public_batches",
     "public_indices",
     "public_source",
@@ -118,28 +123,58 @@ def logits_on(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def member_client_model(family: "ModelFamily", tier_models: dict[str, nn.Module], client: Any) -> nn.Module:
-    """A copy of the tier model that fits the client's budget, tagged with its tier."""
+def member_payload(family: "ModelFamily", tier_models: dict[str, nn.Module], client: Any) -> dict[str, Any]:
+    """Server side: what a client receives, the tier model that fits its budget (its tier name,
+    width and state)."""
     member = family.for_budget(client.budget_macs, client.tier)
-    model = copy.deepcopy(tier_models[member.tier])
-    model._fedhetero_member = member.tier  # type: ignore[attr-defined]
+    return {"member": member.tier, "width": member.width, "state": tier_models[member.tier].state_dict()}
+
+
+def member_model(
+    ctx: "ClientContext", width: float, make: Callable[[], nn.Module], state: dict[str, torch.Tensor], key: Any
+) -> nn.Module:
+    """A copy of the family member at ``width`` (per-process template built by ``make``, cached
+    under ``key``) loaded with ``state``."""
+    model = ctx.template(("kd-member", key, float(width)), make)
+    model.load_state_dict(state)
     return model
 
 
-def member_upload_parts(
-    ctx: "Context", client: Any, model: nn.Module, result: dict[str, Any], teachers: list[nn.Module]
-) -> tuple[dict[str, torch.Tensor], int, dict[str, Any], int]:
-    """``(state, macs, metrics, bytes)`` of a family member's upload; the trained model joins
-    ``teachers`` (in eval mode) for the server's distillation."""
+def member_result(ctx: "ClientContext", task: Any, model: nn.Module, result: dict[str, Any]) -> ClientResult:
+    """Client side: the upload of a trained family member (its full state; ``payload["member"]``
+    names the tier model it trained)."""
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     macs = ctx.macs(model)
-    metrics = {k: v for k, v in result.items() if k != "optimizer"}
-    metrics["member"] = getattr(model, "_fedhetero_member")
-    if client.budget_after_change is not None:
-        metrics["fits_after_change"] = bool(macs <= client.budget_after_change * (1 + 1e-9))
-    model.eval()
-    teachers.append(model)
-    return state, macs, metrics, state_bytes(state)
+    metrics = dict(result)
+    metrics["member"] = task.payload["member"]
+    if task.budget_after_change is not None:
+        metrics["fits_after_change"] = bool(macs <= task.budget_after_change * (1 + 1e-9))
+    return ClientResult(
+        cid=task.cid,
+        num_samples=task.num_samples,
+        state=state,
+        macs=macs,
+        budget_macs=task.budget_macs,
+        bytes_up=state_bytes(state),
+        bytes_down=payload_bytes(task.payload),
+        tier=task.tier,
+        metrics=metrics,
+        payload={"member": task.payload["member"]},
+    )
+
+
+def member_teachers(
+    ctx: "Context", family: "ModelFamily", results: list[ClientResult], build: Callable[[float], nn.Module], key: Any
+) -> list[nn.Module]:
+    """Server side: the returned client models (in eval mode, in client-id order), rebuilt from
+    their uploads, as the teachers of the server's distillation."""
+    teachers = []
+    for u in sorted(results, key=lambda u: u.cid):
+        width = family.by_tier[u.payload["member"]].width
+        model = member_model(ctx, width, lambda: build(width), u.state, key)
+        model.eval()
+        teachers.append(model)
+    return teachers
 
 
 @dataclass(frozen=True)

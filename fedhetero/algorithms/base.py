@@ -158,6 +158,12 @@ class Algorithm:
     adapts_to: ClassVar[frozenset[str]] = frozenset({"static"})
     #: True when clients with budgets below the plain model get a pruned sub-model.
     supports_submodels: ClassVar[bool] = False
+    #: Whether the method trains on a labelled server split (``data.server_fraction``) and on an
+    #: unlabelled public split (``data.public_fraction``): "required", "optional" or "unused". The
+    #: engine refuses a split the method would not use (it would only withhold data from the
+    #: clients) and a missing split the method needs.
+    server_data: ClassVar[str] = "unused"
+    public_data: ClassVar[str] = "unused"
 
     def __init__(self, options: Any | None = None) -> None:
         self.options = options if options is not None else self.Options()
@@ -216,7 +222,7 @@ class Algorithm:
         """The model this client trains (default: the configured model, at ``payload["width"]``
         when given, loaded with ``task.payload["state"]``)."""
         width = task.payload.get("width")
-        model = ctx.template(("model", width), lambda: ctx.build_model(width=width))
+        model = ctx.reusable(("model", width), lambda: ctx.build_model(width=width))
         model.load_state_dict(task.payload["state"])
         return model
 
@@ -225,9 +231,9 @@ class Algorithm:
         return ctx.train(model, task, ctx.cfg.train.local_epochs)
 
     def upload(self, ctx: "ClientContext", task: ClientTask, model: nn.Module, result: dict[str, Any]) -> ClientResult:
-        """What travels to the server (default: the full state dict; the client's model is not used
-        after its upload, so its tensors are sent without copying)."""
-        state = dict(model.state_dict())
+        """What travels to the server (default: a copy of the full state dict; the default
+        :meth:`client_model` reuses one model instance per process)."""
+        state = {k: v.detach().clone() for k, v in model.state_dict().items()}
         return ClientResult(
             cid=task.cid,
             num_samples=task.num_samples,

@@ -4,9 +4,10 @@ Clients exchange **model outputs on an unlabeled open dataset** instead of param
 server sharpens the averaged outputs by **entropy reduction aggregation (ERA)**. The procedure
 follows spec §2.6 (reimplementations BlazeFL / SCARLET; defaults unverified against the paper).
 
-* No parameter exchange: every client keeps **its own model across rounds** in the client state
-  store (``ctx.store``); its architecture is its tier's family member (the configured model at the
-  largest width fitting the tier's FLOPs budget), initialised on first participation.
+* No parameter exchange: every client keeps **its own model across rounds** as its private client
+  state (``ClientResult.client_state``, handed back the next time it is sampled); its architecture
+  is its tier's family member (the configured model at the largest width fitting the tier's FLOPs
+  budget), initialised on first participation.
 * The server holds a global model (the largest member) trained only by distillation.
 * The open pool is the unlabeled public split (``data.public_fraction``). Each round the server
   draws a subset ``S_t`` of ``subset_size`` indices (``algorithm`` stream) and broadcasts it.
@@ -48,10 +49,10 @@ from fedhetero.algorithms._kd import (
     public_source,
     soft_kd_loss,
 )
-from fedhetero.algorithms.base import Algorithm, ClientInfo, ClientUpdate
+from fedhetero.algorithms.base import Algorithm, ClientInfo, ClientResult, ClientTask, payload_bytes
 
 if TYPE_CHECKING:  # pragma: no cover
-    from fedhetero.engine import Context
+    from fedhetero.context import ClientContext, Context
 
 __all__ = ["DSFL", "DSFLOptions", "era"]
 
@@ -83,6 +84,8 @@ class DSFLOptions:
 
 
 class DSFL(Algorithm):
+    public_data = "required"
+
     """DS-FL: per-client persistent models, probability sharing on open data, ERA."""
 
     name = "dsfl"
@@ -134,56 +137,68 @@ class DSFL(Algorithm):
         model.train()
         return torch.cat(out)
 
-    def _load_client(self, ctx: "Context", cid: int, tier: str) -> nn.Module:
-        width = self.family.by_tier[tier].width
-        with ctx.seeded("init", 2, cid):
-            model = self.family.build(ctx, width)
-        saved = ctx.store.get(cid, before_round=ctx.round)
-        if saved is not None and float(saved["width"]) == width:
-            model.load_state_dict(saved["state"])
+    # ------------------------------------------------------------------ server: client tasks
+    def configure(self, ctx: "Context", clients: list[ClientInfo]) -> list[ClientTask]:
+        """Every client receives its model's width, this round's subset ``S_t`` and, after the
+        first round, the previous soft labels ``q_{t−1}`` with their indices ``S_{t−1}``."""
+        subset = self.subset(ctx)
+        tasks = []
+        for client in clients:
+            self.client_tier[client.cid] = client.tier
+            payload: dict[str, Any] = {"width": self.family.by_tier[client.tier].width, "subset": subset}
+            if self.prev_q is not None and self.prev_indices is not None:
+                payload["prev_indices"] = self.prev_indices
+                payload["prev_q"] = self.prev_q
+            tasks.append(self.task(ctx, client, payload))
+        return tasks
+
+    # ------------------------------------------------------------------ client half
+    # The client's model is its private state (``client_state``), kept between its rounds.
+    def client_model(self, ctx: "ClientContext", task: ClientTask, state: dict[str, Any] | None = None) -> nn.Module:
+        width = float(task.payload["width"])
+        with ctx.seeded("init", 2, task.cid):
+            model = ctx.build_model(width=width)
+        if state is not None and float(state["width"]) == width:
+            model.load_state_dict(state["state"])
         return model
 
-    # ------------------------------------------------------------------ clients
-    def client_model(self, ctx: "Context", client: ClientInfo) -> nn.Module:
-        self.client_tier[client.cid] = client.tier
-        return self._load_client(ctx, client.cid, client.tier)
-
-    def local_train(self, ctx: "Context", client: ClientInfo, model: nn.Module) -> dict[str, Any]:
+    def local_train(self, ctx: "ClientContext", client: ClientTask, model: nn.Module) -> dict[str, Any]:
         out: dict[str, Any] = {}
-        if self.prev_q is not None and self.prev_indices is not None:
-            gen = ctx.torch_generator("client", ctx.round, client.cid, 1)
-            kd = self._distill_to(ctx, model, self.prev_indices, self.prev_q, gen)
+        p = client.payload
+        if "prev_q" in p and "prev_indices" in p:
+            gen = ctx.torch_generator("client", client.round, client.cid, 1)
+            kd = self._distill_to(ctx, model, p["prev_indices"], p["prev_q"], gen)
             out["kd_loss"] = kd["kd_loss"]
         res = ctx.train(model, client, ctx.cfg.train.local_epochs)
-        out.update({k: v for k, v in res.items() if k != "optimizer"})
+        out.update(res)
         return out
 
-    def upload(self, ctx: "Context", client: ClientInfo, model: nn.Module, result: dict[str, Any]) -> ClientUpdate:
-        subset = self.subset(ctx)
+    def upload(
+        self, ctx: "ClientContext", client: ClientTask, model: nn.Module, result: dict[str, Any]
+    ) -> ClientResult:
+        subset = client.payload["subset"]
         probs = self._predict(ctx, model, subset)
-        width = self.family.by_tier[client.tier].width
-        ctx.store.put(client.cid, {"state": model.state_dict(), "width": width}, ctx.round)
+        width = float(client.payload["width"])
+        private = {"state": {k: v.detach().clone() for k, v in model.state_dict().items()}, "width": width}
         macs = ctx.macs(model)
-        down = _INDEX_BYTES * len(subset)
-        if self.prev_q is not None and self.prev_indices is not None:
-            down += self.prev_q.numel() * self.prev_q.element_size() + _INDEX_BYTES * len(self.prev_indices)
         metrics = dict(result)
         if client.budget_after_change is not None:
             metrics["fits_after_change"] = bool(macs <= client.budget_after_change * (1 + 1e-9))
-        return ClientUpdate(
+        return ClientResult(
             cid=client.cid,
             num_samples=client.num_samples,
             state={"probs": probs},
             macs=macs,
             budget_macs=client.budget_macs,
             bytes_up=probs.numel() * probs.element_size() + _INDEX_BYTES * len(subset),
-            bytes_down=down,
+            bytes_down=payload_bytes(client.payload),  # the index tensors are int64: 8 bytes per index
             tier=client.tier,
             metrics=metrics,
+            client_state=private,
         )
 
     # ------------------------------------------------------------------ server
-    def aggregate(self, ctx: "Context", updates: list[ClientUpdate]) -> None:
+    def aggregate(self, ctx: "Context", updates: list[ClientResult]) -> None:
         """Average the uploaded probabilities on ``S_t`` and apply ERA (or plain averaging)."""
         if not updates:
             return
@@ -207,6 +222,7 @@ class DSFL(Algorithm):
     def eval_models(self, ctx: "Context") -> dict[str, nn.Module]:
         assert self.global_model is not None
         out: dict[str, nn.Module] = {"global": self.global_model}
+        # server-side evaluation in simulation: on Flower the client models are not visible to the server
         for tier in self.family.by_tier:
             cids = sorted(c for c, t in self.client_tier.items() if t == tier)
             for cid in cids:

@@ -73,6 +73,22 @@ class DynamicFLOptions:
     fill_budget: bool = True  # after DYMM / in the first plan, grow branches into unused budget
     verify: bool = False  # record the lossless-transfer errors per client (costs two forwards)
 
+    def __post_init__(self) -> None:
+        from fedhetero.config import ConfigError
+
+        def bad(name: str, msg: str) -> None:
+            raise ConfigError(f"algorithm.options.{name}: {msg}, got {getattr(self, name)!r}")
+
+        if self.calibration_batches < 1:
+            bad("calibration_batches", "must be at least 1")
+        for name in ("small_q", "large_q"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                bad(name, "a quantile must be in [0, 1]")
+        if self.small_q > self.large_q:
+            bad("small_q", f"must not exceed large_q={self.large_q}")
+        if self.max_new_per_round is not None and self.max_new_per_round < 0:
+            bad("max_new_per_round", "must be >= 0 or null")
+
 
 def _expandable(model: nn.Module) -> list[tuple[str, nn.Conv2d]]:
     """Convs of a plain model that a first-round plan may expand (1 < max(K) ≤ 5)."""

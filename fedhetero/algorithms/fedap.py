@@ -28,6 +28,11 @@ update drop accordingly; the full audit (every ``p*_k``, the Formula-15 weights,
 ``p*_l``, kept filter counts, MACs and parameters before/after) is :attr:`PruningMixin.prune_report`,
 part of the checkpointed algorithm state.
 
+Devices cannot rebuild the pruned architecture from the config alone: after pruning every task's
+payload carries ``pruned``, the kept channel indices of the pruned groups (plain lists, relative to
+the configured model), next to the pruned model's ``state``; the client half rebuilds the
+architecture with :func:`pruned_model` (cached per process) and loads the state.
+
 FedAP alone (this module's :class:`FedAP`) is FedAvg with the pruning step and no server update
 (spec §7 table; authors' code ``central_train = 0``).
 """
@@ -42,7 +47,8 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from fedhetero.algorithms.feddu import FamilyOptions, NonIIDStats, ServerDataAlgorithm, _check
+from fedhetero.algorithms._server_data import FamilyOptions, NonIIDStats, ServerDataAlgorithm, _check
+from fedhetero.algorithms.base import ClientTask
 from fedhetero.data.batches import random_crop_flip
 from fedhetero.pruning.rates import (
     aggregate_rates,
@@ -55,7 +61,7 @@ from fedhetero.pruning.surgery import fedap_prune, group_producers, prunable_gro
 from fedhetero.submodel import SubmodelSpec, channel_groups_of, submodel_from
 
 if TYPE_CHECKING:  # pragma: no cover
-    from fedhetero.engine import Context
+    from fedhetero.context import ClientContext, Context
 
 __all__ = [
     "RateOptions",
@@ -65,6 +71,7 @@ __all__ = [
     "PruningMixin",
     "estimate_global_rate",
     "conv_layer_rates",
+    "pruned_model",
     "rank_batches",
 ]
 
@@ -260,6 +267,19 @@ def rank_batches(ctx: "Context", options: Any) -> list[Tensor]:
     return [x[i : i + b] for i in range(0, x.shape[0], b)]
 
 
+def pruned_model(ctx: "ClientContext", kept: dict[str, list[int]]) -> nn.Module:
+    """A copy of the configured model pruned to ``kept`` (group -> kept channel indices, as in
+    :meth:`SubmodelSpec.to_dict`), weights unspecified (load a state into it). The pruned
+    architecture is built once per process and copied from then on (torch's RNG left alone)."""
+    key = ("fedap-pruned", tuple(sorted((str(g), tuple(int(i) for i in ix)) for g, ix in kept.items())))
+
+    def make() -> nn.Module:
+        full = ctx.build_model()
+        return submodel_from(full, SubmodelSpec(full, kept))
+
+    return ctx.template(key, make)
+
+
 def _params(model: nn.Module) -> int:
     return int(sum(p.numel() for p in model.parameters()))
 
@@ -267,11 +287,12 @@ def _params(model: nn.Module) -> int:
 # ==================================================================================== mixin
 class PruningMixin:
     """One-shot FedAP pruning inside the FedDUMAP round loop (combine with a
-    :class:`~fedhetero.algorithms.feddu.ServerDataAlgorithm` subclass; put the mixin first).
+    :class:`~fedhetero.algorithms._server_data.ServerDataAlgorithm` subclass; put the mixin first).
 
     State: :attr:`prune_spec` (kept channel indices relative to the unpruned model; ``None`` before
     pruning) and :attr:`prune_report`; both are checkpointed, and :meth:`load_state_dict` rebuilds
-    the pruned architecture before loading the weights.
+    the pruned architecture before loading the weights. After pruning the task payload carries the
+    kept indices (``pruned``) and the client half rebuilds the pruned architecture from them.
     """
 
     prune_spec: SubmodelSpec | None = None
@@ -333,6 +354,21 @@ class PruningMixin:
         self.prune_report = report
         self._initial_state = None
 
+    # ------------------------------------------------------------------ tasks
+    def round_payload(self, ctx: "Context") -> dict[str, Any]:
+        out = super().round_payload(ctx)  # type: ignore[misc]
+        if self.prune_spec is not None:
+            out["pruned"] = self.prune_spec.to_dict()["indices"]
+        return out
+
+    def client_model(self, ctx: "ClientContext", task: ClientTask, state: dict[str, Any] | None = None) -> nn.Module:
+        kept = task.payload.get("pruned")
+        if kept is None:
+            return super().client_model(ctx, task, state)  # type: ignore[misc]
+        model = pruned_model(ctx, kept)
+        model.load_state_dict(task.payload["state"])
+        return model
+
     def _on_pruned(self, spec: SubmodelSpec) -> None:
         """Hook for other per-parameter server state to slice (default: nothing)."""
 
@@ -360,6 +396,8 @@ class PruningMixin:
 
 
 class FedAP(PruningMixin, ServerDataAlgorithm):
+    server_data = "optional"  # pruning needs no server data; FedDU steps are not part of FedAP
+
     """FedAP (Algorithm 3, Formula 15): FedAvg with plain-SGD devices and no server update, pruned
     once after ``prune_round`` rounds with layer-adaptive rates from the Hessian spectrum and HRank
     filter choice on server data."""

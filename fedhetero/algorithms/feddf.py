@@ -34,7 +34,6 @@ The public data is assumed to be pre-shared and is not counted.
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -42,20 +41,22 @@ import torch
 from torch import nn
 
 from fedhetero.algorithms._kd import (
-    member_client_model,
-    member_upload_parts,
     ModelFamily,
     distill,
     kd_loss,
     logits_on,
+    member_model,
+    member_payload,
+    member_result,
+    member_teachers,
     public_batches,
     public_indices,
     public_source,
 )
-from fedhetero.algorithms.base import Algorithm, ClientInfo, ClientUpdate, state_bytes, weighted_average
+from fedhetero.algorithms.base import Algorithm, ClientInfo, ClientResult, ClientTask, weighted_average
 
 if TYPE_CHECKING:  # pragma: no cover
-    from fedhetero.engine import Context
+    from fedhetero.context import ClientContext, Context
 
 __all__ = ["FedDF", "FedDFOptions"]
 
@@ -89,6 +90,9 @@ class FedDFOptions:
 
 
 class FedDF(Algorithm):
+    public_data = "required"
+    server_data = "optional"  # early stopping of the distillation on server data, when given
+
     """FedDF with one prototype per tier and AvgLogits ensemble distillation on public data."""
 
     name = "feddf"
@@ -105,28 +109,28 @@ class FedDF(Algorithm):
         self._teachers: list[nn.Module] = []
         self._last_kd: dict[str, Any] = {}
 
-    # ------------------------------------------------------------------ clients
-    def client_model(self, ctx: "Context", client: ClientInfo) -> nn.Module:
-        return member_client_model(self.family, self.tier_models, client)
+    # ------------------------------------------------------------------ server: client tasks
+    def configure(self, ctx: "Context", clients: list[ClientInfo]) -> list[ClientTask]:
+        """Each client receives the tier model that fits its budget."""
+        return [self.task(ctx, c, member_payload(self.family, self.tier_models, c)) for c in clients]
 
-    def upload(self, ctx: "Context", client: ClientInfo, model: nn.Module, result: dict[str, Any]) -> ClientUpdate:
-        state, macs, metrics, nbytes = member_upload_parts(ctx, client, model, result, self._teachers)
-        return ClientUpdate(
-            cid=client.cid,
-            num_samples=client.num_samples,
-            state=state,
-            macs=macs,
-            budget_macs=client.budget_macs,
-            bytes_up=nbytes,
-            bytes_down=nbytes,
-            tier=client.tier,
-            metrics=metrics,
-            payload={"member": metrics["member"]},
-        )
+    # ------------------------------------------------------------------ client half
+    def member_build(self, ctx: "ClientContext", width: float) -> nn.Module:
+        """A fresh family member at ``width`` (both halves: it depends on the config only)."""
+        return ctx.build_model(width=width)
+
+    def client_model(self, ctx: "ClientContext", task: ClientTask, state: dict[str, Any] | None = None) -> nn.Module:
+        width = float(task.payload["width"])
+        return member_model(ctx, width, lambda: self.member_build(ctx, width), task.payload["state"], self.name)
+
+    def upload(self, ctx: "ClientContext", task: ClientTask, model: nn.Module, result: dict[str, Any]) -> ClientResult:
+        return member_result(ctx, task, model, result)
 
     # ------------------------------------------------------------------ server
-    def aggregate(self, ctx: "Context", updates: list[ClientUpdate]) -> None:
-        """Per tier: the student initialisation (FedAvg of the tier's returned models)."""
+    def aggregate(self, ctx: "Context", updates: list[ClientResult]) -> None:
+        """Per tier: the student initialisation (FedAvg of the tier's returned models); every
+        returned model becomes a teacher."""
+        self._teachers = member_teachers(ctx, self.family, updates, lambda w: self.member_build(ctx, w), self.name)
         for tier, model in self.tier_models.items():
             mine = [u for u in updates if u.payload.get("member") == tier]
             if not mine:

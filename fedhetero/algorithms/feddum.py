@@ -6,8 +6,10 @@ restarts at zero every round::
     m'^{t,0} = 0,  w'^{t,0} = w^{t−1}
     m'^{t,t'} = β'·m'^{t,t'−1} + (1−β')·g'(w'^{t,t'−1});   w'^{t,t'} = w'^{t,t'−1} − η'·m'^{t,t'}
 
-written by hand (:class:`DampedMomentumSGD`) so that the first step moves by ``η'(1−β')g``; devices
-upload their model only, so communication equals FedAvg's (``bytes_up`` = model bytes).
+written by hand (:class:`DampedMomentumSGD`, defined with the shared round loop in
+:mod:`fedhetero.algorithms._server_data` and re-exported here) so that the first step moves by
+``η'(1−β')g``; devices upload their model only, so communication equals FedAvg's (``bytes_up`` =
+model bytes). The optimiser is built in the client half from the options and ``η_t`` in the task.
 
 Server side (Formula 12 as interpreted in spec §5.3, D8; then Formula 8)::
 
@@ -30,10 +32,11 @@ from typing import TYPE_CHECKING, Any, Iterable, Literal
 import torch
 from torch import Tensor
 
-from fedhetero.algorithms.feddu import FedDUOptions, ServerDataAlgorithm, _check
+from fedhetero.algorithms._server_data import DampedMomentumSGD, ServerDataAlgorithm, _check
+from fedhetero.algorithms.feddu import FedDUOptions
 
 if TYPE_CHECKING:  # pragma: no cover
-    from fedhetero.engine import Context
+    from fedhetero.context import Context
 
 __all__ = [
     "MOMENTUM_INITS",
@@ -45,49 +48,6 @@ __all__ = [
 ]
 
 MOMENTUM_INITS = ("first_grad", "zero", "bias_correct")
-
-
-class DampedMomentumSGD(torch.optim.Optimizer):
-    """SGD with ``(1−β)``-dampened momentum started at zero (Formula 11, "exact" implementation).
-
-    Per parameter, with ``d = grad + weight_decay·w``::
-
-        m ← β·m + (1−β)·d      (m = 0 before the first step)
-        w ← w − lr·m
-
-    The buffer is kept in ``state[p]["momentum_buffer"]`` (the name ``torch.optim.SGD`` uses), so a
-    caller may preload it (FedDA) or read it back. With ``β = 0`` a step is ``w ← w − lr·d``.
-    """
-
-    def __init__(self, params: Iterable[Any], lr: float, beta: float = 0.9, weight_decay: float = 0.0) -> None:
-        if not lr > 0:
-            raise ValueError(f"lr must be > 0, got {lr!r}")
-        if not 0.0 <= beta < 1.0:
-            raise ValueError(f"beta must be in [0, 1), got {beta!r}")
-        if weight_decay < 0:
-            raise ValueError(f"weight_decay must be >= 0, got {weight_decay!r}")
-        super().__init__(params, {"lr": float(lr), "beta": float(beta), "weight_decay": float(weight_decay)})
-
-    @torch.no_grad()
-    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            lr, beta, wd = group["lr"], group["beta"], group["weight_decay"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                d = p.grad if wd == 0 else p.grad.add(p, alpha=wd)
-                state = self.state[p]
-                buf = state.get("momentum_buffer")
-                if buf is None:
-                    buf = torch.zeros_like(p)
-                    state["momentum_buffer"] = buf
-                buf.mul_(beta).add_(d, alpha=1.0 - beta)
-                p.add_(buf, alpha=-lr)
-        return loss
 
 
 def server_momentum_step(

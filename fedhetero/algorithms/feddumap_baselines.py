@@ -1,7 +1,10 @@
 """Baselines of the FedDUMAP paper that use the shared server data or FedAP's pieces (spec §9).
 
-All run in the FedDUMAP round loop (:class:`~fedhetero.algorithms.feddu.ServerDataAlgorithm`):
+All run in the FedDUMAP round loop (:class:`~fedhetero.algorithms._server_data.ServerDataAlgorithm`):
 per-round learning-rate decay ``lr_decay``, plain-SGD devices unless stated, n_k-weighted averaging.
+What a device needs besides ``w^{t−1}`` and ``η_t`` travels in its task payload: Data-sharing's
+shared sample indices (and the bytes of their one-time transfer), FedDA's global momentum, IMC's
+masks.
 
 - ``data_sharing`` (Zhao et al. 2018; D-S): the server data is sent to the devices once; each device
   trains on its own data plus a fixed random subset of ``min(n_0, shared_samples)`` server samples
@@ -41,21 +44,21 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from fedhetero.algorithms.base import ClientInfo, ClientUpdate, state_bytes, weighted_average
-from fedhetero.algorithms.fedap import PruneOptions, PruningMixin, RateOptions, estimate_global_rate
-from fedhetero.algorithms.feddu import (
+from fedhetero.algorithms._server_data import (
+    DampedMomentumSGD,
     FamilyOptions,
-    FedDU,
-    FedDUOptions,
     ServerDataAlgorithm,
     _check,
     sgd_epochs,
 )
-from fedhetero.algorithms.feddum import DampedMomentumSGD, FedDUM, FedDUMOptions
+from fedhetero.algorithms.base import ClientInfo, ClientResult, ClientTask, state_bytes, weighted_average
+from fedhetero.algorithms.fedap import PruneOptions, PruningMixin, RateOptions, estimate_global_rate
+from fedhetero.algorithms.feddu import FedDU, FedDUOptions
+from fedhetero.algorithms.feddum import FedDUM, FedDUMOptions
 from fedhetero.pruning.rates import magnitude_threshold
 
 if TYPE_CHECKING:  # pragma: no cover
-    from fedhetero.engine import Context
+    from fedhetero.context import ClientContext, Context
 
 __all__ = [
     "DataSharing",
@@ -107,28 +110,51 @@ class DataSharing(ServerDataAlgorithm):
         rng = ctx.rng("algorithm", 0, 5, int(cid))
         return np.sort(rng.choice(idx, size=k, replace=False)).astype(np.int64)
 
-    def local_train(self, ctx: "Context", client: ClientInfo, model: nn.Module) -> dict[str, Any]:
+    # ------------------------------------------------------------------ server half
+    def before_round(self, ctx: "Context", clients: list[ClientInfo]) -> None:
+        super().before_round(ctx, clients)
+        n_dev = float(sum(len(ix) for ix in ctx.data.client_indices))
+        idx = self.server_indices(ctx)
+        n0 = 0 if idx is None else len(idx)
+        self.round_metrics["train_time_factor"] = float(min(100.0 * n0 / n_dev, 5.0) + 1.0) if n_dev else 1.0
+
+    def client_payload(self, ctx: "Context", client: ClientInfo, common: dict[str, Any]) -> dict[str, Any]:
+        """Adds ``shared`` (the device's shared server-sample indices, a list) and ``shared_bytes``
+        (the bytes of sending those samples: non-zero only until the device has received them)."""
+        out = super().client_payload(ctx, client, common)
         shared = self.shared_indices(ctx, client.cid)
-        idx = np.concatenate([np.asarray(ctx.data.client_indices[client.cid], dtype=np.int64), shared])
-        opt = self.device_optimizer(ctx, model)
+        out["shared"] = [int(i) for i in shared]
+        sent = 0
+        if len(shared) and int(client.cid) not in self.served:
+            x = ctx.data.train.images
+            per = x[0].numel() * x.element_size() + ctx.data.train.labels.element_size()
+            sent = int(len(shared) * per)
+        out["shared_bytes"] = sent
+        return out
+
+    def run_round(self, ctx: "Context", clients: list[ClientInfo]) -> list[ClientResult]:
+        updates = super().run_round(ctx, clients)
+        for u in updates:  # the devices that received their shared samples this round
+            if u.metrics.get("shared_samples", 0) and int(u.cid) not in self.served:
+                self.served.append(int(u.cid))
+        return updates
+
+    # ------------------------------------------------------------------ client half
+    def local_train(self, ctx: "ClientContext", task: ClientTask, model: nn.Module) -> dict[str, Any]:
+        shared = np.asarray(task.payload["shared"], dtype=np.int64)
+        idx = np.concatenate([np.asarray(ctx.data.client_indices[task.cid], dtype=np.int64), shared])
+        opt = self.device_optimizer(ctx, task, model)
         res = sgd_epochs(ctx, model, idx, ctx.cfg.train.local_epochs, opt, concern="data",
-                         keys=(int(ctx.round), int(client.cid)))
+                         keys=(int(task.round), int(task.cid)))
         res["shared_samples"] = int(len(shared))
         return res
 
-    def upload(self, ctx: "Context", client: ClientInfo, model: nn.Module, result: dict[str, Any]) -> ClientUpdate:
-        upd = super().upload(ctx, client, model, result)
+    def upload(self, ctx: "ClientContext", task: ClientTask, model: nn.Module, result: dict[str, Any]) -> ClientResult:
+        upd = super().upload(ctx, task, model, result)
         s = int(result.get("shared_samples", 0))
-        upd.num_samples = int(client.num_samples) + s
+        upd.num_samples = int(task.num_samples) + s
         upd.metrics["samples_processed"] = upd.num_samples * int(ctx.cfg.train.local_epochs)
-        n_dev = float(sum(len(ix) for ix in ctx.data.client_indices))
-        n0 = 0 if self.server_indices(ctx) is None else len(self.server_indices(ctx))
-        upd.metrics["train_time_factor"] = float(min(100.0 * n0 / n_dev, 5.0) + 1.0) if n_dev else 1.0
-        if s and client.cid not in self.served:
-            x = ctx.data.train.images
-            per = x[0].numel() * x.element_size() + ctx.data.train.labels.element_size()
-            upd.bytes_down += int(s * per)
-            self.served.append(int(client.cid))
+        upd.bytes_down += int(task.payload.get("shared_bytes", 0))
         return upd
 
     def state_dict(self) -> dict[str, Any]:
@@ -162,7 +188,7 @@ class HybridFL(ServerDataAlgorithm):
     name = "hybrid_fl"
     Options = HybridFLOptions
 
-    def aggregate(self, ctx: "Context", updates: list[ClientUpdate]) -> None:
+    def aggregate(self, ctx: "Context", updates: list[ClientResult]) -> None:
         assert self.global_model is not None
         idx = self.server_indices(ctx)
         states = [u.state for u in updates]
@@ -230,45 +256,53 @@ class FedDUDA(FedDU):
         super().__init__(options)
         self.global_momentum: dict[str, Tensor] | None = None
 
-    def _momentum_for(self, model: nn.Module) -> dict[str, Tensor]:
+    # ------------------------------------------------------------------ server half
+    def round_payload(self, ctx: "Context") -> dict[str, Any]:
+        """Adds ``momentum``: the global buffer ``m^t`` (zeros before the first aggregation)."""
+        out = super().round_payload(ctx)
+        assert self.global_model is not None
         if self.global_momentum is None:
-            return {n: torch.zeros_like(p) for n, p in model.named_parameters() if p.requires_grad}
-        return {n: t.clone() for n, t in self.global_momentum.items()}
+            out["momentum"] = {n: torch.zeros_like(p) for n, p in self.global_model.named_parameters() if p.requires_grad}
+        else:
+            out["momentum"] = dict(self.global_momentum)
+        return out
 
-    def device_optimizer(self, ctx: "Context", model: nn.Module) -> torch.optim.Optimizer:
+    # ------------------------------------------------------------------ client half
+    def device_optimizer(self, ctx: "ClientContext", task: ClientTask, model: nn.Module) -> torch.optim.Optimizer:
         beta = float(self.options.device_momentum)
         wd = float(ctx.cfg.train.weight_decay)
+        lr = float(task.payload["lr"])
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         params = [p for _, p in named]
         if self.options.device_momentum_impl == "torch_sgd" and beta > 0:
-            opt: torch.optim.Optimizer = torch.optim.SGD(params, lr=self.lr(ctx), momentum=beta, dampening=beta,
+            opt: torch.optim.Optimizer = torch.optim.SGD(params, lr=lr, momentum=beta, dampening=beta,
                                                          weight_decay=wd)
         else:
-            opt = DampedMomentumSGD(params, lr=self.lr(ctx), beta=beta, weight_decay=wd)
-        start = self._momentum_for(model)
+            opt = DampedMomentumSGD(params, lr=lr, beta=beta, weight_decay=wd)
+        start = task.payload["momentum"]
         for n, p in named:
             opt.state[p]["momentum_buffer"] = start[n].to(device=p.device, dtype=p.dtype).clone()
         return opt
 
-    def local_train(self, ctx: "Context", client: ClientInfo, model: nn.Module) -> dict[str, Any]:
-        opt = self.device_optimizer(ctx, model)
-        res = dict(ctx.train(model, client, ctx.cfg.train.local_epochs, optimizer=opt))
-        res.pop("optimizer", None)
+    def local_train(self, ctx: "ClientContext", task: ClientTask, model: nn.Module) -> dict[str, Any]:
+        opt = self.device_optimizer(ctx, task, model)
+        res = dict(ctx.train(model, task, ctx.cfg.train.local_epochs, optimizer=opt))
         res["momentum"] = {n: opt.state[p]["momentum_buffer"].detach().clone()
                            for n, p in model.named_parameters() if p.requires_grad}
         return res
 
-    def upload(self, ctx: "Context", client: ClientInfo, model: nn.Module, result: dict[str, Any]) -> ClientUpdate:
+    def upload(self, ctx: "ClientContext", task: ClientTask, model: nn.Module, result: dict[str, Any]) -> ClientResult:
+        """Model and final momentum go up; ``bytes_down`` (the payload: model and global momentum)
+        already counts the momentum sent down."""
         momentum = result.pop("momentum")
-        upd = super().upload(ctx, client, model, result)
+        upd = super().upload(ctx, task, model, result)
         upd.payload["momentum"] = momentum
         extra = state_bytes(momentum)
         upd.bytes_up += extra
-        upd.bytes_down += extra
         upd.metrics["momentum_bytes"] = extra
         return upd
 
-    def aggregate(self, ctx: "Context", updates: list[ClientUpdate]) -> None:
+    def aggregate(self, ctx: "Context", updates: list[ClientResult]) -> None:
         super().aggregate(ctx, updates)
         if updates:
             weights = ctx.aggregation_weights(updates)
@@ -296,6 +330,8 @@ class HRankFLOptions(PruneOptions, FamilyOptions):
 
 
 class HRankFL(PruningMixin, ServerDataAlgorithm):
+    server_data = "optional"
+
     """HRank (Lin et al., 2020) inside FedAvg: after ``prune_round`` rounds every conv loses
     ``⌊p·d_l⌋`` filters of lowest average feature-map rank on server data (fixed uniform rate)."""
 
@@ -324,7 +360,28 @@ def imc_masks(model: nn.Module, p_star: float, threshold_params: str = "all_trai
     return {n: params[n].detach().abs() >= thr for n in _threshold_names(model, threshold_params)}
 
 
+def _apply_masks(model: nn.Module, masks: dict[str, Tensor] | None) -> None:
+    """Zero the masked entries of ``model``'s parameters in place (no-op without masks)."""
+    if not masks:
+        return
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for n, m in masks.items():
+            params[n].mul_(m.to(device=params[n].device, dtype=params[n].dtype))
+
+
+def _sparse_bytes(state: dict[str, Tensor], masks: dict[str, Tensor]) -> int:
+    """Bytes of ``state`` sent sparsely: only the unmasked entries of masked tensors."""
+    total = 0
+    for k, t in state.items():
+        m = masks.get(k)
+        total += (int(m.sum()) if m is not None else t.numel()) * t.element_size()
+    return int(total)
+
+
 class IMC(ServerDataAlgorithm):
+    server_data = "optional"
+
     """IMC (Zhang et al., NeurIPS 2021) as the FedDUMAP baseline: Formula-15-aggregated Hessian
     rate, then one-shot global unstructured magnitude pruning (masks) after ``prune_round`` rounds."""
 
@@ -337,12 +394,7 @@ class IMC(ServerDataAlgorithm):
         self.prune_report: dict[str, Any] | None = None
 
     def apply_masks(self, model: nn.Module) -> None:
-        if not self.masks:
-            return
-        params = dict(model.named_parameters())
-        with torch.no_grad():
-            for n, m in self.masks.items():
-                params[n].mul_(m.to(device=params[n].device, dtype=params[n].dtype))
+        _apply_masks(model, self.masks)
 
     def before_round(self, ctx: "Context", clients: list[ClientInfo]) -> None:
         pr = int(self.options.prune_round)
@@ -360,34 +412,36 @@ class IMC(ServerDataAlgorithm):
             self.round_metrics["prune_p_star"] = float(self.prune_report["p_star"])
             self.round_metrics["imc_masked_fraction"] = float(self.prune_report["masked_fraction"])
 
-    def device_optimizer(self, ctx: "Context", model: nn.Module) -> torch.optim.Optimizer:
-        opt = super().device_optimizer(ctx, model)
-        if self.masks:
-            self.apply_masks(model)
-            opt.register_step_post_hook(lambda *_: self.apply_masks(model))
-        return opt
-
     def after_aggregate(self, ctx: "Context") -> None:
         assert self.global_model is not None
         self.apply_masks(self.global_model)
 
-    def _sparse_bytes(self, state: dict[str, Tensor]) -> int:
-        if not self.masks:
-            return state_bytes(state)
-        total = 0
-        for k, t in state.items():
-            m = self.masks.get(k)
-            total += (int(m.sum()) if m is not None else t.numel()) * t.element_size()
-        return int(total)
-
-    def upload(self, ctx: "Context", client: ClientInfo, model: nn.Module, result: dict[str, Any]) -> ClientUpdate:
-        upd = super().upload(ctx, client, model, result)
+    def round_payload(self, ctx: "Context") -> dict[str, Any]:
+        """Adds ``masks`` (parameter name -> bool mask) once the model is pruned."""
+        out = super().round_payload(ctx)
         if self.masks:
-            assert self.global_model is not None
-            upd.bytes_up = self._sparse_bytes(upd.state)
-            upd.bytes_down = self._sparse_bytes(self.global_model.state_dict())
+            out["masks"] = dict(self.masks)
+        return out
+
+    # ------------------------------------------------------------------ client half
+    def device_optimizer(self, ctx: "ClientContext", task: ClientTask, model: nn.Module) -> torch.optim.Optimizer:
+        opt = super().device_optimizer(ctx, task, model)
+        masks = task.payload.get("masks")
+        if masks:
+            _apply_masks(model, masks)
+            opt.register_step_post_hook(lambda *_: _apply_masks(model, masks))
+        return opt
+
+    def upload(self, ctx: "ClientContext", task: ClientTask, model: nn.Module, result: dict[str, Any]) -> ClientResult:
+        """With masks, ``bytes_up`` / ``bytes_down`` count the unmasked entries only (a sparse
+        transfer; the masks themselves are not counted, as before)."""
+        upd = super().upload(ctx, task, model, result)
+        masks = task.payload.get("masks")
+        if masks:
+            upd.bytes_up = _sparse_bytes(upd.state, masks)
+            upd.bytes_down = _sparse_bytes(task.payload["state"], masks)
             total = sum(p.numel() for p in model.parameters())
-            upd.metrics["params_remaining"] = int(total - sum(int((~m).sum()) for m in self.masks.values()))
+            upd.metrics["params_remaining"] = int(total - sum(int((~m).sum()) for m in masks.values()))
         return upd
 
     def state_dict(self) -> dict[str, Any]:

@@ -38,7 +38,6 @@ Communication: each client downloads and uploads its full tier model; public dat
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -51,15 +50,17 @@ from fedhetero.algorithms._kd import (
     distill,
     kd_loss,
     logits_on,
-    member_client_model,
-    member_upload_parts,
+    member_model,
+    member_payload,
+    member_result,
+    member_teachers,
     public_batches,
     public_indices,
 )
-from fedhetero.algorithms.base import Algorithm, ClientInfo, ClientUpdate, state_bytes, weighted_average
+from fedhetero.algorithms.base import Algorithm, ClientInfo, ClientResult, ClientTask, weighted_average
 
 if TYPE_CHECKING:  # pragma: no cover
-    from fedhetero.engine import Context
+    from fedhetero.context import ClientContext, Context
 
 __all__ = ["FedET", "FedETOptions", "SharedHeadModel", "consensus_targets", "with_shared_head"]
 
@@ -142,6 +143,8 @@ class FedETOptions:
 
 
 class FedET(Algorithm):
+    public_data = "required"
+
     """FedET: tier models with a shared head; a larger server model trained by weighted consensus
     distillation with diversity regularisation."""
 
@@ -151,34 +154,40 @@ class FedET(Algorithm):
 
     def setup(self, ctx: "Context") -> None:
         self.public = public_indices(ctx, self.name)
-        dim, k = self.options.rep_dim, ctx.num_classes
-
-        def builder(width: float) -> nn.Module:
-            return with_shared_head(ctx.build_model(width=width), dim, k)
-
-        self.family = ModelFamily(ctx, builder)
+        self.family = ModelFamily(ctx, lambda width: self.member_build(ctx, width, device=False))
         self.tier_models: dict[str, nn.Module] = {m.tier: self.family.build(ctx, m.width) for m in self.family.members}
         self.server_model = self.family.build(ctx, self.family.server.width)
         self.global_model = self.server_model
         self._teachers: list[nn.Module] = []
 
-    # ------------------------------------------------------------------ clients
-    def client_model(self, ctx: "Context", client: ClientInfo) -> nn.Module:
-        return member_client_model(self.family, self.tier_models, client)
+    def member_build(self, ctx: "ClientContext", width: float, device: bool = True) -> nn.Module:
+        """A fresh family member at ``width``: the zoo model with the shared head (both halves: it
+        depends on the config and options only)."""
+        model = with_shared_head(ctx.build_model(width=width), self.options.rep_dim, ctx.num_classes)
+        return model.to(ctx.device) if device else model
 
-    def upload(self, ctx: "Context", client: ClientInfo, model: nn.Module, result: dict[str, Any]) -> ClientUpdate:
-        state, macs, metrics, nbytes = member_upload_parts(ctx, client, model, result, self._teachers)
-        return ClientUpdate(
-            cid=client.cid, num_samples=client.num_samples, state=state, macs=macs,
-            budget_macs=client.budget_macs, bytes_up=nbytes, bytes_down=nbytes, tier=client.tier,
-            metrics=metrics, payload={"member": metrics["member"]},
-        )
+    # ------------------------------------------------------------------ server: client tasks
+    def configure(self, ctx: "Context", clients: list[ClientInfo]) -> list[ClientTask]:
+        """Each client receives the tier model that fits its budget."""
+        return [self.task(ctx, c, member_payload(self.family, self.tier_models, c)) for c in clients]
+
+    # ------------------------------------------------------------------ client half
+    def client_model(self, ctx: "ClientContext", task: ClientTask, state: dict[str, Any] | None = None) -> nn.Module:
+        width = float(task.payload["width"])
+        key = (self.name, self.options.rep_dim)
+        return member_model(ctx, width, lambda: self.member_build(ctx, width), task.payload["state"], key)
+
+    def upload(self, ctx: "ClientContext", task: ClientTask, model: nn.Module, result: dict[str, Any]) -> ClientResult:
+        return member_result(ctx, task, model, result)
 
     # ------------------------------------------------------------------ server
-    def aggregate(self, ctx: "Context", updates: list[ClientUpdate]) -> None:
-        """Server head ← mean of the returned heads; tier models ← within-tier FedAvg."""
+    def aggregate(self, ctx: "Context", updates: list[ClientResult]) -> None:
+        """Server head ← mean of the returned heads; tier models ← within-tier FedAvg; every
+        returned model becomes a teacher."""
         if not updates:
             return
+        key = (self.name, self.options.rep_dim)
+        self._teachers = member_teachers(ctx, self.family, updates, lambda w: self.member_build(ctx, w), key)
         heads = [{k[len("head."):]: v for k, v in u.state.items() if k.startswith("head.")} for u in updates]
         self.server_model.head.load_state_dict(weighted_average(heads, [1.0] * len(heads)))
         for tier, model in self.tier_models.items():

@@ -33,11 +33,11 @@ from typing import TYPE_CHECKING, Callable, Literal
 
 import torch
 
-from fedhetero.algorithms.base import ClientInfo, ClientUpdate
+from fedhetero.algorithms.base import ClientInfo, ClientResult
 from fedhetero.algorithms.heterofl import WidthSlicedAlgorithm
 
 if TYPE_CHECKING:  # pragma: no cover
-    from fedhetero.engine import Context
+    from fedhetero.context import Context
 
 __all__ = ["FedRolex", "FedRolexOptions", "rolling_window"]
 
@@ -78,6 +78,8 @@ class FedRolex(WidthSlicedAlgorithm):
     Options = FedRolexOptions
 
     def pick(self, ctx: "Context", client: ClientInfo | None) -> Callable[[str, int, int], torch.Tensor] | None:
+        """Server side (in :meth:`configure`): the window of server round ``ctx.round``, or the
+        random subset of (round, client); the client receives the sliced state only."""
         mode = self.options.mode
         if client is None or mode == "static":
             return None
@@ -95,7 +97,7 @@ class FedRolex(WidthSlicedAlgorithm):
 
         return random
 
-    def client_weight(self, update: ClientUpdate) -> float:
+    def client_weight(self, update: ClientResult) -> float:
         if self.options.weighting == "width":
             return float(update.payload["width"]) / self.global_width
         return super().client_weight(update)

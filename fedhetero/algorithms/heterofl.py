@@ -59,12 +59,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fedhetero.algorithms._widths import WidthPlanner
-from fedhetero.algorithms.base import Algorithm, ClientInfo, ClientUpdate, state_bytes
+from fedhetero.widths import WidthPlanner
+from fedhetero.algorithms.base import Algorithm, ClientInfo, ClientResult, ClientTask, payload_bytes, state_bytes
 from fedhetero.submodel import SubmodelAggregator, SubmodelSpec, extract_state, submodel_from
 
 if TYPE_CHECKING:  # pragma: no cover
-    from fedhetero.engine import Context
+    from fedhetero.context import ClientContext, Context
     from models.groups import ChannelGroups
 
 __all__ = [
@@ -75,6 +75,7 @@ __all__ = [
     "masked_cross_entropy",
     "spec_for_sizes",
     "static_bn_model",
+    "width_model",
 ]
 
 BN_POLICIES = ("sbn_central", "batch", "fedavg")
@@ -215,11 +216,25 @@ class HeteroFLOptions:
 
 
 # ---------------------------------------------------------------------------------------- algorithm
+def width_model(ctx: "ClientContext", width: float, track_running_stats: bool) -> nn.Module:
+    """A fresh copy of the configured architecture at ``width`` (from a per-process template; the
+    client's sub-model and the server's reference for its channel groups)."""
+    key = ("width-sliced", float(width), bool(track_running_stats))
+    return ctx.template(key, lambda: ctx.build_model(width=width, track_running_stats=track_running_stats))
+
+
 class WidthSlicedAlgorithm(Algorithm):
     """Shared machinery of the width-slicing baselines (HeteroFL, FedRolex).
 
     Subclasses choose the kept channels (:meth:`pick`) and the aggregation weight
     (:meth:`client_weight`).
+
+    Server half: :meth:`configure` chooses each client's width and channel indices (kept on the
+    server for :meth:`aggregate`, per round) and sends the sliced state, the width, the global
+    width (for the Scaler) and, in dynamic scenarios, the narrower width and its group sizes for
+    after the budget change. Client half: builds the width-``w`` model, loads the slice, trains it
+    and returns its state; when it pruned to the narrower prefix it says so
+    (``payload["width_after_change"]``) and the server composes the spec.
     """
 
     name = "base"
@@ -236,6 +251,7 @@ class WidthSlicedAlgorithm(Algorithm):
         self._macs: dict[float, int] = {}
         self.tier_widths = {t.name: self.width_for(ctx, t.ratio * ctx.plain_macs) for t in ctx.cfg.budget.tiers}
         self._eval_cache: tuple[int, dict[str, nn.Module]] | None = None
+        self._round_specs: dict[int, SubmodelSpec] = {}
 
     def _build(self, ctx: "Context", width: float) -> nn.Module:
         return ctx.build_model(width=width, track_running_stats=self.options.bn == "fedavg")
@@ -267,7 +283,7 @@ class WidthSlicedAlgorithm(Algorithm):
         """Index chooser for ``client`` (None: prefix). ``client=None`` means deployment/eval."""
         return None
 
-    def client_weight(self, update: ClientUpdate) -> float:
+    def client_weight(self, update: ClientResult) -> float:
         if self.options.weighting == "samples":
             return float(update.num_samples)
         return 1.0
@@ -275,29 +291,56 @@ class WidthSlicedAlgorithm(Algorithm):
     def spec_for(self, ctx: "Context", client: ClientInfo | None, width: float) -> SubmodelSpec:
         return spec_for_sizes(self.groups, self.sizes_at(ctx, width), self.pick(ctx, client))
 
-    # ------------------------------------------------------------------ clients
-    def client_model(self, ctx: "Context", client: ClientInfo) -> nn.Module:
+    # ------------------------------------------------------------------ server: client tasks
+    def configure(self, ctx: "Context", clients: list[ClientInfo]) -> list[ClientTask]:
+        """Per client: its width (the largest fitting its budget; when none fits, the narrowest
+        tier's, recorded as over budget), its channel indices and the sliced global state."""
         assert self.global_model is not None
-        width = self.width_for(ctx, client.budget_macs)
-        over = width is None
-        if width is None:  # nothing fits: the narrowest tier's model, recorded as over budget
-            fitting = [w for w in self.tier_widths.values() if w is not None]
-            width = min(fitting) if fitting else self.global_width
-        spec = self.spec_for(ctx, client, width)
-        model = submodel_from(self.global_model, spec)
-        self._client = {
-            "spec": spec,
+        state = self.global_model.state_dict()
+        self._round_specs = {}
+        tasks = []
+        for client in clients:
+            width = self.width_for(ctx, client.budget_macs)
+            over = width is None
+            if width is None:  # nothing fits: the narrowest tier's model, recorded as over budget
+                fitting = [w for w in self.tier_widths.values() if w is not None]
+                width = min(fitting) if fitting else self.global_width
+            spec = self.spec_for(ctx, client, width)
+            self._round_specs[client.cid] = spec
+            payload: dict[str, Any] = {
+                "state": extract_state(state, spec),
+                "width": width,
+                "global_width": self.global_width,
+                "over_budget": over,
+            }
+            if client.budget_after_change is not None:
+                # decreasing budgets: the nested prefix the client prunes to (0: nothing fits)
+                width2 = self.width_for(ctx, client.budget_after_change)
+                payload["width_after_change"] = 0.0 if width2 is None else width2
+                if width2 is not None:
+                    payload["sizes_after_change"] = dict(self.sizes_at(ctx, width2))
+            tasks.append(self.task(ctx, client, payload))
+        return tasks
+
+    # ------------------------------------------------------------------ client half
+    # Runs on a fresh instance; ``self._client`` is that task's working state.
+    def client_model(self, ctx: "ClientContext", task: ClientTask, state: dict[str, Any] | None = None) -> nn.Module:
+        p = task.payload
+        width = float(p["width"])
+        model = width_model(ctx, width, self.options.bn == "fedavg")
+        model.load_state_dict(p["state"])
+        self._client: dict[str, Any] = {
             "width": width,
-            "bytes_down": state_bytes(model.state_dict()),
+            "global_width": float(p["global_width"]),
             "macs": ctx.macs(model),
-            "over_budget": over,
+            "over_budget": bool(p["over_budget"]),
         }
         return model
 
     def _scale(self, model: nn.Module, width: float) -> list[Any]:
-        return attach_scaler(model, width / self.global_width) if self.options.scaler else []
+        return attach_scaler(model, width / self._client["global_width"]) if self.options.scaler else []
 
-    def local_train(self, ctx: "Context", client: ClientInfo, model: nn.Module) -> dict[str, Any]:
+    def local_train(self, ctx: "ClientContext", client: ClientTask, model: nn.Module) -> dict[str, Any]:
         info = self._client
         opts = self.options
         loss_fn = None
@@ -325,14 +368,13 @@ class WidthSlicedAlgorithm(Algorithm):
         res = ctx.train(model, client, change_at, after_backward=after_backward, loss_fn=loss_fn)
         for h in hooks:
             h.remove()
-        width2 = self.width_for(ctx, after)
-        if width2 is None:  # nothing fits the new budget: stop local training here
+        width2 = float(client.payload.get("width_after_change", 0.0))
+        if not width2:  # nothing fits the new budget: stop local training here
             info["model"] = model
             info["stopped_early"] = True
             return res
-        child = spec_for_sizes(model.channel_groups(), self.sizes_at(ctx, width2))  # type: ignore[operator]
+        child = spec_for_sizes(model.channel_groups(), client.payload["sizes_after_change"])  # type: ignore[operator]
         model2 = submodel_from(model, child)
-        info["spec"] = info["spec"].compose(child)
         info["width_after_change"] = width2
         info["macs_after_change"] = ctx.macs(model2)
         hooks = self._scale(model2, width2)
@@ -346,13 +388,15 @@ class WidthSlicedAlgorithm(Algorithm):
         res2["steps"] = int(res.get("steps", 0)) + int(res2.get("steps", 0))
         return res2
 
-    def upload(self, ctx: "Context", client: ClientInfo, model: nn.Module, result: dict[str, Any]) -> ClientUpdate:
+    def upload(
+        self, ctx: "ClientContext", client: ClientTask, model: nn.Module, result: dict[str, Any]
+    ) -> ClientResult:
         info = self._client
         trained = info["model"]
         state = {k: v.detach().clone() for k, v in trained.state_dict().items()}
-        metrics: dict[str, Any] = {k: v for k, v in result.items() if k != "optimizer"}
+        metrics: dict[str, Any] = dict(result)
         metrics["width"] = info["width"]
-        metrics["rate"] = info["width"] / self.global_width
+        metrics["rate"] = info["width"] / info["global_width"]
         if info["over_budget"]:
             metrics["over_budget"] = True
         for key in ("width_after_change", "macs_after_change", "stopped_early"):
@@ -363,22 +407,40 @@ class WidthSlicedAlgorithm(Algorithm):
             metrics["fits_after_change"] = bool(
                 info.get("stopped_early", False) or final_macs <= client.budget_after_change * (1 + 1e-9)
             )
-        return ClientUpdate(
+        payload: dict[str, Any] = {"width": info["width"]}
+        if "labels" in info:
+            payload["labels"] = info["labels"]
+        if "width_after_change" in info:
+            payload["width_after_change"] = info["width_after_change"]
+        return ClientResult(
             cid=client.cid,
             num_samples=client.num_samples,
             state=state,
-            spec=info["spec"],
             macs=info["macs"],
             budget_macs=client.budget_macs,
             bytes_up=state_bytes(state),
-            bytes_down=info["bytes_down"],
+            bytes_down=payload_bytes(client.payload),
             tier=client.tier,
             metrics=metrics,
-            payload={"labels": info.get("labels"), "width": info["width"]},
+            payload=payload,
         )
 
     # ------------------------------------------------------------------ server
-    def aggregate(self, ctx: "Context", updates: list[ClientUpdate]) -> None:
+    def result_spec(self, ctx: "Context", update: ClientResult) -> SubmodelSpec:
+        """Channel indices of an upload: the client's own (``update.spec``) when it sent one, else
+        the spec sent this round, composed with the nested prefix the client pruned to when its
+        budget dropped during local training."""
+        if update.spec is not None:
+            return update.spec
+        spec = self._round_specs[update.cid]
+        width2 = update.payload.get("width_after_change")
+        if width2:
+            sub = width_model(ctx, float(update.payload["width"]), self.options.bn == "fedavg")
+            sub_groups = sub.channel_groups()  # type: ignore[operator]
+            spec = spec.compose(spec_for_sizes(sub_groups, self.sizes_at(ctx, float(width2))))
+        return spec
+
+    def aggregate(self, ctx: "Context", updates: list[ClientResult]) -> None:
         """Masked per-element mean over the clients that trained each coordinate."""
         assert self.global_model is not None
         if not updates:
@@ -386,7 +448,7 @@ class WidthSlicedAlgorithm(Algorithm):
         agg = SubmodelAggregator(self.global_model.state_dict())
         for u in sorted(updates, key=lambda u: u.cid):
             labels = u.payload.get("labels") if self.options.mask_classifier else None
-            agg.add(u.state, u.spec, self.client_weight(u), labels=labels)
+            agg.add(u.state, self.result_spec(ctx, u), self.client_weight(u), labels=labels)
         self.global_model.load_state_dict(agg.result())
         self._eval_cache = None
 

@@ -38,7 +38,6 @@ Communication: ``bytes_down`` is the selected bases' state, ``bytes_up`` the tra
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -47,11 +46,19 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fedhetero.algorithms._widths import WidthPlanner
-from fedhetero.algorithms.base import Algorithm, ClientInfo, ClientUpdate, state_bytes, weighted_average
+from fedhetero.widths import WidthPlanner
+from fedhetero.algorithms.base import (
+    Algorithm,
+    ClientInfo,
+    ClientResult,
+    ClientTask,
+    payload_bytes,
+    state_bytes,
+    weighted_average,
+)
 
 if TYPE_CHECKING:  # pragma: no cover
-    from fedhetero.engine import Context
+    from fedhetero.context import ClientContext, Context
 
 __all__ = ["BaseEnsemble", "SplitMix", "SplitMixOptions", "ensemble_loss"]
 
@@ -93,8 +100,8 @@ class SplitMixOptions:
     weighting: Literal["samples", "uniform"] = "samples"
 
     def __post_init__(self) -> None:
-        if self.atom_width is not None and not self.atom_width > 0:
-            raise ValueError(f"algorithm.options.atom_width: must be > 0 or null, got {self.atom_width}")
+        if self.atom_width is not None and not 0 < self.atom_width <= 64:
+            raise ValueError(f"algorithm.options.atom_width: must be in (0, 64] or null, got {self.atom_width}")
 
 
 class SplitMix(Algorithm):
@@ -138,16 +145,41 @@ class SplitMix(Algorithm):
         others = [rest[int(i)] for i in rng.permutation(len(rest))[: max(n - 1, 0)]]
         return [first, *others]
 
-    # ------------------------------------------------------------------ clients
-    def client_model(self, ctx: "Context", client: ClientInfo) -> nn.Module:
-        n = self.bases_for(client.budget_macs)
-        over = n < 1
-        ids = self.select_bases(ctx, client, max(n, 1))
-        model = BaseEnsemble([copy.deepcopy(self.bases[i]) for i in ids], ids)
-        self._client = {"over_budget": over, "bytes_down": state_bytes(model.state_dict()), "macs": ctx.macs(model)}
+    # ------------------------------------------------------------------ server: client tasks
+    def configure(self, ctx: "Context", clients: list[ClientInfo]) -> list[ClientTask]:
+        """Per client: its bases (``⌊B / MACs(base)⌋`` of them, at least one, recorded as over
+        budget when none fits) and their states; in dynamic scenarios also how many of them fit
+        the budget after the change."""
+        tasks = []
+        for client in clients:
+            n = self.bases_for(client.budget_macs)
+            ids = self.select_bases(ctx, client, max(n, 1))
+            payload: dict[str, Any] = {
+                "ids": ids,
+                "states": [self.bases[i].state_dict() for i in ids],
+                "width": self.atom_width,
+                "over_budget": n < 1,
+            }
+            if client.budget_after_change is not None:
+                payload["keep_after_change"] = self.bases_for(client.budget_after_change)
+            tasks.append(self.task(ctx, client, payload))
+        return tasks
+
+    # ------------------------------------------------------------------ client half
+    # Runs on a fresh instance; ``self._client`` is that task's working state.
+    def client_model(self, ctx: "ClientContext", task: ClientTask, state: dict[str, Any] | None = None) -> nn.Module:
+        p = task.payload
+        width = float(p["width"])
+        bases = []
+        for base_state in p["states"]:
+            base = ctx.template(("splitmix-base", width), lambda: ctx.build_model(width=width))
+            base.load_state_dict(base_state)
+            bases.append(base)
+        model = BaseEnsemble(bases, [int(i) for i in p["ids"]])
+        self._client = {"over_budget": bool(p["over_budget"]), "macs": ctx.macs(model)}
         return model
 
-    def local_train(self, ctx: "Context", client: ClientInfo, model: nn.Module) -> dict[str, Any]:
+    def local_train(self, ctx: "ClientContext", client: ClientTask, model: nn.Module) -> dict[str, Any]:
         assert isinstance(model, BaseEnsemble)
         info = self._client
         epochs = ctx.cfg.train.local_epochs
@@ -158,7 +190,7 @@ class SplitMix(Algorithm):
             if after is None or epochs <= change_at or info["macs"] <= after * (1 + 1e-9):
                 return ctx.train(model, client, epochs, loss_fn=ensemble_loss)
             res = ctx.train(model, client, change_at, loss_fn=ensemble_loss)
-            keep = self.bases_for(after)
+            keep = int(client.payload["keep_after_change"])
             if keep < 1:
                 info["stopped_early"] = True
                 return res
@@ -172,7 +204,9 @@ class SplitMix(Algorithm):
         finally:
             model.stack_outputs = False
 
-    def upload(self, ctx: "Context", client: ClientInfo, model: nn.Module, result: dict[str, Any]) -> ClientUpdate:
+    def upload(
+        self, ctx: "ClientContext", client: ClientTask, model: nn.Module, result: dict[str, Any]
+    ) -> ClientResult:
         assert isinstance(model, BaseEnsemble)
         info = self._client
         state = {
@@ -180,7 +214,7 @@ class SplitMix(Algorithm):
             for gid, base in zip(model.ids, model.bases)
             for k, v in base.state_dict().items()
         }
-        metrics: dict[str, Any] = {k: v for k, v in result.items() if k != "optimizer"}
+        metrics: dict[str, Any] = dict(result)
         metrics["num_bases"] = len(model.ids)
         if info["over_budget"]:
             metrics["over_budget"] = True
@@ -191,21 +225,21 @@ class SplitMix(Algorithm):
             final = info.get("macs_after_change", info["macs"])
             fits = final <= client.budget_after_change * (1 + 1e-9)
             metrics["fits_after_change"] = bool(info.get("stopped_early", False) or fits)
-        return ClientUpdate(
+        return ClientResult(
             cid=client.cid,
             num_samples=client.num_samples,
             state=state,
             macs=info["macs"],
             budget_macs=client.budget_macs,
             bytes_up=state_bytes(state),
-            bytes_down=info["bytes_down"],
+            bytes_down=payload_bytes(client.payload),
             tier=client.tier,
             metrics=metrics,
             payload={"bases": list(model.ids)},
         )
 
     # ------------------------------------------------------------------ server
-    def aggregate(self, ctx: "Context", updates: list[ClientUpdate]) -> None:
+    def aggregate(self, ctx: "Context", updates: list[ClientResult]) -> None:
         """Each base: weighted mean over the clients that trained it; untouched bases unchanged."""
         ordered = sorted(updates, key=lambda u: u.cid)
         for gid, base in enumerate(self.bases):

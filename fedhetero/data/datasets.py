@@ -20,10 +20,15 @@ Datasets
 ``dermamnist``
     The MedMNIST ``dermamnist.npz`` file (7 classes, ``3×28×28``). The ``size`` option selects the
     MedMNIST+ files ``dermamnist_{64,128,224}.npz``; ``resize`` resamples to any square size.
+``mnist`` / ``fashion_mnist``
+    The four IDX files of the original releases (``train-images-idx3-ubyte``,
+    ``train-labels-idx1-ubyte``, ``t10k-images-idx3-ubyte``, ``t10k-labels-idx1-ubyte``, each
+    gzipped or not), parsed here (magic numbers, dimensions and counts are checked). Served as
+    ``1×28×28`` with the published training-set mean and standard deviation.
 ``synthetic``
     Seeded class-conditional Gaussian images of any shape and class count, for tests.
 
-Normalisation statistics: CIFAR uses the published per-channel training-set statistics; the other
+Normalisation statistics: CIFAR and (Fashion-)MNIST use the published training-set statistics; the other
 datasets compute them from their own training split, so the test split is always normalised with
 training statistics. ``normalize=False`` serves raw ``[0, 1]`` pixels (the FedDUMAP authors' code
 does not normalise).
@@ -31,9 +36,11 @@ does not normalise).
 
 from __future__ import annotations
 
+import gzip
 import os
 import pickle
 import tarfile
+import zlib
 import warnings
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -59,7 +66,7 @@ __all__ = [
     "resolve_data_dir",
 ]
 
-DATASETS: tuple[str, ...] = ("digits", "cifar10", "cifar100", "dermamnist", "synthetic")
+DATASETS: tuple[str, ...] = ("digits", "cifar10", "cifar100", "dermamnist", "mnist", "fashion_mnist", "synthetic")
 SPLITS: tuple[str, ...] = ("train", "test")
 DATA_DIR_ENV = "FEDHETERO_DATA_DIR"
 DEFAULT_DATA_DIR = "data"
@@ -424,11 +431,11 @@ def _cifar_folder(
     raise DatasetNotFoundError(
         f"{title} not found: missing {', '.join(missing)} in {root / folder}.\n"
         f"Put the folder '{folder}/' (the python version of {title}: {', '.join(required)}) under "
-        f"{root}, or point the loader at the directory that contains it with --data-dir DIR "
+        f"{root}, or point the loader at the directory that contains it with --set data.data_dir=DIR "
         f"(config: data.data_dir).\n"
         f"Download {url} and extract it there (or just place '{archive}' in that directory: it "
-        f"is extracted on first use), or load with download=True on a machine with network "
-        f"access." + note
+        f"is extracted on first use), or add --set data.download=true (config: data.download) "
+        f"on a machine with network access." + note
     )
 
 
@@ -535,11 +542,11 @@ def _load_dermamnist(
         raise DatasetNotFoundError(
             f"DermaMNIST not found: missing {fname} in {root}.\n"
             f"Put the MedMNIST file '{fname}' (keys {', '.join(_DERMA_KEYS)}) directly under {root}, "
-            f"or point the loader at the directory that contains it with --data-dir DIR "
+            f"or point the loader at the directory that contains it with --set data.data_dir=DIR "
             f"(config: data.data_dir).\n"
             f"Download it from {_MEDMNIST_RECORD} (file {fname}), or with the 'medmnist' package "
-            f"(`python -m medmnist download`, then copy {fname} from its root), or load with "
-            f"download=True on a machine with network access." + note
+            f"(`python -m medmnist download`, then copy {fname} from its root), or add "
+            f"--set data.download=true (config: data.download) on a machine with network access." + note
         )
     with np.load(path, allow_pickle=False) as npz:
         missing = [k for k in _DERMA_KEYS if k not in npz.files]
@@ -584,6 +591,147 @@ def _load_dermamnist(
         mean=mean if normalize else None,
         std=std if normalize else None,
         class_names=DERMAMNIST_CLASSES,
+        default_augment=False,
+    )
+
+
+# --------------------------------------------------------------------------------------------------
+# MNIST / Fashion-MNIST (IDX files)
+# --------------------------------------------------------------------------------------------------
+
+# Published statistics of the training images (pixels in [0, 1]).
+MNIST_MEAN, MNIST_STD = (0.1307,), (0.3081,)
+FASHION_MNIST_MEAN, FASHION_MNIST_STD = (0.2860,), (0.3530,)
+FASHION_MNIST_CLASSES = (
+    "T-shirt/top", "Trouser", "Pullover", "Dress", "Coat", "Sandal", "Shirt", "Sneaker", "Bag",
+    "Ankle boot",
+)
+_IDX_FILES = {
+    "train": ("train-images-idx3-ubyte", "train-labels-idx1-ubyte"),
+    "test": ("t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"),
+}
+_IDX_SETS = {
+    # name: (title, torchvision folder, other folder names, mean, std, classes, where to download)
+    "mnist": (
+        "MNIST", "MNIST", ("mnist",), MNIST_MEAN, MNIST_STD, tuple(str(i) for i in range(10)),
+        "https://ossci-datasets.s3.amazonaws.com/mnist/ (the mirror torchvision uses)",
+    ),
+    "fashion_mnist": (
+        "Fashion-MNIST", "FashionMNIST", ("fashion-mnist", "fashion_mnist"), FASHION_MNIST_MEAN,
+        FASHION_MNIST_STD, FASHION_MNIST_CLASSES,
+        "https://github.com/zalandoresearch/fashion-mnist (folder data/fashion)",
+    ),
+}
+_IDX_UBYTE = 0x08
+
+
+def _idx_file(folder: Path, stem: str) -> Path | None:
+    """``stem`` or ``stem.gz`` in ``folder`` (the uncompressed file first)."""
+    for name in (stem, stem + ".gz"):
+        if (folder / name).is_file():
+            return folder / name
+    return None
+
+
+def read_idx(path: str | os.PathLike[str], ndim: int) -> np.ndarray:
+    """An unsigned-byte IDX array (gzipped or not) with ``ndim`` dimensions.
+
+    The header is two zero bytes, the type code (0x08: unsigned byte), the number of dimensions,
+    then one big-endian 32-bit size per dimension; the data that follows must hold exactly the
+    product of the sizes. Anything else raises :class:`DatasetFormatError` naming the file."""
+    path = Path(path)
+    try:
+        with open(path, "rb") as fh:
+            raw = fh.read()
+        if raw[:2] == b"\x1f\x8b":  # gzip magic
+            raw = gzip.decompress(raw)
+    except (OSError, EOFError, zlib.error) as exc:
+        raise DatasetFormatError(f"{path}: cannot be read as an IDX file ({exc})") from exc
+    if len(raw) < 4 or raw[0] != 0 or raw[1] != 0:
+        raise DatasetFormatError(f"{path}: not an IDX file (bad magic number {raw[:4].hex() or 'empty'})")
+    if raw[2] != _IDX_UBYTE:
+        raise DatasetFormatError(f"{path}: IDX type code 0x{raw[2]:02x}, expected 0x08 (unsigned byte)")
+    if raw[3] != ndim:
+        raise DatasetFormatError(f"{path}: an IDX array with {raw[3]} dimension(s), expected {ndim}")
+    header = 4 + 4 * ndim
+    if len(raw) < header:
+        raise DatasetFormatError(f"{path}: truncated IDX header")
+    dims = tuple(int(d) for d in np.frombuffer(raw, dtype=">u4", count=ndim, offset=4))
+    expected = int(np.prod(dims, dtype=np.int64))
+    if len(raw) - header != expected:
+        raise DatasetFormatError(
+            f"{path}: the header announces {'×'.join(map(str, dims))} = {expected} values but the file "
+            f"holds {len(raw) - header} (truncated or not an IDX file)"
+        )
+    return np.frombuffer(raw, dtype=np.uint8, offset=header).reshape(dims)
+
+
+def _idx_folder(root: Path, name: str) -> Path | None:
+    _, tv_folder, others, *_ = _IDX_SETS[name]
+    stems = [f for pair in _IDX_FILES.values() for f in pair]
+    # the data set's own folders first: MNIST and Fashion-MNIST files have the same names
+    for cand in (root / tv_folder / "raw", *(root / o for o in others), root):
+        if all(_idx_file(cand, f) is not None for f in stems):
+            return cand
+    return None
+
+
+def _load_idx_set(
+    name: str, root: Path, split: str, download: bool, normalize: bool, options: Mapping[str, Any]
+) -> ArrayDataset:
+    _check_options(name, options, {})
+    title, tv_folder, _, mean, std, classes, url = _IDX_SETS[name]
+    folder = _idx_folder(root, name)
+    note = ""
+    if folder is None and download:
+        try:
+            from fedhetero._compat import import_torchvision
+
+            tv = import_torchvision()
+            cls = tv.datasets.MNIST if name == "mnist" else tv.datasets.FashionMNIST
+            for train in (True, False):
+                cls(str(root), train=train, download=True)  # into ROOT/<folder>/raw
+            err = None
+        except Exception as exc:  # noqa: BLE001 - any failure becomes part of one clear error
+            err = f"{type(exc).__name__}: {exc}"
+        folder = _idx_folder(root, name)
+        note = "" if folder is not None else f"\nDownload failed ({err or 'files not created'})."
+    if folder is None:
+        stems = [f for pair in _IDX_FILES.values() for f in pair]
+        missing = [f for f in stems if _idx_file(root, f) is None]
+        raise DatasetNotFoundError(
+            f"{title} not found: missing {', '.join(missing)} (or the same with .gz) in {root}.\n"
+            f"Put the four IDX files ({', '.join(s + '.gz' for s in stems)}; gzipped or not) directly "
+            f"under {root} or in {root / tv_folder / 'raw'} (torchvision's layout), or point the loader "
+            f"at the directory that contains them with --set data.data_dir=DIR (config: data.data_dir).\n"
+            f"Download them from {url}, or add --set data.download=true (config: data.download) on a "
+            f"machine with network access." + note
+        )
+    img_stem, lab_stem = _IDX_FILES[split]
+    img_path, lab_path = _idx_file(folder, img_stem), _idx_file(folder, lab_stem)
+    assert img_path is not None and lab_path is not None
+    images = read_idx(img_path, 3)
+    labels = read_idx(lab_path, 1)
+    if images.shape[1:] != (28, 28):
+        raise DatasetFormatError(f"{img_path}: images of {images.shape[1]}×{images.shape[2]} pixels, expected 28×28")
+    if images.shape[0] != labels.shape[0]:
+        raise DatasetFormatError(
+            f"{img_path} holds {images.shape[0]} images but {lab_path} holds {labels.shape[0]} labels"
+        )
+    if labels.size and int(labels.max()) >= len(classes):
+        raise DatasetFormatError(f"{lab_path}: label {int(labels.max())} outside 0..{len(classes) - 1}")
+    x = torch.from_numpy(images.copy()).unsqueeze(1).to(torch.float32).div_(255.0)
+    if normalize:
+        _normalize_(x, mean, std)
+    return ArrayDataset(
+        images=x,
+        labels=torch.from_numpy(labels.astype(np.int64)),
+        num_classes=len(classes),
+        name=name,
+        split=split,
+        mean=mean if normalize else None,
+        std=std if normalize else None,
+        class_names=classes,
         default_augment=False,
     )
 
@@ -665,7 +813,7 @@ def load_dataset(
     name:
         one of :data:`DATASETS`.
     data_dir:
-        directory holding the files (CIFAR, DermaMNIST); default ``$FEDHETERO_DATA_DIR`` or
+        directory holding the files (CIFAR, DermaMNIST, MNIST, Fashion-MNIST); default ``$FEDHETERO_DATA_DIR`` or
         ``./data``. Ignored by ``digits`` and ``synthetic``.
     split:
         ``"train"`` or ``"test"``.
@@ -703,6 +851,8 @@ def load_dataset(
         "cifar10": lambda: _load_cifar("cifar10", resolve_data_dir(data_dir), split, download, normalize, options),
         "cifar100": lambda: _load_cifar("cifar100", resolve_data_dir(data_dir), split, download, normalize, options),
         "dermamnist": lambda: _load_dermamnist(resolve_data_dir(data_dir), split, download, normalize, options),
+        "mnist": lambda: _load_idx_set("mnist", resolve_data_dir(data_dir), split, download, normalize, options),
+        "fashion_mnist": lambda: _load_idx_set("fashion_mnist", resolve_data_dir(data_dir), split, download, normalize, options),
         "synthetic": lambda: _load_synthetic(split, normalize, options),
     }
     return loaders[name]()

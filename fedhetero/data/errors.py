@@ -20,6 +20,6 @@ class DatasetNotFoundError(FileNotFoundError):
     """The files of a dataset are not where the loader looked.
 
     The message names every missing file, the directory searched, how to point the loader
-    elsewhere (``--data-dir`` on the command line, ``data.data_dir`` in a config) and where the
+    elsewhere (``--set data.data_dir=DIR`` on the command line, ``data.data_dir`` in a config) and where the
     files can be downloaded.
     """

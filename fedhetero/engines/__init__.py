@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import numpy as np
 import torch
 
-from fedhetero.context import derive_seed
+from fedhetero.context import derive_seed, merge_optimizer_state, split_optimizer_state
 
 if TYPE_CHECKING:  # pragma: no cover
     from fedhetero.algorithms.base import Algorithm, ClientResult, ClientTask
@@ -102,8 +102,12 @@ def run_task(
             time.sleep(hang_seconds if hang_seconds is not None else limit * 1.05 + 0.01)
         algorithm = make_algorithm()
         ctx.timers = {}
-        with ctx.client_scope(task):
+        # the trainer's persistent momentum buffers travel in the client state beside the
+        # algorithm's own, which the client half sees without them
+        state, buffers = split_optimizer_state(state)
+        with ctx.client_scope(task, optimizer_state=buffers):
             result = algorithm.client_update(ctx, task, state)
+            result.client_state = merge_optimizer_state(result.client_state, state, ctx.optimizer_state())
         result.timers = dict(ctx.timers)
         if fault == "nan":
             _poison(result.state)

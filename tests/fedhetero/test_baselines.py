@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import pickle
 from types import SimpleNamespace
 
 import numpy as np
@@ -19,8 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from fedhetero.algorithms import get_algorithm
-from fedhetero.algorithms._kd import PublicDataError
-from fedhetero.algorithms.base import ClientInfo, ClientUpdate
+from fedhetero.algorithms.base import ClientInfo, ClientUpdate, payload_bytes
 from fedhetero.algorithms.dsfl import era
 from fedhetero.algorithms.fedet import consensus_targets
 from fedhetero.algorithms.fedrolex import FedRolex, FedRolexOptions, rolling_window
@@ -33,6 +33,7 @@ from fedhetero.algorithms.heterofl import (
 )
 from fedhetero.algorithms.splitmix import SplitMix
 from fedhetero.config import ConfigError, from_dict
+from fedhetero.context import client_context
 from fedhetero.engine import Engine, build_algorithm
 from fedhetero.submodel import extract_state
 from models import build_model
@@ -71,7 +72,7 @@ def _rows(path) -> list[dict]:
 @pytest.mark.parametrize("algorithm", ["heterofl", "fedrolex", "splitmix", "feddf", "fedet", "dsfl"])
 def test_method_trains_end_to_end_within_budgets(tmp_path, algorithm):
     cfg = _cfg(algorithm)
-    engine = Engine(cfg, tmp_path, progress=False)
+    engine = Engine(cfg, tmp_path, progress=False, shared_splits=True)
     res = engine.run()
     rows = _rows(tmp_path)
     assert len(rows) == 2
@@ -117,13 +118,46 @@ def test_method_trains_end_to_end_within_budgets(tmp_path, algorithm):
         assert tier_macs["small"] < tier_macs["medium"] < tier_macs["large"]
 
 
+@pytest.mark.parametrize("algorithm", ["heterofl", "fedrolex", "splitmix", "feddf", "fedet", "dsfl"])
+def test_client_half_runs_from_the_task_alone(tmp_path, algorithm):
+    """The client half needs only the options, the task (after a trip through pickle, as to a
+    worker process) and a client context without the server's store; it gives the same upload
+    either way, reports what the server sent, and its result pickles too."""
+    scenario = "decreasing" if "decreasing" in get_algorithm(algorithm).adapts_to else "static"
+    cfg = _cfg(algorithm, budget={"scenario": scenario, "change": 0.3}, train={"local_epochs": 3})
+    engine = Engine(cfg, tmp_path, progress=False, shared_splits=True)
+    engine._setup()
+    engine._participation = [0] * cfg.data.num_clients
+    engine.ctx.round = 1
+    algo = engine.algorithm
+    clients = [engine.client_info(c, 1) for c in engine.sample_clients(1)]
+    tasks = algo.configure(engine.ctx, clients)
+    assert [t.cid for t in tasks] == [c.cid for c in clients]
+    cctx = client_context(cfg, engine.data)
+    assert not hasattr(cctx, "store")
+    results = []
+    for task in tasks:
+        out = []
+        for t in (task, pickle.loads(pickle.dumps(task))):
+            with cctx.client_scope(t):
+                out.append(type(algo)(algo.options).client_update(cctx, t, None))
+        a, b = out
+        assert a.state.keys() == b.state.keys()
+        assert all(torch.equal(a.state[k], b.state[k]) for k in a.state)
+        assert a.bytes_down == payload_bytes(task.payload) > 0
+        assert (a.client_state is not None) == (algorithm == "dsfl")
+        results.append(pickle.loads(pickle.dumps(b)))
+    algo.aggregate(engine.ctx, results)
+    algo.server_update(engine.ctx)
+
+
 def test_decreasing_budget_shrinks_width_methods(tmp_path):
     cfg = _cfg(
         "heterofl",
         train={"rounds": 1, "local_epochs": 3},
         budget={"scenario": "decreasing", "change": 0.3},
     )
-    Engine(cfg, tmp_path, progress=False).run()
+    Engine(cfg, tmp_path, progress=False, shared_splits=True).run()
     clients = _rows(tmp_path)[0]["clients"]
     assert clients
     for c in clients:
@@ -134,7 +168,7 @@ def test_decreasing_budget_shrinks_width_methods(tmp_path):
 
 def test_splitmix_decreasing_budget_keeps_fitting(tmp_path):
     cfg = _cfg("splitmix", train={"rounds": 1, "local_epochs": 3}, budget={"scenario": "decreasing", "change": 0.3})
-    Engine(cfg, tmp_path, progress=False).run()
+    Engine(cfg, tmp_path, progress=False, shared_splits=True).run()
     for c in _rows(tmp_path)[0]["clients"]:
         assert c["fits_after_change"] is True
 
@@ -149,7 +183,7 @@ def test_adapts_to_matches_dynamicfl_table2():
 @pytest.mark.parametrize("algorithm", ["feddf", "fedet", "dsfl"])
 def test_kd_methods_need_public_data(tmp_path, algorithm):
     cfg = _cfg(algorithm, data={"public_fraction": 0.0})
-    with pytest.raises(PublicDataError, match="public_fraction"):
+    with pytest.raises(ConfigError, match="data.public_fraction"):
         Engine(cfg, tmp_path, progress=False).run()
 
 
@@ -163,9 +197,9 @@ def test_bad_option_is_reported_with_its_name():
 @pytest.mark.parametrize("algorithm", ["splitmix", "dsfl"])
 def test_resume_equals_uninterrupted(tmp_path, algorithm):
     cfg = _cfg(algorithm, train={"rounds": 2, "checkpoint_every": 1})
-    Engine(cfg, tmp_path / "full", progress=False).run()
-    Engine(cfg, tmp_path / "cut", progress=False, stop_after=1).run()
-    Engine(None, tmp_path / "cut", resume=True, progress=False).run()
+    Engine(cfg, tmp_path / "full", progress=False, shared_splits=True).run()
+    Engine(cfg, tmp_path / "cut", progress=False, shared_splits=True, stop_after=1).run()
+    Engine(None, tmp_path / "cut", resume=True, progress=False, shared_splits=True).run()
     a, b = _rows(tmp_path / "full"), _rows(tmp_path / "cut")
     assert [r["round"] for r in b] == [1, 2]
     for ra, rb in zip(a, b):
@@ -402,7 +436,7 @@ def test_dsfl_era_sharpens_the_average():
 
 
 def test_splitmix_untrained_base_unchanged_and_average_per_base(tmp_path):
-    engine = Engine(_cfg("splitmix"), tmp_path, progress=False)
+    engine = Engine(_cfg("splitmix"), tmp_path, progress=False, shared_splits=True)
     engine._setup()  # data, context and algorithm set-up only (no rounds)
     algo: SplitMix = engine.algorithm  # type: ignore[assignment]
     assert algo.num_bases == max(algo.tier_bases.values()) >= 2

@@ -109,7 +109,7 @@ def test_synthetic_configurable_and_seeded():
 
 def test_bad_names_and_options():
     with pytest.raises(DataConfigError, match="unknown dataset"):
-        load_dataset("mnist")
+        load_dataset("svhn")
     with pytest.raises(DataConfigError, match="split"):
         load_dataset("digits", split="val")
     with pytest.raises(DataConfigError, match="unknown option"):
@@ -214,15 +214,15 @@ def test_missing_files_name_files_and_directory(tmp_path):
     msg = str(e10.value)
     assert isinstance(e10.value, FileNotFoundError)
     for needle in ("data_batch_1", "data_batch_5", "test_batch", "cifar-10-batches-py", str(tmp_path),
-                   "--data-dir", "data.data_dir", "cifar-10-python.tar.gz"):
+                   "--set data.data_dir=DIR", "data.data_dir", "cifar-10-python.tar.gz"):
         assert needle in msg
     with pytest.raises(DatasetNotFoundError) as e100:
         load_dataset("cifar100", data_dir=tmp_path, split="test")
-    for needle in ("cifar-100-python", "train", "test", str(tmp_path), "--data-dir", "cifar-100-python.tar.gz"):
+    for needle in ("cifar-100-python", "train", "test", str(tmp_path), "--set data.data_dir=DIR", "cifar-100-python.tar.gz"):
         assert needle in str(e100.value)
     with pytest.raises(DatasetNotFoundError) as ed:
         load_dataset("dermamnist", data_dir=tmp_path)
-    for needle in ("dermamnist.npz", str(tmp_path), "--data-dir", "data.data_dir", "zenodo"):
+    for needle in ("dermamnist.npz", str(tmp_path), "--set data.data_dir=DIR", "data.data_dir", "zenodo"):
         assert needle in str(ed.value)
 
 

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import ast
 import copy
 import json
 import math
+import pickle
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -22,16 +25,18 @@ from fedhetero.algorithms.feddu import (
 )
 from fedhetero.algorithms.feddum import DampedMomentumSGD, server_momentum_step
 from fedhetero.config import ConfigError, from_dict
+from fedhetero.context import build_data
 from fedhetero.data.datasets import ArrayDataset
 from fedhetero.data.federated import FederatedData
 from fedhetero.engine import Engine
+from fedhetero.engines import LocalBackend
 from fedhetero.pruning.rates import aggregation_weights, kept_count
 
 FAST_PRUNE = {"prune_round": 1, "prune_rate_mode": "fixed", "fixed_prune_rate": 0.5,
               "hrank_samples": 16, "hrank_batch": 8}
 
 
-def _cfg(name: str, options: dict | None = None, **train) -> object:
+def _cfg(name: str, options: dict | None = None, engine: dict | None = None, **train) -> object:
     t = {"rounds": 2, "sample_rate": 0.34, "local_epochs": 1, "batch_size": 32}
     t.update(train)
     return from_dict({
@@ -41,6 +46,7 @@ def _cfg(name: str, options: dict | None = None, **train) -> object:
         "model": {"name": "cnn", "norm": "none"},
         "train": t,
         "algorithm": {"name": name, "options": options or {}},
+        "engine": engine or {},
     })
 
 
@@ -153,7 +159,8 @@ def test_feddu_server_step_equals_formula_in_the_engine(tmp_path):
 def test_feddu_with_alpha_zero_equals_fedavg_bit_for_bit(tmp_path):
     a = Engine(_cfg("feddu", {"server_update": "none", "lr_decay": 1.0}, momentum=0.0), tmp_path / "a",
                progress=False).run()
-    b = Engine(_cfg("fedavg", momentum=0.0), tmp_path / "b", progress=False).run()
+    # the same server split is held out for FedAvg, as in a comparison
+    b = Engine(_cfg("fedavg", momentum=0.0), tmp_path / "b", progress=False, shared_splits=True).run()
     ra, rb = _rows(tmp_path / "a"), _rows(tmp_path / "b")
     assert [r["accuracy"] for r in ra] == [r["accuracy"] for r in rb]
     assert [[c["loss"] for c in r["clients"]] for r in ra] == [[c["loss"] for c in r["clients"]] for r in rb]
@@ -316,3 +323,78 @@ def test_feddumap_resume_after_pruning_equals_uninterrupted(tmp_path):
     assert all(torch.equal(sa["global_model"][k], sb["global_model"][k]) for k in sa["global_model"])
     assert all(torch.equal(sa["server_momentum"][k], sb["server_momentum"][k]) for k in sa["server_momentum"])
     assert sa["server_momentum"]["conv3.conv.weight"].shape[0] < 64  # sliced with the pruned filters
+
+
+# ---------------------------------------------------------------------------------------- client half
+class _PicklingBackend(LocalBackend):
+    """The local back end on a data set and client context of its own, with every task, private
+    state and outcome sent through pickle: what a worker process sees, without the processes."""
+
+    def __init__(self, cfg) -> None:
+        super().__init__(cfg, build_data(cfg))
+        self.payload_keys: set[str] = set()
+
+    def run(self, algorithm, tasks, states, on_done=None):  # type: ignore[no-untyped-def]
+        for t in tasks:
+            self.payload_keys.update(t.payload)
+            _assert_no_module(t.payload)
+        tasks, states = pickle.loads(pickle.dumps((tasks, states)))
+        return pickle.loads(pickle.dumps(super().run(algorithm, tasks, states, on_done)))
+
+
+def _assert_no_module(value) -> None:
+    assert not isinstance(value, torch.nn.Module), "a model object travels in a task payload"
+    if isinstance(value, dict):
+        for v in value.values():
+            _assert_no_module(v)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            _assert_no_module(v)
+
+
+@pytest.mark.parametrize("name,extra_key", [("feddumap", "pruned"), ("hrank_fl", "pruned"), ("imc", "masks"),
+                                            ("data_sharing", "shared"), ("feddu_da", "momentum")])
+def test_client_half_runs_from_the_task_alone(tmp_path, name, extra_key):
+    # prune before round 2, so round 2's devices rebuild the pruned model from the payload
+    opts = dict(ALGORITHMS[name], **({"prune_round": 1} if "prune_round" in ALGORITHMS[name] else {}))
+    cfg = _cfg(name, opts)
+    Engine(cfg, tmp_path / "local", progress=False).run()
+    backend = _PicklingBackend(cfg)
+    eng = Engine(cfg, tmp_path / "pickled", progress=False, backend=backend)
+    eng.run()
+    assert {"state", "lr", extra_key} <= backend.payload_keys
+    strip = lambda rows: [{k: v for k, v in r.items() if k not in ("wall_s", "timers")} for r in rows]  # noqa: E731
+    assert strip(_rows(tmp_path / "local")) == strip(_rows(tmp_path / "pickled"))
+    sa = torch.load(tmp_path / "local" / "checkpoint.pt", weights_only=True)["algorithm"]["global_model"]
+    sb = eng.algorithm.global_model.state_dict()
+    assert list(sa) == list(sb) and all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+def test_feddumap_on_the_process_backend_equals_local(tmp_path):
+    opts = dict(FAST_PRUNE, prune_round=1)
+    local = Engine(_cfg("feddumap", opts), tmp_path / "local", progress=False)
+    local.run()
+    proc = Engine(_cfg("feddumap", opts, engine={"backend": "process", "workers": 2}), tmp_path / "process",
+                  progress=False)
+    proc.run()
+    strip = lambda rows: [{k: v for k, v in r.items() if k not in ("wall_s", "timers")} for r in rows]  # noqa: E731
+    assert strip(_rows(tmp_path / "local")) == strip(_rows(tmp_path / "process"))
+    sa, sb = local.algorithm.global_model.state_dict(), proc.algorithm.global_model.state_dict()
+    assert list(sa) == list(sb) and all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+def _module_imports(path: Path) -> set[str]:
+    out: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            out.add(node.module)
+        elif isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+    return out
+
+
+def test_no_import_circle_in_the_feddumap_family():
+    algos = Path(__file__).resolve().parents[2] / "fedhetero" / "algorithms"
+    family = {f"fedhetero.algorithms.{m}" for m in ("feddu", "feddum", "fedap", "feddumap", "feddumap_baselines")}
+    assert not _module_imports(algos / "_server_data.py") & family
+    assert "fedhetero.algorithms.feddum" not in _module_imports(algos / "feddu.py")

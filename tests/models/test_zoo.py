@@ -13,7 +13,7 @@ from fedhetero.submodel import extract_state, prefix_spec
 from models import build_model, list_models
 from models.groups import CLASSES, INPUT, ChannelGroups, scale_channels
 
-NAMES = ["lenet5", "cnn", "vgg11", "resnet18", "googlenet"]
+NAMES = ["lenet5", "cnn", "vgg11", "resnet18", "googlenet", "logreg"]
 
 
 def flopcounter_macs(model: nn.Module, shape: tuple[int, ...]) -> int:

@@ -1,4 +1,4 @@
-"""DiverseBranchBlock (reparam.md §4-8, §13, §15.5).
+"""DiverseBranchBlock: construction, growth, merge, fold, re-solve, nesting, specs.
 
 Expansion must be bit-exact (torch.equal) in train and eval mode, running statistics included;
 merge / fold / re-solve must be eval-exact: float64 rel_err <= 1e-10, float32 <= 1e-5, with
@@ -693,7 +693,8 @@ def test_assert_equivalent_and_rel_err(gen) -> None:
 
 @pytest.mark.parametrize("case", [GEOMS[0], GEOMS[1], GEOMS[6], GEOMS[18], GEOMS[19]], ids=lambda c: c[0])
 def test_branches_compute_the_spec_structure(case, gen) -> None:
-    """Each branch's forward is the structure of reparam.md §4.1 written with plain torch ops
+    """Each branch's forward is the documented branch structure (see ``reparam.branches``) written
+    with plain torch ops
     (AvgPool2d for the pool, value padding from bn1's running statistics)."""
     conv, bn, x = make_layer(case, gen)
     block = perturb_(DiverseBranchBlock.from_conv(conv, bn, "all"), gen).eval()

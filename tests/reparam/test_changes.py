@@ -1,4 +1,5 @@
-"""StructureChange records and optimizer surgery (reparam.md §11)."""
+"""StructureChange records and optimizer surgery: every structural change reports the parameters it
+added, removed and overwrote, so optimizer state follows the model."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""Whole-model API (reparam.md §5.1, §6, §8.5, §12): expand, merge, structure/build, state dicts,
-rep_to_local. Equality: bit-exact for expansion, float64 rel_err <= 1e-10 for merges."""
+"""Whole-model API: expand, merge, structure/build, state dicts, rep_to_local, the report of every
+conv left plain, BatchNorms with a built-in activation. Equality: bit-exact for expansion, float64 rel_err <= 1e-10 for merges."""
 
 from __future__ import annotations
 
@@ -411,3 +411,97 @@ def test_expand_bare_conv_and_sequential(gen) -> None:
     expanded = reparam.expand(seq)
     assert isinstance(expanded[0], DiverseBranchBlock) and isinstance(expanded[1], nn.Identity)
     assert_bit_exact(seq, expanded, x)
+
+
+# ------------------------------------------------------------------------------ every plain conv is reported
+
+
+class ConvNeXtLike(nn.Module):
+    """ConvNeXt's block shape: a 7x7 depthwise conv, a norm, 1x1 convs; plus a 3x3 stem."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, 8, 3, padding=1, bias=False)
+        self.stem_bn = nn.BatchNorm2d(8)
+        self.dw = nn.Conv2d(8, 8, 7, padding=3, groups=8)
+        self.bn = nn.BatchNorm2d(8)
+        self.pw1 = nn.Conv2d(8, 16, 1)
+        self.pw2 = nn.Conv2d(16, 8, 1)
+
+    def forward(self, x):
+        x = self.stem_bn(self.stem(x))
+        return x + self.pw2(F.gelu(self.pw1(self.bn(self.dw(x)))))
+
+
+def test_every_conv_left_plain_is_listed_with_its_reason(gen) -> None:
+    model = ConvNeXtLike().double()
+    expanded = reparam.expand(model)
+    spec = reparam.structure(expanded)
+    assert set(spec["blocks"]) == {"stem"}
+    assert set(spec["skipped"]) == {"dw", "pw1", "pw2"}
+    assert "7x7 kernel" in spec["skipped"]["dw"] and "up to 5x5" in spec["skipped"]["dw"]
+    assert "1x1 kernel" in spec["skipped"]["pw1"]
+    convs = {p for p, m in model.named_modules() if isinstance(m, nn.Conv2d)}
+    assert convs == set(spec["blocks"]) | set(spec["skipped"])
+    # filters and plans report too
+    spec = reparam.structure(reparam.expand(model, exclude="stem"))
+    assert "exclude" in spec["skipped"]["stem"]
+    spec = reparam.structure(reparam.expand(model, include="dw*"))
+    assert "include" in spec["skipped"]["stem"] and "7x7 kernel" in spec["skipped"]["dw"]
+    spec = reparam.structure(reparam.expand(model, plan={"dw": ["kxk", "1x1"]}))
+    assert set(spec["blocks"]) == {"dw"} and spec["skipped"]["stem"] == "not named in the plan"
+    spec = reparam.structure(reparam.expand(model, plan=lambda path, conv, bn: None))
+    assert set(spec["skipped"]) == convs and "returned None" in spec["skipped"]["stem"]
+    # an explicitly planned large kernel is expanded (and merges exactly)
+    big = reparam.expand(model, plan={"dw": ["kxk", "1x1", "identity"]})
+    randomize_bn_(big, gen)
+    x = torch.randn(2, 3, 9, 9, generator=gen, dtype=F64)
+    assert reparam.testing.assert_equivalent(reparam.merge(big.eval()), big, x) <= 1e-12
+
+
+class BatchNormAct2d(nn.BatchNorm2d):
+    """What timm's norm+activation layer looks like: a BatchNorm subclass with ``drop`` and ``act``."""
+
+    def __init__(self, n: int, act: bool) -> None:
+        super().__init__(n)
+        self.drop = nn.Identity()
+        self.act = nn.ReLU() if act else nn.Identity()
+
+    def forward(self, x):
+        return self.act(self.drop(super().forward(x)))
+
+
+def test_a_batchnorm_with_an_activation_inside_is_never_folded(gen) -> None:
+    """Folding conv + BatchNormAct2d(ReLU) into one conv dropped the ReLU (timm regnet, cspnet,
+    efficientnet merged with rel_err ~1); a norm+activation layer with identity act is a plain BN."""
+    model = nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1, bias=False), BatchNormAct2d(8, act=True),
+        nn.Conv2d(8, 8, 3, padding=1, bias=False), BatchNormAct2d(8, act=False),
+    ).double()
+    randomize_bn_(model, gen)
+    scan = reparam.find_conv_bn_pairs(model)
+    assert scan.pairs == {"2": "3"} and "ReLU" in scan.notes["0"]
+    expanded = reparam.expand(model)
+    spec = reparam.structure(expanded)
+    assert set(spec["blocks"]) == {"2"} and "act=ReLU" in spec["skipped"]["0"]
+    x = torch.randn(2, 3, 8, 8, generator=gen, dtype=F64)
+    assert_bit_exact(model, expanded, x)
+    randomize_bn_(expanded, gen)
+    merged = reparam.merge(expanded.eval())
+    assert [type(m).__name__ for m in merged.modules() if isinstance(m, nn.BatchNorm2d)] == ["BatchNormAct2d"]
+    assert reparam.testing.assert_equivalent(merged, expanded, x) <= 1e-12
+    with pytest.raises(NotMergeableError, match="act=ReLU"):
+        DiverseBranchBlock.from_conv(nn.Conv2d(3, 8, 3, padding=1, bias=False), BatchNormAct2d(8, act=True))
+    # with allow_new_bias the conv is expanded on its own (conv mode) and the layer stays after it
+    own = reparam.expand(model, allow_new_bias=True)
+    assert set(dict(reparam.iter_blocks(own))) == {"0", "2"} and isinstance(own[1], BatchNormAct2d)
+    assert_bit_exact(model, own, x)
+
+
+def test_timm_models_with_norm_act_layers_merge_exactly(timm_module, gen) -> None:
+    for name in ("regnetx_002", "efficientnet_b0"):
+        model = timm_module.create_model(name, pretrained=False, num_classes=10).double()
+        expanded = reparam.testing.perturb_(reparam.expand(model, allow_new_bias=True), gen).eval()
+        assert dict(reparam.iter_blocks(expanded)), name
+        x = torch.randn(2, 3, 32, 32, generator=gen, dtype=F64)
+        assert reparam.testing.assert_equivalent(reparam.merge(expanded), expanded, x) <= 1e-12, name

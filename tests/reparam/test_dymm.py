@@ -1,4 +1,4 @@
-"""DynamicFL modulation: bottom-up plans, DYMM, shrinking, optimizer surgery (reparam.md §9, dynamicfl.md)."""
+"""DynamicFL modulation: bottom-up plans, DYMM, shrinking, optimizer surgery."""
 
 from __future__ import annotations
 

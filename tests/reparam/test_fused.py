@@ -14,6 +14,7 @@ import sys
 import pytest
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import reparam
 from reparam import DiverseBranchBlock, KINDS
@@ -340,3 +341,40 @@ def test_fused_forward_is_skipped_for_small_activations(monkeypatch):
     assert bn_nodes(copy.deepcopy(blk)(x.clone().requires_grad_())) == 7
     monkeypatch.setattr(reparam.fused, "FUSED_MIN_OUTPUT_ELEMENTS", out_elements)
     assert bn_nodes(copy.deepcopy(blk)(x.clone().requires_grad_())) == 3
+
+
+# ------------------------------------------------------------------------------ 1x1 -> KxK composition
+
+
+class _CountMatmuls(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple[str, tuple[int, ...]]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if name in ("bmm", "mm", "matmul", "baddbmm", "addmm", "einsum"):
+            self.calls.append((name, tuple(args[0].shape)))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("groups, internal", [(1, None), (4, None), (16, None), (4, 32)],
+                         ids=["dense", "grouped", "depthwise", "grouped_plain_first_stage"])
+def test_trained_1x1_kxk_composition_is_one_batched_gemm_and_float64_exact(groups, internal):
+    """A trained identity-based first stage (non-zero residual) or a plain one: the composition is
+    one matrix product over all groups (one GEMM for a dense conv), in float64, whatever the chunking."""
+    gen = torch.Generator().manual_seed(21)
+    conv = nn.Conv2d(16, 16, 3, padding=1, groups=groups, bias=False)
+    opts = {"1x1_kxk": {} if internal is None else {"internal": internal}}
+    blk = DiverseBranchBlock.from_conv(conv, nn.BatchNorm2d(16), opts).to(F64)
+    reparam.testing.perturb_(blk, gen).eval()
+    with _CountMatmuls() as count:
+        merged = blk.merge()
+    assert [c[0] for c in count.calls] == ["bmm"] and count.calls[0][1][0] == groups
+    k, b = blk.get_equivalent_kernel_bias()
+    assert rel_err(merged.weight, k) <= 1e-12 and rel_err(merged.bias, b) <= 1e-12
+    x = torch.randn(2, 16, 7, 7, generator=gen, dtype=F64)
+    assert rel_err(merged(x), blk(x)) <= 1e-12
+    # float32 block: merged in float64, rounded once; tolerance relative to the output scale
+    blk32 = copy.deepcopy(blk).float()
+    assert reparam.testing.assert_equivalent(blk32.merge(), blk32, x.float()) <= 1e-6

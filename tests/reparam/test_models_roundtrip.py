@@ -1,4 +1,4 @@
-"""Whole-model round trips on third-party architectures (reparam.md §15.5, "Whole models").
+"""Whole-model round trips on third-party architectures (torchvision, timm) and the model zoo.
 
 expand -> bit-exact (train and eval, running statistics included) -> randomise every BN ->
 merge (deploy and host) -> equality (float64 rel_err <= 1e-9, float32 <= 1e-4) -> no BatchNorm

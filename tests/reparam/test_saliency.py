@@ -1,4 +1,4 @@
-"""SaliencyMeter (reparam.md §10.1-10.2): values against hand computation, AMP, skips, changes."""
+"""SaliencyMeter (per-branch gradient saliency): values against hand computation, AMP, skips, changes."""
 
 from __future__ import annotations
 

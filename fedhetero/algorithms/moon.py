@@ -1,0 +1,126 @@
+"""MOON: model-contrastive federated learning (Li, He, Song; CVPR 2021).
+
+Every client trains the full global model (as FedAvg) with the local loss
+
+    ℓ = CE(f(x), y) + μ · ℓ_con,
+    ℓ_con = −log( exp(sim(z, z_glob)/τ) / (exp(sim(z, z_glob)/τ) + exp(sim(z, z_prev)/τ)) ),
+
+averaged over the batch, where ``sim`` is the cosine similarity and ``z``, ``z_glob``, ``z_prev``
+are the representations of the batch under the model being trained, the global model the round
+started from (the positive pair) and the client's own model from the last round it took part in
+(the negative pair). The server averages the uploaded models as FedAvg does.
+
+Choices for the zoo models:
+
+* the representation is the input of the model's final classifier (the penultimate features;
+  :mod:`fedhetero.algorithms._features` finds it with a hook). The zoo models have no projection
+  head, so MOON's head is not added: the contrastive loss acts on the features the classifier
+  reads. A model that is its classifier alone (logistic regression) has no features but its input,
+  which is the same for all three models; there the logits are the representation, as in the
+  DynInit study's MNIST runs;
+* the global and previous models compute their representations in eval mode, without gradients;
+* a client that has not trained before has no previous model: its local loss is plain
+  cross-entropy. With a single negative that equals the global model's representation the
+  contrastive term is a constant (log 2) with zero gradient, and MOON's reference code runs the
+  first round with no negative at all, so both readings train the same model;
+* the previous local model is the client's private state (its full state dict, returned as
+  ``client_state``), kept with the client between rounds and across resumes.
+
+Defaults: μ = 1 (the contrastive weight the DynInit study runs MOON with, and MOON's own value
+for CIFAR-100 and Tiny-ImageNet; MOON uses 5 on CIFAR-10) and τ = 0.5 (MOON's temperature for
+every data set). μ = 0 trains exactly FedAvg's models.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from fedhetero.algorithms._features import FeatureTap, has_hidden_layers, penultimate
+from fedhetero.algorithms.base import Algorithm, ClientResult, ClientTask
+from fedhetero.config import ConfigError
+
+__all__ = ["Moon", "MoonOptions", "moon_contrastive_loss", "representation"]
+
+
+@dataclass(frozen=True)
+class MoonOptions:
+    mu: float = 1.0  # μ: weight of the model-contrastive term
+    tau: float = 0.5  # τ: temperature of the cosine similarities
+
+    def __post_init__(self) -> None:
+        if not self.mu >= 0:
+            raise ConfigError(f"algorithm.options.mu: must be >= 0, got {self.mu}")
+        if not self.tau > 0:
+            raise ConfigError(f"algorithm.options.tau: must be > 0, got {self.tau}")
+
+
+def moon_contrastive_loss(z: torch.Tensor, z_glob: torch.Tensor, z_prev: torch.Tensor, tau: float) -> torch.Tensor:
+    """MOON's model-contrastive loss, averaged over the batch: cross-entropy of the logits
+    ``[cos(z, z_glob), cos(z, z_prev)] / τ`` with the positive (global) pair as the target."""
+    z = z.flatten(1)
+    pos = F.cosine_similarity(z, z_glob.flatten(1), dim=1)
+    neg = F.cosine_similarity(z, z_prev.flatten(1), dim=1)
+    logits = torch.stack([pos, neg], dim=1) / tau
+    target = torch.zeros(z.shape[0], dtype=torch.long, device=z.device)
+    return F.cross_entropy(logits, target)
+
+
+def representation(model, x: torch.Tensor, num_classes: int | None = None) -> torch.Tensor:
+    """MOON's representation of ``x`` under ``model``: the penultimate features, or the logits for
+    a model without hidden layers."""
+    if has_hidden_layers(model, num_classes):
+        return penultimate(model, x, num_classes)
+    return model(x)
+
+
+class Moon(Algorithm):
+    """FedAvg plus MOON's model-contrastive loss between the local, global and previous local
+    representations."""
+
+    name = "moon"
+    Options = MoonOptions
+
+    def client_update(self, ctx, task: ClientTask, state: dict[str, Any] | None) -> ClientResult:
+        model = self.client_model(ctx, task)
+        if not state:  # no previous local model yet: plain cross-entropy (see the module docstring)
+            report = self.local_train(ctx, task, model)
+        else:
+            report = self._contrastive_train(ctx, task, model, state)
+        result = self.upload(ctx, task, model, report)
+        result.client_state = dict(result.state)  # this round's local model is next round's z_prev
+        return result
+
+    def _frozen(self, ctx, key: str, state: dict[str, torch.Tensor]):
+        frozen = ctx.reusable(("moon", key), ctx.build_model)
+        frozen.load_state_dict(state)
+        frozen.eval()
+        return frozen
+
+    def _contrastive_train(self, ctx, task: ClientTask, model, state: dict[str, Any]) -> dict[str, Any]:
+        mu, tau = float(self.options.mu), float(self.options.tau)
+        glob = self._frozen(ctx, "global", task.payload["state"])
+        prev = self._frozen(ctx, "previous", state)
+        use_logits = not has_hidden_layers(model, ctx.num_classes)
+        con_sum: list[torch.Tensor] = []
+
+        with FeatureTap(model, ctx.num_classes, capture_input=True) as tap:
+
+            def loss_fn(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+                x = tap.input
+                with torch.no_grad():
+                    if use_logits:
+                        z_glob, z_prev = glob(x), prev(x)
+                    else:
+                        z_glob, z_prev = penultimate(glob, x, ctx.num_classes), penultimate(prev, x, ctx.num_classes)
+                con = moon_contrastive_loss(out if use_logits else tap.features, z_glob, z_prev, tau)
+                con_sum.append(con.detach())
+                return F.cross_entropy(out, y) + mu * con
+
+            report = ctx.train(model, task, ctx.cfg.train.local_epochs, loss_fn=loss_fn)
+        if con_sum:
+            report["contrastive_loss"] = float(torch.stack(con_sum).mean())
+        return report

@@ -1,0 +1,172 @@
+"""fedhetero's Flower ClientApp: runs the client half of any fedhetero algorithm on a SuperNode.
+
+* ``query`` messages are answered with the node's ``partition-id`` / ``num-partitions`` (from its
+  node config; the simulation engine sets them, a SuperNode gets them from ``--node-config``) and
+  versions, so the ServerApp can map client ids onto nodes.
+* ``train`` messages carry one :class:`~fedhetero.algorithms.base.ClientTask` and the run's config
+  (:mod:`fedhetero.integrations.flower.codec`). The client side (data set, model builder, trainer:
+  a :class:`~fedhetero.context.ClientContext`) is built from that config once per process and
+  cached by the config's hash; the task runs through :func:`fedhetero.engines.run_task`, exactly as
+  on the embedded back ends, and the :class:`~fedhetero.engines.Outcome` goes back encoded.
+
+A client's private state (``ClientResult.client_state``) stays on the node: it is kept in the
+node's ``context.state`` under the client id (with the round that wrote it, so a task reads the
+newest state written before its round, as the server-side store does) and is not sent to the
+server. A state is kept only when the server will accept the result (no error, no time-out, a
+finite upload). Flower keeps ``context.state`` per run: a new run (also a resumed one) starts with
+no client state.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import socket
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict
+
+from fedhetero.config import RunConfig, from_dict
+from fedhetero.engines import Outcome, check_result, run_task
+from fedhetero.integrations.flower._common import parse_config, run_config_get, split_overrides
+from fedhetero.integrations.flower.codec import PROTOCOL, decode_task, decode_value, encode_outcome, encode_value
+
+try:  # flwr >= 1.21
+    from flwr.clientapp import ClientApp
+except ImportError:  # pragma: no cover - older flwr
+    from flwr.client import ClientApp  # type: ignore[no-redef]
+
+__all__ = ["NODE_RECORD", "app", "node_info", "load_client_state", "store_client_state"]
+
+NODE_RECORD = "fedhetero.node"
+_STATE_PREFIX = "fedhetero.state."
+
+app = ClientApp()
+
+
+@dataclass
+class _ClientSide:
+    cfg: RunConfig
+    ctx: Any  # fedhetero.context.ClientContext
+    cls: type
+    options: Any
+
+
+_SIDE: dict[str, _ClientSide] = {}
+
+
+def _client_side(config_json: str, config_hash: str, context: Context) -> _ClientSide:
+    """The client side for this config, built once per process (the latest config only)."""
+    key = config_hash or config_json
+    hit = _SIDE.get(key)
+    if hit is not None:
+        return hit
+    if config_json:
+        cfg = from_dict(json.loads(config_json))
+    else:  # a task without a config: fall back to the run config of the Flower App
+        rc = context.run_config
+        cfg = parse_config(run_config_get(rc, "config", ""), split_overrides(run_config_get(rc, "set", "")))
+    torch.set_num_threads(cfg.threads or 1)
+    if cfg.tune_malloc and cfg.device == "cpu":
+        from reparam.allocator import tune_malloc
+
+        tune_malloc()
+    from fedhetero.algorithms import build_algorithm
+    from fedhetero.context import client_context
+
+    ctx = client_context(cfg)
+    proto = build_algorithm(cfg)
+    _SIDE.clear()
+    side = _SIDE[key] = _ClientSide(cfg, ctx, type(proto), proto.options)
+    return side
+
+
+# ---------------------------------------------------------------------------------- node state
+def _versions(state: RecordDict, cid: int) -> list[int]:
+    prefix = f"{_STATE_PREFIX}{cid}."
+    return sorted(int(k[len(prefix):]) for k in state.config_records if k.startswith(prefix))
+
+
+def load_client_state(state: RecordDict, cid: int, before_round: int, device: torch.device | None = None) -> dict[str, Any] | None:
+    """The newest private state of client ``cid`` kept on this node and written before
+    ``before_round`` (None if there is none)."""
+    rounds = [r for r in _versions(state, cid) if r < before_round]
+    if not rounds:
+        return None
+    key = f"{_STATE_PREFIX}{cid}.{rounds[-1]}"
+    arrays = state.array_records.get(f"{key}.arrays", ArrayRecord())
+    return decode_value(str(state.config_records[key]["doc"]), arrays, device)
+
+
+def store_client_state(state: RecordDict, cid: int, rnd: int, value: dict[str, Any]) -> None:
+    """Keep ``value`` as client ``cid``'s state written in round ``rnd``, dropping the versions no
+    later task can read (all but the newest one before ``rnd``)."""
+    text, arrays = encode_value(value, f"client_state[cid={cid}]")
+    versions = _versions(state, cid)
+    keep = [r for r in versions if r < rnd][-1:]
+    for r in versions:
+        if r not in keep:
+            key = f"{_STATE_PREFIX}{cid}.{r}"
+            for name in (key, f"{key}.arrays"):
+                if name in state:
+                    del state[name]
+    key = f"{_STATE_PREFIX}{cid}.{rnd}"
+    state[key] = ConfigRecord({"doc": text, "round": int(rnd)})
+    if arrays:
+        state[f"{key}.arrays"] = ArrayRecord(arrays)
+
+
+# ---------------------------------------------------------------------------------- handlers
+def node_info(context: Context) -> ConfigRecord:
+    """What a node tells the server about itself (the reply to a ``query`` message)."""
+    nc = dict(context.node_config)
+    info: dict[str, Any] = {
+        "protocol": PROTOCOL,
+        "partition-id": int(nc["partition-id"]) if "partition-id" in nc else -1,
+        "num-partitions": int(nc["num-partitions"]) if "num-partitions" in nc else -1,
+        "node-config": json.dumps({str(k): v for k, v in nc.items()}, default=str),
+        "pid": os.getpid(),
+        "host": socket.gethostname(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+    }
+    try:
+        import fedhetero
+        import flwr
+
+        info["fedhetero"] = fedhetero.__version__
+        info["flwr"] = flwr.__version__
+    except Exception:  # pragma: no cover - versions are informative only
+        pass
+    return ConfigRecord(info)
+
+
+@app.query()
+def query(msg: Message, context: Context) -> Message:
+    """Reply with this node's partition id and versions."""
+    return Message(RecordDict({NODE_RECORD: node_info(context)}), reply_to=msg)
+
+
+@app.train()
+def train(msg: Message, context: Context) -> Message:
+    """Run one client task and reply with its encoded outcome."""
+    from fedhetero.integrations.flower.codec import META
+
+    meta = msg.content.config_records.get(META)
+    config_json = str(meta.get("config", "")) if meta is not None else ""
+    config_hash = str(meta.get("config-hash", "")) if meta is not None else ""
+    side = _client_side(config_json, config_hash, context)
+    task, state, _, _ = decode_task(msg.content, side.ctx.device)
+    if state is None:
+        state = load_client_state(context.state, task.cid, task.round, side.ctx.device)
+    cls, options = side.cls, side.options
+    outcome: Outcome = run_task(lambda: cls(options), side.ctx, task, state)
+    res = outcome.result
+    if res is not None and res.client_state is not None:
+        private, res.client_state = res.client_state, None  # stays on this node
+        if check_result(outcome, side.cfg.engine.client_timeout_s) is None:
+            store_client_state(context.state, task.cid, task.round, private)
+    return Message(encode_outcome(outcome), reply_to=msg)

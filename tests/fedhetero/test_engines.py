@@ -1,0 +1,217 @@
+"""Back ends (local, process), client tasks, faulty clients and the algorithm interface."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from fedhetero.algorithms import Algorithm, build_algorithm
+from fedhetero.config import ConfigError, from_dict
+from fedhetero.context import RunError
+from fedhetero.engine import Engine
+from fedhetero.engines import injected_fault
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _cfg(name: str = "fedavg", backend: str = "local", rounds: int = 3, **engine):
+    return from_dict(
+        {
+            "seed": 1,
+            "threads": 1,
+            "data": {"num_clients": 10},
+            "train": {"rounds": rounds, "sample_rate": 0.4, "local_epochs": 1, "checkpoint_every": 1},
+            "algorithm": {"name": name},
+            "engine": {"backend": backend, **engine},
+        }
+    )
+
+
+def _run(tmp_path: Path, cfg, tag: str, **kw):
+    eng = Engine(cfg, tmp_path / tag, progress=False, **kw)
+    res = eng.run()
+    return eng, res
+
+
+def _strip(rows):
+    """Metrics without wall-clock fields."""
+    out = []
+    for r in rows:
+        r = {k: v for k, v in r.items() if k not in ("wall_s", "timers")}
+        r["clients"] = [{k: v for k, v in c.items() if k not in ("wall_s",)} for c in r["clients"]]
+        out.append(r)
+    return out
+
+
+def _assert_same_model(a: Engine, b: Engine) -> None:
+    sa, sb = a.algorithm.global_model.state_dict(), b.algorithm.global_model.state_dict()
+    assert list(sa) == list(sb)
+    for k in sa:
+        assert torch.equal(sa[k], sb[k]), k
+
+
+@pytest.mark.parametrize("name", ["fedavg", "dynamicfl"])
+def test_process_backend_is_bit_identical_to_local(tmp_path, name):
+    a, ra = _run(tmp_path, _cfg(name, "local"), "local")
+    b, rb = _run(tmp_path, _cfg(name, "process", workers=2), "process")
+    assert _strip(ra.metrics) == _strip(rb.metrics)
+    _assert_same_model(a, b)
+    assert ra.summary["final_accuracy"] == rb.summary["final_accuracy"]
+
+
+def test_resume_on_process_backend_equals_uninterrupted(tmp_path):
+    full, rf = _run(tmp_path, _cfg("dynamicfl", "process", rounds=4, workers=2), "full")
+    cfg = _cfg("dynamicfl", "process", rounds=4, workers=2)
+    _run(tmp_path, cfg, "cut", stop_after=2)
+    resumed, rr = _run(tmp_path, None, "cut", resume=True)
+    assert _strip(rr.metrics) == _strip(rf.metrics)
+    _assert_same_model(full, resumed)
+
+
+def test_resume_may_switch_backend(tmp_path):
+    """The back end is not part of the config hash: a local run can continue on process."""
+    full, rf = _run(tmp_path, _cfg("fedavg", "local", rounds=3), "full")
+    _run(tmp_path, _cfg("fedavg", "local", rounds=3), "cut", stop_after=1)
+    resumed, rr = _run(tmp_path, _cfg("fedavg", "process", rounds=3, workers=2), "cut", resume=True)
+    assert _strip(rr.metrics) == _strip(rf.metrics)
+    _assert_same_model(full, resumed)
+
+
+@pytest.mark.parametrize("backend", ["local", "process"])
+def test_faulty_clients_are_dropped_and_recorded(tmp_path, backend):
+    faults = {"rate": 0.3, "kinds": ["raise", "nan"]}
+    cfg = from_dict(
+        {
+            "seed": 3,
+            "threads": 1,
+            "data": {"num_clients": 20},
+            "train": {"rounds": 4, "sample_rate": 0.5, "local_epochs": 1},
+            "algorithm": {"name": "dynamicfl"},
+            "engine": {"backend": backend, "workers": 2, "inject_faults": faults},
+        }
+    )
+    eng, res = _run(tmp_path, cfg, backend)
+    assert res.summary["rounds"] == 4
+    for v in eng.algorithm.global_model.state_dict().values():
+        assert torch.isfinite(v.float()).all()
+    assert math.isfinite(res.summary["final_accuracy"]) and res.summary["final_accuracy"] > 0.2
+    total_dropped = 0
+    for row in res.metrics:
+        sampled = eng.sample_clients(row["round"])
+        expected = {}
+        for cid in sampled:
+            task = eng.algorithm.task(eng.ctx, eng.client_info(cid, row["round"]), {})
+            kind = injected_fault(cfg, task)
+            if kind is not None:
+                expected[cid] = kind
+        dropped = {d["cid"]: d["reason"] for d in row["dropped"]}
+        assert set(dropped) == set(expected)
+        for cid, kind in expected.items():
+            assert ("InjectedFault" in dropped[cid]) if kind == "raise" else dropped[cid].startswith("non-finite")
+        assert {c["cid"] for c in row["clients"]} == set(sampled) - set(expected)
+        total_dropped += len(dropped)
+    assert total_dropped >= 3  # 30 % of 40 client-rounds
+    assert res.summary["dropped_clients"] == total_dropped
+    # metrics.jsonl is valid JSON and names who was dropped and why
+    rows = [json.loads(line) for line in (tmp_path / backend / "metrics.jsonl").read_text().splitlines()]
+    assert sum(len(r["dropped"]) for r in rows) == total_dropped
+
+
+def test_hung_client_is_killed_at_timeout(tmp_path):
+    cfg = _cfg(
+        "fedavg", "process", rounds=2, workers=2, client_timeout_s=5.0,
+        inject_faults={"rate": 0.25, "kinds": ["hang"]},
+    )
+    eng, res = _run(tmp_path, cfg, "hang")
+    reasons = [d["reason"] for r in res.metrics for d in r["dropped"]]
+    assert reasons and all(r.startswith("timeout") for r in reasons)
+    assert res.summary["rounds"] == 2
+
+
+def test_too_few_clients_stop_the_run_with_a_message(tmp_path):
+    cfg = _cfg("fedavg", "local", rounds=2, min_clients=2, inject_faults={"rate": 1.0, "kinds": ["raise"]})
+    with pytest.raises(RunError, match="engine.min_clients=2"):
+        _run(tmp_path, cfg, "none")
+
+
+def test_hang_needs_a_timeout():
+    with pytest.raises(ConfigError, match="engine.inject_faults.kinds"):
+        _cfg(inject_faults={"rate": 0.5, "kinds": ["hang"]})
+    with pytest.raises(ConfigError, match="engine.inject_faults.rate"):
+        _cfg(inject_faults={"rate": 1.5})
+    with pytest.raises(ConfigError, match="engine.backend"):
+        _cfg(backend="ray")
+
+
+def test_client_half_runs_on_a_fresh_instance(tmp_path):
+    seen = []
+
+    class Probe(Algorithm):
+        name = "probe"
+
+        def client_update(self, ctx, task, state):
+            seen.append((self.global_model, hasattr(ctx, "store"), state))
+            out = super().client_update(ctx, task, state)
+            out.client_state = {"visits": torch.tensor((state or {}).get("visits", torch.tensor(0)).item() + 1)}
+            return out
+
+    cfg = _cfg("fedavg", rounds=3)
+    eng = Engine(cfg, tmp_path / "probe", progress=False)
+    eng._setup()
+    eng.algorithm = Probe()
+    with eng.ctx.seeded("init", 1):
+        eng.algorithm.setup(eng.ctx)
+    eng._setup = lambda: None  # keep the probe
+    eng.run()
+    assert seen and all(gm is None and not has_store for gm, has_store, _ in seen)
+    # private state came back to the client that wrote it
+    visits = [int(s["visits"]) for _, _, s in seen if s is not None]
+    assert visits and max(visits) >= 1
+
+
+def test_no_optimizer_or_non_json_in_client_metrics(tmp_path):
+    _, res = _run(tmp_path, _cfg("dynamicfl"), "m")
+    for row in res.metrics:
+        for c in row["clients"]:
+            assert "optimizer" not in c
+    text = (tmp_path / "m" / "metrics.jsonl").read_text()
+    for line in text.splitlines():
+        json.loads(line)
+
+
+def test_user_algorithm_from_a_file_runs_on_local_and_process(tmp_path):
+    """The worked example of docs/write_your_own_algorithm.md runs as written on both back ends."""
+    name = f"{ROOT / 'examples' / 'my_algorithm.py'}:FedAvgM"
+    results = {}
+    for backend in ("local", "process"):
+        cfg = _cfg(name, backend, rounds=3, workers=2)
+        eng, res = _run(tmp_path, cfg, backend)
+        results[backend] = (eng, res)
+        assert res.summary["final_accuracy"] > 0.3
+    _assert_same_model(results["local"][0], results["process"][0])
+    assert build_algorithm(_cfg(name)).options.server_momentum == 0.9
+    with pytest.raises(ConfigError, match="server_momentum"):
+        build_algorithm(from_dict({"algorithm": {"name": name, "options": {"server_momentum": 1.5}}}))
+    with pytest.raises(ConfigError, match="algorithm.name"):
+        build_algorithm(from_dict({"algorithm": {"name": "no/such/file.py:X"}}))
+
+
+def _modules_after_import(module: str) -> set[str]:
+    code = f"import sys, {module}; print('\\n'.join(sorted(sys.modules)))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    return set(out.split())
+
+
+def test_no_import_circle_between_engine_and_algorithms():
+    """The context algorithms code against lives in its own module: importing it, or an algorithm,
+    does not import the engine, and the context does not import the algorithms."""
+    assert not any(m.startswith("fedhetero.algorithms") for m in _modules_after_import("fedhetero.context"))
+    for algo in ("fedhetero.algorithms.dynamicfl", "fedhetero.algorithms.feddum", "fedhetero.algorithms.heterofl"):
+        assert "fedhetero.engine" not in _modules_after_import(algo), algo
+    assert "fedhetero.algorithms.feddum" not in _modules_after_import("fedhetero.algorithms.feddu")
