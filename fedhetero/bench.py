@@ -24,7 +24,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -88,19 +87,6 @@ def bare_fedavg(cfg, rounds: int) -> float:
     return time.perf_counter() - t0
 
 
-def _engine_time(cfg, rounds: int) -> tuple[float, list[dict[str, Any]]]:
-    from fedhetero.engine import Engine
-
-    with tempfile.TemporaryDirectory(prefix="fedhetero-bench-") as d:
-        eng = Engine(cfg, d, progress=False)
-        t0 = time.perf_counter()
-        res = eng.run()
-        total = time.perf_counter() - t0
-    # set-up (data, model, tiers) is excluded on both sides: subtract the time before round 1
-    per_round = sum(r["wall_s"] for r in res.metrics)
-    return per_round, res.metrics
-
-
 def round_main(argv: list[str] | None = None) -> int:
     from rich.console import Console
     from rich.table import Table
@@ -128,10 +114,10 @@ def round_main(argv: list[str] | None = None) -> int:
     # warm-up: one-time costs of a fresh process (lazy imports, first optimizer) are not a round's
     warm = _round_cfg(args.clients, args.per_round, 1, "fedavg", args.dataset, args.model)
     bare_fedavg(warm, 1)
-    _engine_time(warm, 1)
+    _timed_run(warm)
     for _ in range(args.repeats):  # interleaved so machine noise hits both alike
         bare_t.append(bare_fedavg(cfg, args.rounds))
-        eng_t.append(_engine_time(cfg, args.rounds)[0])
+        eng_t.append(_timed_run(cfg)[0])
     e, b = statistics.median(eng_t), statistics.median(bare_t)
     dcfg = _round_cfg(20, 10, args.dynamicfl_rounds, "dynamicfl", args.dataset, args.model)
     from fedhetero.config import from_dict, to_dict
@@ -141,7 +127,7 @@ def round_main(argv: list[str] | None = None) -> int:
     d["data"]["partition"] = "dirichlet"
     d["data"]["min_partition_size"] = 10
     dcfg = from_dict(d)
-    _, rows = _engine_time(dcfg, args.dynamicfl_rounds)
+    _, rows = _timed_run(dcfg)
     wall = sum(r["wall_s"] for r in rows)
     shares = {k: sum(r["timers"].get(k, 0.0) for r in rows) / wall for k in ("rep", "dymm", "merge")}
     table = Table(title=f"FedAvg round: engine vs bare PyTorch loop ({args.clients} clients, {args.per_round}/round, {args.dataset}, {args.model}, {args.rounds} rounds, median of {args.repeats})")
@@ -214,7 +200,8 @@ def memory_main(argv: list[str] | None = None) -> int:
 
 
 def _timed_run(cfg, backend: Any = None) -> tuple[float, list[dict[str, Any]]]:
-    """Seconds spent in rounds (set-up excluded) and the metrics of one engine run."""
+    """Seconds spent in rounds (set-up of data, model and tiers excluded) and the metrics of one
+    engine run."""
     from fedhetero.engine import Engine
 
     with tempfile.TemporaryDirectory(prefix="fedhetero-bench-") as d:

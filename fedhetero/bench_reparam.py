@@ -284,7 +284,7 @@ def _merge_times(
     for rep in range(repeats + 1):
         for name, fn in variants.items():
             c = copy.deepcopy(expanded)
-            t = _timed(lambda: fn(c))
+            t = _timed(lambda fn=fn, c=c: fn(c))
             if rep:
                 samples[name].append(t)
         t = _timed(lambda: reparam.merge(expanded))

@@ -244,9 +244,12 @@ def largest_width(
 
 
 class _TierLike(Protocol):
-    name: str
-    ratio: float
-    share: float
+    @property
+    def name(self) -> str: ...
+    @property
+    def ratio(self) -> float: ...
+    @property
+    def share(self) -> float: ...
 
 
 @dataclass(frozen=True)

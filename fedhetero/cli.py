@@ -3,6 +3,7 @@
 ``fedhetero train``    run one federated job (the embedded default when given no arguments)
 ``fedhetero compare``  run several algorithms on the same clients, data, budgets and seeds
 ``fedhetero bench``    benchmarks (``reparam``, ``round``, ``memory``, ``engines``)
+``fedhetero flower``   run on Flower's simulation engine, or write a Flower App for deployment
 ``fedhetero info``     algorithms, models, datasets and versions
 """
 
@@ -162,7 +163,7 @@ def _compare(args: argparse.Namespace) -> int:
 
 def _bench(args: argparse.Namespace) -> int:
     if args.what == "reparam":
-        from reparam.bench import main as bench_main
+        from fedhetero.bench_reparam import main as bench_main
 
         return int(bench_main(args.rest, prog="fedhetero bench reparam") or 0)
     from fedhetero import bench
@@ -242,6 +243,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("what", choices=["reparam", "round", "memory", "engines"])
     p.add_argument("rest", nargs=argparse.REMAINDER, help="options of the benchmark")
     p.set_defaults(func=_bench)
+
+    from fedhetero.integrations.flower.cli import add_parser as add_flower_parser
+
+    add_flower_parser(sub)  # imports Flower only when a flower command runs
 
     p = sub.add_parser("info", help="list algorithms, models and datasets")
     p.set_defaults(func=_info)

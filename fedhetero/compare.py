@@ -65,6 +65,14 @@ def comparison_rows(results: dict[str, list[dict[str, Any] | None]], tiers: list
         if any(s is None for s in summaries):
             rows.append({"algorithm": algo, "status": "N/A"})
             continue
+        failed = [s for s in summaries if s.get("status") == "failed"]
+        if failed:  # a diverged or failed run: no mean over the seeds that survived
+            rows.append({
+                "algorithm": algo,
+                "status": f"failed ({len(failed)} of {len(summaries)} seeds)",
+                "reason": failed[0]["reason"],
+            })
+            continue
         acc_m, acc_s = _mean_std([s["final_accuracy"] for s in summaries])
         last5_m, last5_s = _mean_std([s["mean_last5_accuracy"] for s in summaries])
         row: dict[str, Any] = {
@@ -118,6 +126,7 @@ def run_comparison(
     ``options`` are ``ALGORITHM.option=value`` strings for individual methods."""
     from rich.table import Table
 
+    from fedhetero.context import RunError
     from fedhetero.engine import Engine
     from fedhetero.rundir import read_metrics
 
@@ -166,7 +175,15 @@ def run_comparison(
                     overwrite=not can_resume,  # the comparison owns its run directories
                     shared_splits=True,
                 )
-                res = engine.run()
+                try:
+                    res = engine.run()
+                except RunError as exc:  # one method diverging must not stop the comparison
+                    reason = str(exc).splitlines()[0]
+                    if console is not None:
+                        console.print(f"{algo} seed {base.seed + s}: failed: {reason}", markup=False, style="yellow")
+                    results[algo].append({"status": "failed", "reason": reason})
+                    histories[algo].append(read_metrics(run_dir / "metrics.jsonl"))
+                    continue
                 summary, hist = res.summary, res.metrics
             results[algo].append(summary)
             histories[algo].append(hist)
@@ -181,15 +198,16 @@ def run_comparison(
         for t in tiers:
             table.add_column(f"{t} acc %", justify="right")
         for t in tiers:
-            table.add_column(f"{t} MFLOPs", justify="right")
-        table.add_column("client MFLOPs", justify="right")
+            table.add_column(f"{t} MMACs", justify="right")
+        table.add_column("client MMACs", justify="right")
         if base.train.target_accuracy is not None:
             table.add_column(f"time to {100 * base.train.target_accuracy:g} % (sim s)", justify="right")
         table.add_column("bytes/run", justify="right")
         table.add_column("wall s", justify="right")
         for r in rows:
             if r["status"] != "ok":
-                table.add_row(r["algorithm"], "N/A", *(["N/A"] * (2 * len(tiers) + 3 + (base.train.target_accuracy is not None))))
+                cell = "N/A" if r["status"] == "N/A" else r["status"]
+                table.add_row(r["algorithm"], cell, *(["—"] * (2 * len(tiers) + 3 + (base.train.target_accuracy is not None))))
                 continue
             ttt_cell = []
             if base.train.target_accuracy is not None:
@@ -202,7 +220,7 @@ def run_comparison(
                 *[("—" if r[f"macs_{t}_mean"] is None else f"{r[f'macs_{t}_mean'] / 1e6:.3f}") for t in tiers],
                 f"{r['client_macs_mean'] / 1e6:.3f}",
                 *ttt_cell,
-                f"{r['bytes_total_mean'] / 2**20:.1f} MB",
+                f"{r['bytes_total_mean'] / 2**20:.1f} MiB",
                 f"{r['wall_s_mean']:.1f}",
             )
         console.print(table)

@@ -206,7 +206,7 @@ def _convert(value: Any, tp: Any, path: str) -> Any:
         if value in typing.get_args(tp):
             return value
         raise ConfigError(f"{path}: expected {_type_name(tp)}, got {value!r}")
-    if dataclasses.is_dataclass(tp):
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
         if isinstance(value, tp):
             return value
         if not isinstance(value, Mapping):

@@ -261,7 +261,7 @@ class ClientContext:
         Cached by the model's structure (class, module paths and parameter shapes), so clients
         training the same architecture cost one counting pass."""
         key = (type(model).__name__,) + tuple(
-            (path, type(m).__name__, tuple(getattr(m, "weight").shape) if isinstance(getattr(m, "weight", None), torch.Tensor) else ())
+            (path, type(m).__name__, tuple(m.weight.shape) if isinstance(getattr(m, "weight", None), torch.Tensor) else ())
             for path, m in model.named_modules()
         )
         hit = self._macs_cache.get(key)

@@ -92,6 +92,7 @@ class Engine:
         self.stop_after = stop_after  # for tests: stop (as if killed) after this round
         self.backend = backend  # None: the one cfg.engine.backend names
         self._own_backend = backend is None  # a back end passed in is the caller's to close
+        self._best: float | None = None  # best evaluated accuracy so far (for best_model.pt)
         if resume:
             saved = _saved_config(self.out_dir)
             if cfg is not None and config_hash(cfg) != config_hash(saved):
@@ -211,7 +212,7 @@ class Engine:
         t = self.cfg.train
         if getattr(t, "local_steps", None):
             steps = u.metrics.get("steps")
-            n = int(steps) if isinstance(steps, (int, float)) else int(t.local_steps)
+            n = int(steps) if isinstance(steps, (int, float)) else int(t.local_steps or 0)
             return float(n * t.batch_size)
         return float(u.num_samples * t.local_epochs)
 
@@ -326,7 +327,7 @@ class Engine:
     def _run(self) -> RunResult:
         t_start = time.perf_counter()
         self._dropped: list[dict[str, Any]] = []
-        self._best: float | None = None
+        self._best = None
         clean_stale(self.out_dir)
         self._participation = [0] * self.cfg.data.num_clients
         start = 0
@@ -349,7 +350,6 @@ class Engine:
         metrics_path = self.out_dir / "metrics.jsonl"
         rounds = self.cfg.train.rounds
         progress = _Progress(self.progress, rounds, start, self.console)
-        t_rounds = time.perf_counter()
         with progress:
             for rnd in range(start + 1, rounds + 1):
                 t0 = time.perf_counter()
@@ -547,7 +547,7 @@ class _Progress:
         self.rounds = rounds
         self.start = start
         self.console = console
-        self._progress = None
+        self._progress: Any = None
         self._plain = False
         self._t0 = time.perf_counter()
 

@@ -486,8 +486,8 @@ def masked_state(global_state: Mapping[str, Tensor], spec: SubmodelSpec) -> dict
 
     Rows (dim 0) of non-kept channels are zeroed in conv/linear weights and biases and in BN weight
     and bias, so those channels are exactly 0 after BN and ReLU in train and eval mode; the model with
-    this state computes the same function as :func:`submodel_from` (spec section 8.5 of the pruning
-    spec). BN running statistics are left unchanged.
+    this state computes the same function as :func:`submodel_from` (which makes it the reference the
+    pruning tests compare physically pruned models against). BN running statistics are left unchanged.
     """
     spec.groups.check_state(global_state)
     out = {k: v.clone() for k, v in global_state.items()}

@@ -1,4 +1,4 @@
-"""Simulated training time, smoothed "final accuracy" and time to target (FedDUMAP spec §11).
+"""Simulated training time, smoothed "final accuracy" and time to target, as in the FedDUMAP paper.
 
 The FedDUMAP paper reports *simulated* time, not wall-clock (authors' code, ``utils/cal_time.py``)::
 
@@ -23,8 +23,8 @@ Two ways to use it:
 Which of the two bandwidths is the uplink is not stated by the paper; we read the slower (50 Mbit/s)
 as the uplink. The sum is the same for symmetric traffic.
 
-Accuracy (§11.1): "final accuracy" is the maximum of the Savitzky–Golay(window 39, order 3)-smoothed
-accuracy curve with values rounded to 3 decimals. Time to target (§11.4): the cumulative time at the
+Accuracy (authors' code): "final accuracy" is the maximum of the Savitzky–Golay(window 39, order
+3)-smoothed accuracy curve with values rounded to 3 decimals. Time to target: the cumulative time at the
 first index whose (smoothed) accuracy reaches the target, ``None`` if never.
 """
 
@@ -60,9 +60,9 @@ class TimeModelError(ValueError):
     """Invalid argument to the time model or the accuracy summaries."""
 
 
-#: Per-round device training time of the unpruned models (FedDUMAP §11.3, authors' code).
+#: Per-round device training time of the unpruned models (FedDUMAP authors' code, ``cal_time.py``).
 PAPER_TRAIN_SECONDS: dict[str, float] = {"cnn": 2.3, "vgg": 8.0, "resnet": 10.1, "lenet": 1.3}
-#: Forward MACs per 32×32 sample of the FedDUMAP CNN on CIFAR-10 (spec §10.3).
+#: Forward MACs per 32×32 sample of the FedDUMAP CNN on CIFAR-10 (the paper's "4.5 MFLOPs").
 PAPER_CNN_MACS = 4_548_608
 #: Samples processed per device per round in the paper: n_k = 400 images × E = 5 epochs.
 PAPER_CNN_SAMPLE_PASSES = 400 * 5
@@ -104,7 +104,7 @@ class ClientCost:
 
 @dataclass(frozen=True)
 class TimeModel:
-    """Simulated round time from FLOPs and bytes (defaults: FedDUMAP §11.3).
+    """Simulated round time from FLOPs and bytes (defaults: the FedDUMAP authors' time model).
 
     Attributes
     ----------
@@ -198,7 +198,7 @@ def paper_comm_seconds(
     downlink_mbit_s: float = 100.0,
     megabyte: float = float(2**20),
 ) -> float:
-    """``(P·4·10/2^20)/(50/8) + (P·4·10/2^20)/(100/8)`` seconds per round (FedDUMAP §11.3)."""
+    """``(P·4·10/2^20)/(50/8) + (P·4·10/2^20)/(100/8)`` seconds per round (FedDUMAP authors' code)."""
     mb = _pos("num_params", num_params, allow_zero=True) * bytes_per_param * clients_per_round / megabyte
     return mb / (_pos("uplink_mbit_s", uplink_mbit_s) / 8.0) + mb / (_pos("downlink_mbit_s", downlink_mbit_s) / 8.0)
 
@@ -282,7 +282,7 @@ def smooth_accuracy(
     decimals: int | None = 3,
     has_initial: bool = False,
 ) -> np.ndarray:
-    """Savitzky–Golay-smoothed accuracy curve as the paper computes it (§11.1).
+    """Savitzky–Golay-smoothed accuracy curve as the paper's authors compute it.
 
     The values (after the first one when ``has_initial``: the pre-training accuracy ``a_0``, which
     is put back unsmoothed in front) are smoothed with ``scipy.signal.savgol_filter(window,
@@ -314,7 +314,7 @@ def smoothed_final_accuracy(
     decimals: int | None = 3,
     has_initial: bool = False,
 ) -> float:
-    """The paper's "final accuracy": the maximum of :func:`smooth_accuracy` (§11.1, D18).
+    """The paper's "final accuracy": the maximum of :func:`smooth_accuracy` (authors' code).
 
     This is a smoothed best-over-rounds value, not the last round; report the raw last-round and raw
     maximum accuracy next to it.
@@ -330,7 +330,7 @@ def rounds_to_target(accs: Sequence[float], target: float) -> int | None:
 
 
 def time_to_target(times: Sequence[float], accs: Sequence[float], target: float) -> float | None:
-    """``times[i]`` at the first ``i`` with ``accs[i] >= target`` (§11.4); ``None`` if never reached.
+    """``times[i]`` at the first ``i`` with ``accs[i] >= target``; ``None`` if never reached.
 
     ``times`` and ``accs`` must be aligned (same length; entry ``i`` after ``i`` rounds when both
     start at round 0). Pass the smoothed curve (:func:`smooth_accuracy`) to follow the paper.
@@ -344,7 +344,8 @@ def time_to_target(times: Sequence[float], accs: Sequence[float], target: float)
 
 
 def times_faster(t_base: float | None, t_ours: float | None) -> float | None:
-    """The paper's "X times faster": ``T_base/T_ours − 1`` (§11.5); ``None`` if either is missing."""
+    """The paper's "X times faster": ``T_base/T_ours − 1`` (checked against its tables); ``None`` if
+    either is missing."""
     if t_base is None or t_ours is None:
         return None
     return _pos("t_base", t_base) / _pos("t_ours", t_ours) - 1.0

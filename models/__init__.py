@@ -1,4 +1,4 @@
-"""Model zoo used in the seed papers (torch only): LeNet-5, the FedDUMAP CNN, VGG-11, CIFAR ResNet-18
+"""Model zoo of the reproduced papers (torch only): LeNet-5, the FedDUMAP CNN, VGG-11, CIFAR ResNet-18
 and CIFAR GoogLeNet, all built from standard ``Conv2d`` + ``BatchNorm2d`` (+ ReLU) modules, plus
 multinomial logistic regression (``logreg``); each has a ``channel_groups()`` description for
 sub-model slicing."""

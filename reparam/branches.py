@@ -426,7 +426,6 @@ class OneByOneKxKBranch(nn.Module):
         w2, c2 = conv_kernel_bias(self.conv2, fast=True)
         t2, shift2 = bn_scale_shift(self.bn2, dtype)
         dg = w2.shape[1]
-        d = dg * g
         taps = w2.shape[2] * w2.shape[3]
         identity_based = isinstance(self.conv1, IdentityBasedConv1x1)
         if identity_based:

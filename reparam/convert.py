@@ -7,7 +7,9 @@ Guarantees:
   running statistics.
 * :func:`merge` is **exact in eval mode** (float64 computation, rounding only). ``target="deploy"``
   leaves no BatchNorm after any conv (every block merged, every remaining conv+BN pair folded, BN
-  slots become ``nn.Identity``); ``target="host"`` restores the host model's layer layout and
+  slots become ``nn.Identity``) and folds every BN-only identity branch (RepVGG's
+  ``conv(x) + ... + bn(x)``) into the conv it is summed with (its slot becomes
+  :class:`FoldedIdentity`); BatchNorms with a built-in activation are never folded; ``target="host"`` restores the host model's layer layout and
   state-dict keys (strict load into a freshly built original model).
 * :func:`rep_to_local` makes every block of a local (expanded) model equal, in eval mode, to the
   corresponding plain conv of a global model, keeping the local branches (DynamicFL ``REP``).
@@ -310,7 +312,7 @@ def _identity_fits(conv: nn.Module, bn: nn.Module) -> str | None:
         check_identity(geometry)
     except ReparamError as exc:
         return str(exc)
-    n = getattr(bn, "num_features", None) or getattr(bn, "running_mean").numel()
+    n = getattr(bn, "num_features", None) or bn.running_mean.numel()
     if n != geometry.out_channels:
         return f"the BatchNorm has {n} channels, the conv {geometry.out_channels} outputs"
     return None
@@ -801,8 +803,11 @@ def merge(
     """Merge every block of ``model`` (eval-exact; float64 computation).
 
     Args:
-        target: ``"deploy"``: every block becomes one biased ``Conv2d`` at its path and every remaining
-            conv+BN pair is folded (BN slot → ``nn.Identity``), so no BatchNorm follows a conv.
+        target: ``"deploy"``: every block becomes one biased ``Conv2d`` at its path, every remaining
+            conv+BN pair is folded (BN slot → ``nn.Identity``), so no BatchNorm follows a conv, and
+            every BN-only identity branch (:func:`find_identity_branches`) is folded into its conv
+            (BN slot → :class:`FoldedIdentity`). A branch whose conv no longer fits is left and
+            logged; ``structure(model)["identity_bns"]`` says which were folded.
             ``"host"``: the host layout is restored (``conv_bn`` blocks → the anchor conv at the conv
             path and the anchor BN, carrying the folded branches, at the BN path; ``conv`` blocks →
             a biased conv); the state-dict keys equal those of the original model.

@@ -269,7 +269,7 @@ def plan_bottom_up(
     free_ok = free_branches != "never"
 
     # phase 1: full set, bottom up, while it fits
-    for path, conv, hw in convs:
+    for path, conv, _hw in convs:
         kinds = [k for k in cand if k != ANCHOR and k in applic[path]]
         if conv.groups == conv.in_channels == conv.out_channels and conv.groups > 1 and "1x1" in kinds:
             kinds.remove("1x1")  # depthwise default set omits the (mergeable) 1x1 branch

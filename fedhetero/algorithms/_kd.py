@@ -171,7 +171,7 @@ def member_teachers(
     teachers = []
     for u in sorted(results, key=lambda u: u.cid):
         width = family.by_tier[u.payload["member"]].width
-        model = member_model(ctx, width, lambda: build(width), u.state, key)
+        model = member_model(ctx, width, lambda w=width: build(w), u.state, key)
         model.eval()
         teachers.append(model)
     return teachers

@@ -60,9 +60,10 @@ _EVAL_KEY = 1_000_003  # generator key of the (optional) augmented server-accura
 
 # ==================================================================================== formulas
 def fprime(acc: float, kind: str = "1-acc", eps: float = 1e-4) -> float:
-    """``f'(acc)`` of Formula 7: ``1 − acc`` (default, D4) or ``1/(acc + ε)``.
+    """``f'(acc)`` of Formula 7: ``1 − acc`` (default, the better of the two in the paper's Table 3)
+    or ``1/(acc + ε)``.
 
-    ``acc`` must lie in ``[0, 1]``. The prime is a name, not a derivative (spec §2).
+    ``acc`` must lie in ``[0, 1]``. The prime is only part of the paper's name for it, not a derivative.
     """
     if isinstance(acc, bool) or not isinstance(acc, (int, float)) or not 0.0 <= float(acc) <= 1.0:
         raise ValueError(f"acc must be a number in [0, 1], got {acc!r}")
@@ -109,7 +110,8 @@ def feddu_alpha(
     """The dynamic server step ``α^t = τ_eff^t / τ = f'(acc^t) · ratio^t · C · decay^e`` (Formula 7).
 
     ``round_index`` is the 1-based round ``t``; the exponent is ``e = t − 1`` with
-    ``decay_index_base = 0`` (default, D3: the first round uses ``decay^0``) or ``e = t`` with 1.
+    ``decay_index_base = 0`` (default, as in the authors' code: the first round uses ``decay^0``) or
+    ``e = t`` with 1.
     ``α ∈ [0, 1]`` whenever ``C ≤ 1`` and ``f' = 1 − acc``.
     """
     if not isinstance(round_index, (int, np.integer)) or isinstance(round_index, bool) or round_index < 1:
@@ -141,13 +143,14 @@ def interpolate_states(
 
 
 def server_steps(n0: int, batch_size: int, epochs: int) -> int:
-    """``τ = ⌈n_0/B⌉·E`` server SGD steps per round (authors' code form, spec §8 item 4)."""
+    """``τ = ⌈n_0/B⌉·E`` server SGD steps per round (the authors' code form; the paper's
+    ``⌈n_0·E/B⌉`` differs negligibly)."""
     return int(math.ceil(int(n0) / int(batch_size))) * int(epochs)
 
 
 # ==================================================================================== non-IID stats
 class NonIIDStats:
-    """Label statistics of a federated split, fixed before training (spec §3).
+    """Label statistics of a federated split, fixed before training (for Formulas 2–3).
 
     Holds ``n_k`` and the label histogram of every device, ``n_0`` and the server histogram, the
     pooled device distribution ``P̄`` (server excluded) and the degrees ``D(P_k)``, ``D(P_0)``;
@@ -265,18 +268,20 @@ def _check(cond: bool, name: str, message: str) -> None:
 
 @dataclass(frozen=True)
 class FamilyOptions:
-    """Options shared by every algorithm of the FedDUMAP family (spec §12).
+    """Options shared by every algorithm of the FedDUMAP family.
 
     ``lr_decay``: per-round learning-rate decay of devices and server, ``η_t = η_0·lr_decay^(t−1)``
     (``train.lr`` is ``η_0``). ``device_momentum`` ``β'``: 0 = plain SGD (``train.momentum`` is not
-    used by this family; the device optimiser is part of the method, §7). ``device_momentum_impl``:
+    used by this family; the device optimiser is part of the method). ``device_momentum_impl``:
     ``exact`` (Formula 11 by hand: the first step moves by ``η'(1−β')g``) or ``torch_sgd``
     (``SGD(momentum=β', dampening=β')``, whose first step moves by ``η'g``).
-    ``divergence_guards`` (D17): drop a device whose last-epoch loss is ≥ ``guard_factor`` × the
-    initial test loss, revert a server step whose server-data loss grew ≥ ``guard_factor``×, and keep
-    ``w^{t−1}`` when the test loss reaches ``test_guard_factor`` × the initial one.
-    ``js_log_base`` / ``js_round_decimals``: non-IID degree (D1). ``model_init``: ``torch`` or
-    ``kaiming_out`` (the authors' conv init, spec §7).
+    ``divergence_guards`` (the authors' code's guards, off by default): drop a device whose
+    last-epoch loss is ≥ ``guard_factor`` × the initial test loss, revert a server step whose
+    server-data loss grew ≥ ``guard_factor``×, and keep ``w^{t−1}`` when the test loss reaches
+    ``test_guard_factor`` × the initial one.
+    ``js_log_base`` / ``js_round_decimals``: non-IID degree (JS divergence; base 2 reproduces the
+    paper's degrees, 3 decimals mimics the authors' code). ``model_init``: ``torch`` or
+    ``kaiming_out`` (the authors' conv init, ``N(0, 2/(k²·C_out))`` with zero bias).
     """
 
     lr_decay: float = 0.99
@@ -349,7 +354,7 @@ class DampedMomentumSGD(torch.optim.Optimizer):
 class ServerDataAlgorithm(Algorithm):
     server_data = "required"
 
-    """Shared round loop of the FedDUMAP family (spec §7).
+    """Shared round loop of the FedDUMAP family (the paper's per-round procedure).
 
     Per round ``t`` (1-based): ``before_round`` (FedAP's one-shot pruning) → one task per selected
     device (:meth:`configure`: ``w^{t−1}``, ``η_t`` and the member's extras) → every device trains
@@ -462,7 +467,7 @@ class ServerDataAlgorithm(Algorithm):
             u.metrics.update(self.round_metrics)
         return updates
 
-    # ------------------------------------------------------------------ guards (D17)
+    # ------------------------------------------------------------------ guards (authors' code; opt-in)
     def _guard_devices(self, updates: list[ClientResult]) -> list[ClientResult]:
         if not self.opt("divergence_guards", False) or self.initial_test_loss is None:
             return updates
@@ -524,7 +529,7 @@ class ServerDataAlgorithm(Algorithm):
             self.feddu_step(ctx, self._clients)
 
     def feddu_step(self, ctx: "Context", clients: list[ClientInfo]) -> float:
-        """FedDU (Formulas 4–7, §4.2) on :attr:`global_model` (holding ``w^{t−½}``), in place::
+        """FedDU (Formulas 4–7, as an interpolation) on :attr:`global_model` (``w^{t−½}``), in place::
 
             w^t = w^{t−½} + α^t·(w_srv − w^{t−½}),   α^t = f'(acc^t)·ratio^t·C·decay^(t−1)
 

@@ -25,7 +25,6 @@ mistyped option is reported up front with the field name.
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 

@@ -2,7 +2,8 @@
 
 Clients exchange **model outputs on an unlabeled open dataset** instead of parameters, and the
 server sharpens the averaged outputs by **entropy reduction aggregation (ERA)**. The procedure
-follows spec §2.6 (reimplementations BlazeFL / SCARLET; defaults unverified against the paper).
+follows the public reimplementations BlazeFL and SCARLET (their defaults are unverified against the
+paper).
 
 * No parameter exchange: every client keeps **its own model across rounds** as its private client
   state (``ClientResult.client_state``, handed back the next time it is sampled); its architecture
@@ -22,8 +23,8 @@ sharpening), distil the global model on ``S_t`` towards ``q`` (same KD settings)
 
 Evaluation: the global model is the server model. Per tier the engine evaluates one model; DS-FL
 has one model per client, so the tier entry is the model of a fixed representative client of the
-tier (the lowest client id of that tier that has trained); spec §2.6 asks for the mean over the
-tier's clients, which the engine's one-model-per-tier evaluation cannot express.
+tier (the lowest client id of that tier that has trained); the mean over the tier's clients would
+be the fuller figure, but the engine's one-model-per-tier evaluation cannot express it.
 
 Dynamic budgets: a client's model is fixed (it persists across rounds), so ``adapts_to = {static}``.
 Communication: upload ``|S_t|·K·4`` bytes of probabilities plus 8 bytes per index; download the
@@ -66,7 +67,7 @@ def era(mean_probs: torch.Tensor, temperature: float) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class DSFLOptions:
-    """DS-FL options (SCARLET / BlazeFL defaults; spec §2.6)."""
+    """DS-FL options (SCARLET / BlazeFL defaults, unverified against the paper)."""
 
     subset_size: int = 1000  # |S_t| drawn from the open pool each round
     kd_epochs: int = 5

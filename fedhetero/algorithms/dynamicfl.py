@@ -58,7 +58,8 @@ __all__ = ["DynamicFL", "DynamicFLOptions", "grow_to_budget"]
 class DynamicFLOptions:
     # "batchnorm": the anchor BN of a wrapped plain conv starts at γ=1, β=0, μ=0, v=1−ε (eval-exact;
     # trains with normalised activations). Measured on digits (LeNet-5, 20 rounds, 2 seeds) it beats
-    # the spec's "calibrated" set-up by 5–7 points at β = 0.1, 0.5 and 5; see CHANGELOG.
+    # the "calibrated" set-up (BN statistics taken from a few client batches, so train mode starts
+    # at the plain conv's scale) by 5–7 points at β = 0.1, 0.5 and 5; see CHANGELOG.
     anchor_norm: Literal["calibrated", "frozen_identity", "batchnorm"] = "batchnorm"
     calibration_batches: int = 4
     saliency: Literal["synflow", "snip", "grad_norm"] = "synflow"

@@ -1,24 +1,26 @@
 """FedAP: federated adaptive structured pruning, once, at a configured round (Algorithm 3).
 
-Right after round ``prune_round`` completes (D9: before round ``prune_round + 1`` trains; default
-30, ``-1`` disables) the server:
+Right after round ``prune_round`` completes (before round ``prune_round + 1`` samples devices, as
+in the authors' code; default 30, the paper's round, ``-1`` disables) the server:
 
 1. computes a per-dataset expected pruning rate ``p*_k`` for the server (``k = 0``) and **every**
    device ``k = 1..N`` on the current global model ``W'`` with one batch of ``hessian_batch`` (100)
-   samples of ``D_k``: ``slq_plateau`` (default, D10; the spectral mass above the first plateau of
-   the SLQ Hessian density), ``spectral_gap`` (paper-literal ``m_k/d_k`` at the first gap wider than
-   ``4ℒ_k``, with ``W`` = the initial global model) or ``fixed``; lines 2–4;
+   samples of ``D_k``: ``slq_plateau`` (default, the authors'-code heuristic; the spectral mass
+   above the first plateau of the SLQ Hessian density), ``spectral_gap`` (paper-literal
+   ``m_k/d_k`` at the first gap wider than ``4ℒ_k``, with ``W`` = the initial global model) or
+   ``fixed``; lines 2–4;
 2. aggregates them with Formula 15, ``p* = Σ_k w_k p*_k`` with ``w_k ∝ n_k / (D(P_k) + ε)``, the
-   server included (D11, ``ε = 1e-4``); line 5;
+   server included (``ε = 1e-4``, the authors' code); line 5;
 3. turns ``p*`` into the global magnitude threshold ``𝒱`` = the ``⌊ℳ·p*⌋``-th smallest ``|v|`` over
-   all trainable tensors (D12) and gives each conv layer ``l`` the rate ``p*_l`` = fraction of its
-   weights with ``|v| < 𝒱`` (D13), all on the unpruned model; lines 6–11;
+   all trainable tensors (biases and norm parameters too, as in the authors' code) and gives each
+   conv layer ``l`` the rate ``p*_l`` = fraction of its weights (biases not counted) with
+   ``|v| < 𝒱``, all on the unpruned model; lines 6–11;
 4. removes in each conv layer the ``⌊p*_l·d_l⌋`` filters (at least ``min_filters_per_layer`` kept)
    whose post-ReLU feature maps on ``hrank_samples`` (500) server images have the lowest average
-   matrix rank (HRank, D14), layer after layer (``sequential``) or all ranks first; lines 12–15;
-5. physically removes them with the consumer layers' input channels (D15) — the pruned model keeps
-   the surviving weights and is trained by everybody for the remaining rounds; FedDUM's server
-   momentum buffer is sliced with the same indices.
+   matrix rank (HRank), layer after layer (``sequential``) or all ranks first; lines 12–15;
+5. physically removes them with the consumer layers' input channels, so the FLOPs really drop —
+   the pruned model keeps the surviving weights and is trained by everybody for the remaining
+   rounds; FedDUM's server momentum buffer is sliced with the same indices.
 
 The numerical pieces live in :mod:`fedhetero.pruning` (Hessian/SLQ rates, Formula 15, threshold,
 HRank ranks, surgery); this module orchestrates them inside the round loop and records what the
@@ -34,7 +36,7 @@ the configured model), next to the pruned model's ``state``; the client half reb
 architecture with :func:`pruned_model` (cached per process) and loads the state.
 
 FedAP alone (this module's :class:`FedAP`) is FedAvg with the pruning step and no server update
-(spec §7 table; authors' code ``central_train = 0``).
+(the paper's FedAP ablation variant; authors' code ``central_train = 0``).
 """
 
 from __future__ import annotations
@@ -78,13 +80,14 @@ __all__ = [
 
 @dataclass(frozen=True)
 class RateOptions:
-    """Options of Algorithm 3 lines 2–11 (spec §12, flops_and_pruning.md §6.4), shared with IMC.
+    """Options of Algorithm 3 lines 2–11, shared with IMC.
 
     ``prune_round`` (30; −1 disables; pruning runs before round ``prune_round + 1``),
-    ``prune_rate_mode`` (D10), ``fixed_prune_rate`` (mode ``fixed``), ``hessian_batch``,
-    ``slq_iters``/``slq_probes`` (``null`` = 50/1 for ``slq_plateau``, 100/4 for ``spectral_gap``),
-    ``slq_grid``, ``slq_kernel_var``, ``plateau_*``, ``gap_factor``, ``lipschitz_power_iters``,
-    ``eps_formula15`` (Formula 15's ε) and ``threshold_params`` (D12).
+    ``prune_rate_mode`` (step 1 of the module docstring), ``fixed_prune_rate`` (mode ``fixed``),
+    ``hessian_batch``, ``slq_iters``/``slq_probes`` (``null`` = 50/1 for ``slq_plateau``, 100/4 for
+    ``spectral_gap``), ``slq_grid``, ``slq_kernel_var``, ``plateau_*``, ``gap_factor``,
+    ``lipschitz_power_iters``, ``eps_formula15`` (Formula 15's ε) and ``threshold_params`` (which
+    tensors define ``𝒱``).
     """
 
     prune_round: int = 30
@@ -129,8 +132,9 @@ class PruneOptions(RateOptions):
 
     ``layer_rate_rule`` (``threshold`` = Algorithm 3 lines 6–11; ``uniform`` = every conv gets ``p*``
     directly, the HRank baseline), ``hrank_samples`` / ``hrank_batch`` (500 = 5 × 100 server
-    images), ``hrank_augment`` (False; True mimics the authors' code), ``prune_order`` (D14),
-    ``resnet_prune_policy`` (D15: ``block_internal_only`` never prunes residual groups, ``group``
+    images), ``hrank_augment`` (False; True mimics the authors' code), ``prune_order``
+    (``sequential`` ranks each layer after the earlier ones are pruned, as the authors' code does),
+    ``resnet_prune_policy`` (``block_internal_only`` never prunes residual groups, ``group``
     prunes them with one kept set per group) and ``min_filters_per_layer``.
     """
 

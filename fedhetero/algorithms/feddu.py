@@ -6,8 +6,8 @@ the aggregate toward a model trained on ``D_0`` with a step that is set every ro
 accuracy of the aggregate on ``D_0``, the Jensen–Shannon non-IID degrees (Formulas 2–3) of the
 server data and of the selected devices' pooled data, and a decay in the round index (Formula 7).
 
-Default (spec ``feddumap.md`` §4.2, decision D2 — exactly Formula 4 with the FedNova-normalised
-server gradient of Formula 6)::
+Default (the authors' code form, written as an interpolation — exactly Formula 4 with the
+FedNova-normalised server gradient of Formula 6)::
 
     ratio^t = n_0·JS(P̄'^t) / (n_0·JS(P̄'^t) + n'·JS(P_0))
     α^t     = f'(acc^t) · ratio^t · C · decay^(t-1)          # = τ_eff^t / τ   (Formula 7 / τ)
@@ -15,10 +15,12 @@ server gradient of Formula 6)::
     w^t     = w^{t-1/2} + α^t · (w_srv − w^{t-1/2})          # Formula 4, since τ·η·ḡ_0 = w^{t-1/2} − w_srv
 
 The server step is skipped when ``α^t ≤ alpha_min`` (1e-3, authors' code) or when there is no
-server data (then FedDU is FedAvg). ``f'(acc) = 1 − acc`` (D4), ``C = 1``, ``decay = 0.99`` (D6), the
-first round uses ``decay^0`` (D3), ``acc^t`` is the clean eval-mode top-1 accuracy of
-``w^{t-1/2}`` on the whole server set (D5). Device and server learning rates decay by ``lr_decay``
-(0.99) per round: ``η_t = η_0 · lr_decay^(t-1)`` (spec §7, §10.4).
+server data (then FedDU is FedAvg). ``f'(acc) = 1 − acc`` (the better candidate of the paper's
+Table 3), ``C = 1`` (Table 4), ``decay = 0.99`` (the authors' launch scripts), the first round uses
+``decay^0`` (as the authors' code does), ``acc^t`` is the clean eval-mode top-1 accuracy of
+``w^{t-1/2}`` on the whole server set (the authors' code evaluates with augmentation; the effect is
+small). Device and server learning rates decay by ``lr_decay`` (0.99) per round:
+``η_t = η_0 · lr_decay^(t-1)`` (the paper's η = 0.1 "with a decay rate of 0.99").
 
 The shared round loop of the FedDUMAP family (:class:`ServerDataAlgorithm`), the formulas above
 (:func:`fprime`, :func:`importance_ratio`, :func:`feddu_alpha`, :func:`interpolate_states`,
@@ -76,9 +78,10 @@ __all__ = [
 # ==================================================================================== options
 @dataclass(frozen=True)
 class FedDUOptions(FamilyOptions):
-    """FedDU options (spec §12): ``server_update`` (``interpolate`` = D2, ``none`` = FedAvg),
-    ``fprime`` (D4), ``fprime_eps``, ``C``, ``decay`` (τ_eff decay, D6), ``decay_index_base`` (D3),
-    ``alpha_min`` (skip threshold), ``server_acc_augment`` (D5), ``server_epochs`` /
+    """FedDU options: ``server_update`` (``interpolate`` = the Formula 4 step above, ``none`` =
+    FedAvg), ``fprime`` (``1-acc`` or ``1/(acc+eps)``), ``fprime_eps``, ``C``, ``decay`` (τ_eff decay),
+    ``decay_index_base`` (0: the first round uses ``decay^0``), ``alpha_min`` (skip threshold),
+    ``server_acc_augment`` (True mimics the authors' code), ``server_epochs`` /
     ``server_batch_size`` (``null`` = ``train.local_epochs`` / ``train.batch_size``)."""
 
     server_update: Literal["interpolate", "none"] = "interpolate"
@@ -106,8 +109,8 @@ class FedDUOptions(FamilyOptions):
 
 @dataclass(frozen=True)
 class FedDUStaticOptions(FedDUOptions):
-    """FedDU-S (spec §4.4): a constant ``τ_eff`` server steps, i.e. ``α = tau_eff / τ`` every round
-    (``tau_eff = τ`` re-trains the aggregate fully on ``D_0``)."""
+    """FedDU-S (the paper's static variant): a constant ``τ_eff`` server steps, i.e.
+    ``α = tau_eff / τ`` every round (``tau_eff = τ`` re-trains the aggregate fully on ``D_0``)."""
 
     tau_eff: float = 10.0
 
@@ -119,14 +122,15 @@ class FedDUStaticOptions(FedDUOptions):
 # ==================================================================================== FedDU
 class FedDU(ServerDataAlgorithm):
     """FedDU (Algorithm 1): FedAvg of plain-SGD devices, then the dynamic server update of
-    Formula 4 with ``τ_eff`` from Formula 7, implemented as the §4.2 interpolation (D2)."""
+    Formula 4 with ``τ_eff`` from Formula 7, implemented as the interpolation of the module
+    docstring."""
 
     name = "feddu"
     Options = FedDUOptions
 
 
 class FedDUStatic(ServerDataAlgorithm):
-    """FedDU-S (spec §4.4, Table 2): FedDU with a static ``τ_eff``, i.e. a constant
+    """FedDU-S (the paper's Table 2): FedDU with a static ``τ_eff``, i.e. a constant
     ``α = τ_eff / τ`` (the normalised server gradient of Formula 6 still averages all τ steps).
 
     ``α`` exceeds 1 when ``tau_eff > τ`` (Formula 4 then extrapolates along the averaged server

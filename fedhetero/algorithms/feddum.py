@@ -1,6 +1,6 @@
 """FedDUM: FedDU with decoupled momentum on devices and server (FedDUMAP paper, Algorithm 2).
 
-Device side (Formula 11; spec §5.2, D7): local SGD with ``(1−β')``-dampened momentum whose buffer
+Device side (Formula 11): local SGD with ``(1−β')``-dampened momentum whose buffer
 restarts at zero every round::
 
     m'^{t,0} = 0,  w'^{t,0} = w^{t−1}
@@ -11,17 +11,19 @@ written by hand (:class:`DampedMomentumSGD`, defined with the shared round loop 
 ``η'(1−β')g``; devices upload their model only, so communication equals FedAvg's (``bytes_up`` =
 model bytes). The optimiser is built in the client half from the options and ``η_t`` in the task.
 
-Server side (Formula 12 as interpreted in spec §5.3, D8; then Formula 8)::
+Server side (Formula 12 as printed is circular, so its pseudo-gradient is read as the old global
+model minus the FedDU output, as the text describes; then Formula 8)::
 
     w^{t−½} = Σ_k (n_k/n')·w'_k                 # aggregate of device models
-    w̃^t     = FedDU(w^{t−½})                    # §4.2, the same α^t
+    w̃^t     = FedDU(w^{t−½})                    # the FedDU interpolation, the same α^t
     g^t     = w^{t−1} − w̃^t                     # pseudo-gradient = total displacement
     m^t     = β·m^{t−1} + (1−β)·g^t             # Formula 8, (1−β)-dampened; m^1 = g^1 (first_grad)
     w^t     = w^{t−1} − η_s·m^t
 
-with ``β = 0.9``, ``η_s = 1`` and ``β' = 0.9`` (D8, D7). The momentum runs over the model's
+with ``β = 0.9`` (the authors' conference code's server momentum), ``η_s = 1`` (``g^t`` is already a
+model displacement) and ``β' = 0.9``; the paper gives none of them. The momentum runs over the model's
 parameters; buffers (BN running statistics) take ``w̃^t``'s values. It is accumulated in float64.
-With ``β = β' = 0`` FedDUM equals FedDU (spec §15).
+With ``β = β' = 0`` FedDUM equals FedDU.
 """
 
 from __future__ import annotations
@@ -61,7 +63,7 @@ def server_momentum_step(
     count: int = 1,
     keys: Iterable[str] | None = None,
 ) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
-    """One server momentum update (Formula 8 on the pseudo-gradient of Formula 12, spec §5.3).
+    """One server momentum update (Formula 8 on the pseudo-gradient of Formula 12, read as ``w^{t−1} − w̃^t``).
 
     ``prev`` = ``w^{t−1}``, ``tilde`` = ``w̃^t`` (the FedDU output), ``momentum`` = ``m^{t−1}``
     (float64, ``None`` before the first update), ``count`` = the 1-based number of this update.
@@ -99,7 +101,7 @@ def server_momentum_step(
 
 @dataclass(frozen=True)
 class FedDUMOptions(FedDUOptions):
-    """FedDUM options (spec §12): FedDU's, plus ``server_momentum`` β (0.9), ``server_lr`` η_s (1.0),
+    """FedDUM options: FedDU's, plus ``server_momentum`` β (0.9), ``server_lr`` η_s (1.0),
     ``server_momentum_init`` (``first_grad``; ``zero``, ``bias_correct``); ``device_momentum`` β'
     defaults to 0.9."""
 
@@ -118,7 +120,7 @@ class ServerMomentumMixin:
     """Server momentum over the pseudo-gradient ``w^{t−1} − w̃^t`` (Formulas 8 and 12).
 
     Keeps ``server_momentum_buffer`` (parameter name → float64 tensor) and the update count; both
-    are checkpointed. FedAP slices the buffer when it prunes (spec §6.5).
+    are checkpointed. FedAP slices the buffer with the kept channel indices when it prunes.
     """
 
     server_momentum_buffer: dict[str, Tensor] | None = None

@@ -1,6 +1,6 @@
 """FedDUMAP and FedDUAP: dynamic server update (+ decoupled momentum) + adaptive pruning.
 
-Spec ``feddumap.md`` §7 (per-round procedure) and its ablation table:
+The FedDUMAP paper's ablation variants all share one per-round procedure and differ only in:
 
 ========== ====================== ============== =============== =======
 variant    device optimiser       server update  server momentum pruning
@@ -13,7 +13,7 @@ FedDUMAP   SGDM, reset per round  FedDU          yes             yes
 ========== ====================== ============== =============== =======
 
 FedDUMAP (the journal method): devices run Formula 11, the server averages (Formula 12, first
-part), applies the FedDU step (Formulas 4–7, §4.2 form), then momentum over the pseudo-gradient
+part), applies the FedDU step (Formulas 4–7, interpolated), then momentum over the pseudo-gradient
 (Formulas 12 and 8); after ``prune_round`` (30) rounds FedAP (Algorithm 3, Formula 15) prunes the
 global model once and slices the server momentum buffer with the same channel indices. FedDUAP is
 the conference version (reference 35): FedDU + FedAP without momentum.
@@ -36,12 +36,12 @@ __all__ = ["FedDUAPOptions", "FedDUMAPOptions", "FedDUAP", "FedDUMAP"]
 
 @dataclass(frozen=True)
 class FedDUAPOptions(PruneOptions, FedDUOptions):
-    """FedDU options plus FedAP's (spec §12)."""
+    """FedDU options plus FedAP's."""
 
 
 @dataclass(frozen=True)
 class FedDUMAPOptions(PruneOptions, FedDUMOptions):
-    """FedDUM options (β = β' = 0.9, η_s = 1) plus FedAP's (spec §12)."""
+    """FedDUM options (β = β' = 0.9, η_s = 1) plus FedAP's."""
 
 
 class FedDUAP(PruningMixin, FedDU):
@@ -54,7 +54,7 @@ class FedDUAP(PruningMixin, FedDU):
 class FedDUMAP(PruningMixin, FedDUM):
     """FedDUMAP: FedDUM (Algorithm 2: Formulas 11, 12, 8 on top of FedDU's Formulas 4–7) + FedAP
     (Algorithm 3, Formula 15) once after ``prune_round``; the server momentum is sliced with the
-    pruned channels (spec §6.5)."""
+    pruned channels' indices."""
 
     name = "feddumap"
     Options = FedDUMAPOptions

@@ -1,4 +1,4 @@
-"""Baselines of the FedDUMAP paper that use the shared server data or FedAP's pieces (spec §9).
+"""Baselines of the FedDUMAP paper that use the shared server data or FedAP's pieces.
 
 All run in the FedDUMAP round loop (:class:`~fedhetero.algorithms._server_data.ServerDataAlgorithm`):
 per-round learning-rate decay ``lr_decay``, plain-SGD devices unless stated, n_k-weighted averaging.
@@ -13,8 +13,9 @@ masks.
   ``min(p%, 5) + 1``) are recorded for the time model.
 - ``hybrid_fl`` (Yoshida et al. 2020): the server is one more participant of FedAvg: it trains ``E``
   epochs on ``D_0`` from ``w^{t−1}`` and joins the weighted average with weight ``n_0``.
-- ``feddu_sm`` (ServerM, FedDU-SM; §8 item 29): FedDU + server momentum over the pseudo-gradient
-  (Formulas 12, 8), plain local SGD.
+- ``feddu_sm`` (ServerM, FedDU-SM; the paper combines each momentum baseline with FedDU, so the
+  rows of its Tables 10/11 are read as these combinations): FedDU + server momentum over the
+  pseudo-gradient (Formulas 12, 8), plain local SGD.
 - ``feddu_dm`` (DeviceM, FedDU-DM): FedDU + the reset-per-round dampened device momentum of
   Formula 11, no server momentum.
 - ``feddu_da`` (FedDA, FedDU-DA): FedDU + momentum on both sides with the optimiser state
@@ -30,8 +31,8 @@ masks.
   update, no FLOP reduction. ``bytes_up``/``bytes_down`` count only unmasked entries (what a sparse
   transfer needs; index overhead ignored); ``params_remaining`` is recorded.
 
-Not implemented here: FedKT, PruneFL (no definition in the spec beyond references) and FedDF (see
-the knowledge-distillation baselines of the toolkit).
+Not implemented here: FedKT, PruneFL (the FedDUMAP paper only cites them, with no settings) and
+FedDF (see the knowledge-distillation baselines of the toolkit).
 """
 
 from __future__ import annotations

@@ -3,8 +3,8 @@
 Small client models of several sizes train a larger server model by **weighted consensus
 distillation with diversity regularisation** on unlabeled public data (the paper's abstract); the
 DynamicFL paper calls it a bi-directional transfer between server and client models. No official
-code exists; the round below follows spec §2.5 (structure of a third-party implementation,
-unverified against the paper).
+code exists; the round below follows the structure of a third-party implementation (its
+``FedET_Server`` class), unverified against the paper.
 
 Models: one model per tier (the configured architecture at the largest width fitting the tier's
 FLOPs budget, parameterised independently) and one server model with the largest tier's
@@ -123,7 +123,7 @@ def consensus_targets(
 
 @dataclass(frozen=True)
 class FedETOptions:
-    """FedET options (third-party defaults, unverified against the paper; spec §2.5)."""
+    """FedET options (third-party defaults, unverified against the paper)."""
 
     rep_dim: int = 128  # D: size of the shared representation
     server_steps: int = 128  # τ
@@ -215,14 +215,16 @@ class FedET(Algorithm):
             opt = torch.optim.SGD(self.server_model.parameters(), lr=opts.server_lr)
             self._last_kd = distill(ctx, self.server_model, batches, server_loss, opts.server_steps, optimizer=opt)
             head = self.server_model.head.state_dict()
-            for k, (tier, model) in enumerate(self.tier_models.items()):
+            for k, model in enumerate(self.tier_models.values()):
                 if opts.transfer_back == "share":
                     model.head.load_state_dict(head)
                     continue
                 teacher = self.server_model
                 g = ctx.torch_generator("server", ctx.round, k + 1)
 
-                def back_loss(out: torch.Tensor, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+                def back_loss(
+                    out: torch.Tensor, x: torch.Tensor, pos: torch.Tensor, teacher: nn.Module = teacher
+                ) -> torch.Tensor:
                     return kd_loss(out, logits_on(teacher, x), opts.temperature)
 
                 opt_t = torch.optim.SGD(model.parameters(), lr=opts.server_lr)

@@ -53,7 +53,7 @@ def rolling_window(channels: int, keep: int, round_index: int) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class FedRolexOptions:
-    """FedRolex options (defaults: upstream ``roll`` with ``--weighting avg``, spec §2.2)."""
+    """FedRolex options (defaults: upstream ``roll`` with ``--weighting avg``)."""
 
     mode: Literal["roll", "random", "static"] = "roll"
     weighting: Literal["uniform", "samples", "width"] = "uniform"

@@ -198,7 +198,7 @@ def static_bn_model(
 # ---------------------------------------------------------------------------------------- options
 @dataclass(frozen=True)
 class HeteroFLOptions:
-    """HeteroFL options (defaults: upstream ``process_control`` and spec §2.1)."""
+    """HeteroFL options (defaults: upstream ``process_control``)."""
 
     bn: Literal["sbn_central", "batch", "fedavg"] = "sbn_central"
     scaler: bool = True

@@ -1,7 +1,7 @@
 """SplitMix: split the model into base networks and mix them per budget
 (Hong, Wang, Lyu, Zhou, Jain, Kumar, Lin; ICLR 2022).
 
-Base-model split (spec §2.3, upstream ``illidanlab/SplitMix``): the global model is ``M``
+Base-model split (as upstream ``illidanlab/SplitMix``): the global model is ``M``
 **independent base networks**, each the whole architecture at the atom width ρ, with its own
 stem, BNs and classifier, independently initialised. ρ defaults to the smallest tier's width (the
 largest width whose MACs fit the smallest tier's budget; ``atom_width`` overrides it). A client

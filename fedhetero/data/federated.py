@@ -3,8 +3,10 @@
 :func:`build_federated_data` performs, in this order and all with one data-partition generator:
 
 1. load the train and test splits into memory;
-2. hold out the unlabelled public set (baselines spec D18; removed for every method);
-3. split off the server set (FedDUMAP §10.2; size and class coverage configurable);
+2. hold out the unlabelled public set of the distillation baselines (removed for every method, so
+   all methods train on the same data);
+3. split off the server set (the FedDUMAP paper's shared server data; size and class coverage
+   configurable);
 4. partition the remaining pool among the clients.
 
 Every index in :class:`FederatedData` refers to rows of ``train`` (``public_indices`` refers to
@@ -258,7 +260,7 @@ def build_federated_data(
         everything else. Ignored when ``public_source`` is given.
     public_source:
         another dataset name whose whole training split is the public set (e.g. ``"cifar100"`` for
-        CIFAR-10, D18); it must have the same input shape.
+        CIFAR-10, the usual pairing for distillation baselines); it must have the same input shape.
     rng:
         the data-partition generator (concern 0), or an int master seed from which it is derived
         as ``SeedSequence(seed, spawn_key=(0,))``.

@@ -15,8 +15,8 @@ Partitioners
     a uniform random split into near-equal parts (sizes differ by at most 1).
 ``dirichlet``
     per class, client shares drawn from ``Dir(alpha·1)``; redrawn until every client holds
-    ``min_size`` samples, at most ``max_retries`` times, then repaired deterministically
-    (baselines spec §5.2.7). Never hangs, never divides by zero.
+    ``min_size`` samples, at most ``max_retries`` times, then repaired deterministically (common
+    partitioners hang or leave empty clients at small ``alpha``). Never hangs, never divides by zero.
 ``shards``
     FedAvg/FedDUMAP sort-and-shard: sort by label, cut into ``num_clients·shards_per_client``
     contiguous shards, give each client ``shards_per_client`` random shards (so at most that many
@@ -130,7 +130,7 @@ def dirichlet(
     self_balancing: bool = False,
     report: dict[str, Any] | None = None,
 ) -> list[np.ndarray]:
-    """Label-Dirichlet partition, robust to empty clients (baselines spec §5.2.7).
+    """Label-Dirichlet partition, robust to empty clients (bounded redraws, then a repair step).
 
     1. For each class present, draw shares ``p ~ Dir(alpha·1_N)``. With ``self_balancing`` the share
        of clients already holding more than ``n/N`` samples is zeroed; shares are renormalised, and
@@ -226,7 +226,7 @@ def shards(
     shards_per_client: int,
     rng: np.random.Generator,
 ) -> list[np.ndarray]:
-    """Sort-and-shard partition (FedAvg; FedDUMAP §10.2).
+    """Sort-and-shard partition (FedAvg; the FedDUMAP paper's device split).
 
     The pool is shuffled, stably sorted by label, and cut into ``S = num_clients·shards_per_client``
     contiguous shards of near-equal size (``np.array_split``: sizes differ by at most one, so every

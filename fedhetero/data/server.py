@@ -10,9 +10,9 @@ with label histograms normalised to sum to 1, terms with ``P_i(y) = 0`` contribu
 ``n_k``-weighted pooled label distribution of all devices, the server excluded. Check values
 against a uniform 10-class reference: 2 classes → 0.610, 5 classes → 0.311, 10 classes → 0.
 
-Server split (FedDUMAP §10.2; authors' code): ``n_0`` samples drawn from ``share_l`` randomly
-chosen classes, ``n_0/share_l`` per class. Public split (baselines spec D18): a random hold-out
-fraction of the training set whose labels are never used; it is removed for all methods.
+Server split (FedDUMAP authors' code): ``n_0`` samples drawn from ``share_l`` randomly chosen
+classes, ``n_0/share_l`` per class. Public split (for the distillation baselines): a random
+hold-out fraction of the training set whose labels are never used; it is removed for all methods.
 """
 
 from __future__ import annotations
@@ -306,7 +306,7 @@ def split_server(
 def split_public(
     n_or_pool: int | np.ndarray, fraction: float | int, rng: np.random.Generator
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Hold out an unlabelled public set (baselines spec D18): a uniform random subset.
+    """Hold out an unlabelled public set (for the distillation baselines): a uniform random subset.
 
     ``n_or_pool`` is the pool size or the pool's indices; ``fraction`` a fraction in ``[0, 1)`` or
     an int count. Returns ``(public, remaining)``, both sorted. Labels of the public set must not be

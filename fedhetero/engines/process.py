@@ -64,12 +64,12 @@ def _worker_main(conn: Connection) -> None:
             msg = conn.recv_bytes()
         except (EOFError, OSError):
             return
-        job = pickle.loads(msg)
-        if job is None:
+        batch = pickle.loads(msg)
+        if batch is None:
             return
-        task, state = job
-        outcome = run_task(lambda: cls(options), ctx, task, state, hang_seconds=3600.0)
-        conn.send_bytes(pickle.dumps(outcome, protocol=pickle.HIGHEST_PROTOCOL))
+        for task, state in batch:  # one outcome message per task, as soon as it is done
+            outcome = run_task(lambda: cls(options), ctx, task, state, hang_seconds=3600.0)
+            conn.send_bytes(pickle.dumps(outcome, protocol=pickle.HIGHEST_PROTOCOL))
 
 
 class _Worker:
@@ -88,7 +88,8 @@ class _Worker:
         self._init = pickle.dumps((cfg_data, threads, list(sys.path)))
         self.conn: Connection | None = None
         self.ready = False
-        self.job: tuple[Any, float] | None = None  # (task, start time)
+        self.queue: list[Any] = []  # tasks sent and not yet answered, in the order it runs them
+        self.started = 0.0  # when the first task of ``queue`` started (as far as the server knows)
 
     def connect(self) -> None:
         """Wait for the started interpreter to connect and send it the config (started workers
@@ -182,55 +183,70 @@ class ProcessBackend(Backend):
         return fresh
 
     # ------------------------------------------------------------------ running
+    def _send(self, w: _Worker, batch: list[Any], states: dict[int, Any], done: dict[int, Outcome]) -> _Worker:
+        """Send a worker its share of the round in one message: tasks of one round share their
+        payload tensors (the global model), which pickle then carries once per worker."""
+        while batch:
+            self._await_ready(w)
+            assert w.conn is not None  # connected by _await_ready
+            data = pickle.dumps([(t, states.get(t.cid)) for t in batch], protocol=pickle.HIGHEST_PROTOCOL)
+            try:
+                w.conn.send_bytes(data)
+            except (BrokenPipeError, OSError):
+                done[batch[0].cid] = Outcome(batch[0], None, f"worker died (exit code {w.exitcode})")
+                batch = batch[1:]
+                w = self._replace(w)
+                continue
+            w.queue = list(batch)
+            w.started = time.perf_counter()
+            break
+        return w
+
     def run(self, algorithm, tasks, states, on_done: Callable[[int], None] | None = None):  # type: ignore[no-untyped-def]
+        """Tasks in client-id order, dealt round-robin to the workers (neighbouring ids land on
+        different workers, which balances tiers); outcomes returned in client-id order."""
         self._start()
         for w in self._workers:
             self._await_ready(w)
         queue = sorted(tasks, key=lambda t: t.cid)
-        pending = list(queue)
         done: dict[int, Outcome] = {}
-        while pending or any(w.job is not None for w in self._workers):
-            for w in self._workers:
-                if w.job is None and pending:
-                    task = pending.pop(0)
-                    self._await_ready(w)
-                    payload = pickle.dumps((task, states.get(task.cid)), protocol=pickle.HIGHEST_PROTOCOL)
-                    try:
-                        w.conn.send_bytes(payload)
-                    except (BrokenPipeError, OSError):
-                        done[task.cid] = Outcome(task, None, f"worker died (exit code {w.exitcode})")
-                        self._replace(w)
-                        continue
-                    w.job = (task, time.perf_counter())
-            busy = [w for w in self._workers if w.job is not None]
-            if not busy:
-                continue
+        n = len(self._workers)
+        for i in range(n):
+            self._send(self._workers[i], queue[i::n], states, done)
+
+        def finish(task: Any, outcome: Outcome) -> None:
+            done[task.cid] = outcome
+            if on_done is not None:
+                on_done(task.cid)
+
+        while any(w.queue for w in self._workers):
+            busy = [w for w in self._workers if w.queue]
             wait_s = None
             if self.timeout is not None:
                 now = time.perf_counter()
-                wait_s = max(0.0, min(w.job[1] + self.timeout - now for w in busy if w.job) + 0.01)
-            ready = wait([w.conn for w in busy], timeout=wait_s)
+                wait_s = max(0.0, min(w.started + self.timeout - now for w in busy) + 0.01)
+            ready = wait([w.conn for w in busy if w.conn is not None], timeout=wait_s)
             now = time.perf_counter()
             for w in busy:
-                assert w.job is not None
-                task, started = w.job
+                task = w.queue[0]
                 if w.conn in ready:
+                    assert w.conn is not None
                     try:
                         outcome = pickle.loads(w.conn.recv_bytes())
                     except (EOFError, OSError):
-                        outcome = Outcome(task, None, f"worker died (exit code {w.exitcode})", now - started)
-                        w = self._replace(w)
-                    w.job = None
-                    done[task.cid] = outcome
-                    if on_done is not None:
-                        on_done(task.cid)
-                elif self.timeout is not None and now - started > self.timeout:
-                    done[task.cid] = Outcome(
-                        task, None, f"timeout: no answer within engine.client_timeout_s={self.timeout:g} s", now - started
-                    )
-                    self._replace(w)
-                    if on_done is not None:
-                        on_done(task.cid)
+                        rest = w.queue[1:]
+                        finish(task, Outcome(task, None, f"worker died (exit code {w.exitcode})", now - w.started))
+                        self._send(self._replace(w), rest, states, done)
+                        continue
+                    w.queue.pop(0)
+                    w.started = now
+                    finish(task, outcome)
+                elif self.timeout is not None and now - w.started > self.timeout:
+                    rest = w.queue[1:]
+                    finish(task, Outcome(
+                        task, None, f"timeout: no answer within engine.client_timeout_s={self.timeout:g} s", now - w.started
+                    ))
+                    self._send(self._replace(w), rest, states, done)
         return [done[t.cid] for t in queue]
 
     def close(self) -> None:

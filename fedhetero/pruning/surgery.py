@@ -9,8 +9,9 @@ running statistics**. Residual additions are respected because tied channels for
 - :func:`prunable_groups`: which groups a policy may prune. ``"block_internal_only"`` (default for
   residual nets) excludes residual groups (groups written by more than one conv, e.g. a ResNet stage's
   stem/projection and every block's second conv); ``"group"`` prunes those with one kept set per group.
-- :class:`ChannelMacs`: forward MACs per sample as a closed form of the kept counts (flops spec §2.4:
-  ``MAC_l = c_l · C_out,kept · C_in,kept`` with ``c_l = H_out·W_out·k_h·k_w`` or the linear position count),
+- :class:`ChannelMacs`: forward MACs per sample as a closed form of the kept counts, on the
+  producer and the consumer side (a tracing counter would count masked filters as dense work):
+  ``MAC_l = c_l · C_out,kept · C_in,kept`` with ``c_l = H_out·W_out·k_h·k_w`` or the linear position count;
   built once per architecture from :func:`reparam.flops.layer_macs`.
 - :func:`plan_from_rates` (per-group rates → spec, HRank-style count rule), :func:`fedap_group_rates`
   (per-conv FedAP rates → per-group rates), :func:`plan_for_budget` (largest plan whose MACs fit a
@@ -355,7 +356,7 @@ def plan_for_budget(
         ignored. ``None``: computed with ``criterion`` (``magnitude`` data-free; ``hrank``/``taylor_bn``
         need ``batches``).
     method:
-        ``"threshold"`` (default, flops spec §9): scores are normalised by their group mean and one
+        ``"threshold"`` (default): scores are normalised by their group mean and one
         global threshold decides every group's keep count; ``"uniform"``: one rate for every group.
         Either way the monotone 1-D parameter is bisected for the largest plan with ``MACs ≤ budget``.
     fill:

@@ -1,4 +1,4 @@
-"""FedDU / FedDUM / FedAP / FedDUMAP and the FedDUMAP baselines (spec feddumap.md §4–§9, §15)."""
+"""FedDU / FedDUM / FedAP / FedDUMAP and the FedDUMAP baselines (the paper's Algorithms 1–3, Formulas 2–15)."""
 
 from __future__ import annotations
 
@@ -130,7 +130,7 @@ def test_feddu_server_step_equals_formula_in_the_engine(tmp_path):
                           num_samples=len(ctx.data.client_indices[c]), round=3) for c in (0, 2, 5)]
     alg.round_metrics = {}
     half = copy.deepcopy(alg.global_model.state_dict())
-    # expected, computed independently from the spec's formulas
+    # expected, computed independently from the paper's Formulas 2–7
     idx = ctx.data.server_indices
     acc = ctx.evaluate(alg.global_model, dataset=ctx.data.train, indices=idx)["accuracy"]
     hist = lambda ix: ctx.data.train.label_histogram(ix).astype(float)  # noqa: E731

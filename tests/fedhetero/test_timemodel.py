@@ -26,7 +26,7 @@ CNN_PARAMS, VGG_PARAMS, LENET_PARAMS = 122_570, 9_750_922, 62_006
 
 
 def test_paper_round_times_match_spec():
-    # feddumap spec §11.3: per-round CNN 3.42 s (1.12 comm), VGG 97.3 s (89.3), LeNet 1.87 s (0.57)
+    # FedDUMAP authors' time model, per round: CNN 3.42 s (1.12 comm), VGG 97.3 s (89.3), LeNet 1.87 s (0.57)
     assert round(paper_round_seconds("cnn", CNN_PARAMS), 2) == 3.42
     assert round(paper_comm_seconds(CNN_PARAMS), 2) == 1.12
     assert round(paper_round_seconds("vgg", VGG_PARAMS), 1) == 97.3
@@ -47,7 +47,7 @@ def test_paper_cumulative_times_and_spec_consequence():
     t = paper_cumulative_times(300, "cnn", CNN_PARAMS)
     assert t.shape == (301,) and t[0] == 0.0
     assert abs(t[10] - 10 * paper_round_seconds("cnn", CNN_PARAMS)) < 1e-9
-    # spec: FedAvg-CNN's 838 s to 0.6 is about 245 rounds
+    # so the paper's FedAvg-CNN time of 838 s to accuracy 0.6 is about 245 rounds
     assert int(np.searchsorted(t, 838.0)) in range(244, 247)
     # the model shrinks after a pruning round
     ratios = np.where(np.arange(4) < 2, 1.0, 0.5)

@@ -82,7 +82,7 @@ def assert_bit_exact(a: nn.Module, b: nn.Module, x) -> None:
             assert torch.equal(ma(x), mb(x))
         sa = {k: v for k, v in ma.state_dict().items() if "running" in k}
         flat_b = {}
-        for path, blk in reparam.iter_blocks(mb):
+        for _path, blk in reparam.iter_blocks(mb):
             if blk.bn_path:
                 for k, v in blk.branches["kxk"].bn.state_dict().items():
                     flat_b[f"{blk.bn_path}.{k}"] = v

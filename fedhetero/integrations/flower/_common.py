@@ -5,14 +5,15 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import yaml
 
 from fedhetero.config import ConfigError, RunConfig, apply_overrides, from_dict, to_dict
 
-__all__ = ["config_text", "parse_config", "split_overrides", "run_config_get"]
+__all__ = ["config_text", "parse_config", "run_config_get", "split_overrides"]
 
 
 def config_text(cfg: RunConfig) -> tuple[str, str]:

@@ -26,8 +26,9 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -261,7 +262,7 @@ class FlowerBackend(Backend):
                 try:
                     msg = self._message(task)
                     accepted = self._push([msg])
-                except Exception as exc:  # an encoding error is this client's failure
+                except Exception as exc:  # noqa: BLE001 - an encoding error is this client's failure
                     finish(task, Outcome(task, None, f"flower: could not send the task: {type(exc).__name__}: {exc}"))
                     continue
                 if not accepted:
@@ -287,7 +288,7 @@ class FlowerBackend(Backend):
                 else:
                     try:
                         outcome = decode_outcome(reply.content, task, self.device)
-                    except Exception as exc:
+                    except Exception as exc:  # noqa: BLE001 - a bad reply drops this client only
                         outcome = Outcome(task, None, f"flower: the reply could not be decoded: {type(exc).__name__}: {exc}", now - sent)
                 finish(task, outcome)
                 send_next(self.node_of(task.cid))

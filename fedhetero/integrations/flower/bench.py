@@ -25,7 +25,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.app import (
+    ArrayRecord,
+    ConfigRecord,
+    Context,
+    Message,
+    MetricRecord,
+    RecordDict,
+)
 
 from fedhetero.algorithms.base import ClientTask
 from fedhetero.config import RunConfig, from_dict, to_dict
@@ -93,7 +100,7 @@ def _train(msg: Message, context: Context) -> Message:
     cfg = ctx.cfg
     cid = int(context.node_config["partition-id"])
     rnd = int(conf["server-round"])
-    n = int(len(ctx.data.client_indices[cid]))
+    n = len(ctx.data.client_indices[cid])
     model = ctx.build_model()
     model.load_state_dict(msg.content["arrays"].to_torch_state_dict())
     task = ClientTask(
@@ -121,7 +128,7 @@ def _fedavg_server(job: RunConfig, nodes: int) -> ServerApp:
         ctx = client_context(job)  # central evaluation on the server, as fedhetero's engine does
         with ctx.seeded("init", 1):
             model = ctx.build_model()
-        k = max(1, int(round(job.train.sample_rate * nodes)))
+        k = max(1, round(job.train.sample_rate * nodes))
 
         def evaluate(server_round: int, arrays: ArrayRecord) -> MetricRecord | None:
             if server_round == 0:  # Flower also evaluates the initial model; fedhetero does not

@@ -26,20 +26,32 @@ import socket
 from dataclasses import dataclass
 from typing import Any
 
+import flwr
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict
 
+import fedhetero
 from fedhetero.config import RunConfig, from_dict
 from fedhetero.engines import Outcome, check_result, run_task
-from fedhetero.integrations.flower._common import parse_config, run_config_get, split_overrides
-from fedhetero.integrations.flower.codec import PROTOCOL, decode_task, decode_value, encode_outcome, encode_value
+from fedhetero.integrations.flower._common import (
+    parse_config,
+    run_config_get,
+    split_overrides,
+)
+from fedhetero.integrations.flower.codec import (
+    PROTOCOL,
+    decode_task,
+    decode_value,
+    encode_outcome,
+    encode_value,
+)
 
 try:  # flwr >= 1.21
     from flwr.clientapp import ClientApp
 except ImportError:  # pragma: no cover - older flwr
     from flwr.client import ClientApp  # type: ignore[no-redef]
 
-__all__ = ["NODE_RECORD", "app", "node_info", "load_client_state", "store_client_state"]
+__all__ = ["NODE_RECORD", "app", "load_client_state", "node_info", "store_client_state"]
 
 NODE_RECORD = "fedhetero.node"
 _STATE_PREFIX = "fedhetero.state."
@@ -132,15 +144,9 @@ def node_info(context: Context) -> ConfigRecord:
         "host": socket.gethostname(),
         "python": platform.python_version(),
         "torch": torch.__version__,
+        "flwr": str(getattr(flwr, "__version__", "")),
+        "fedhetero": fedhetero.__version__,
     }
-    try:
-        import fedhetero
-        import flwr
-
-        info["fedhetero"] = fedhetero.__version__
-        info["flwr"] = flwr.__version__
-    except Exception:  # pragma: no cover - versions are informative only
-        pass
     return ConfigRecord(info)
 
 

@@ -90,21 +90,21 @@ def write_app(
 
 
 def flower_config(flwr_home: str | Path, address: str, *, name: str = "fedhetero", insecure: bool = True) -> Path:
-    """Write ``config.toml`` in ``flwr_home`` (Flower's user folder, ``FLWR_HOME``) with one
-    SuperLink connection ``name`` at ``address`` (``host:port``), made the default."""
+    """Add (or replace) the SuperLink connection ``name`` at ``address`` (``host:port``) in
+    ``config.toml`` of ``flwr_home`` (Flower's user folder, ``FLWR_HOME``), keeping every other
+    entry; it becomes the default connection only when none is set."""
+    try:
+        import tomllib
+    except ImportError:  # Python 3.10: tomli, a Flower dependency
+        import tomli as tomllib  # type: ignore[no-redef]
+    import tomli_w  # a Flower dependency
+
     home = Path(flwr_home).expanduser()
     home.mkdir(parents=True, exist_ok=True)
-    text = "\n".join(
-        [
-            "[superlink]",
-            f'default = "{name}"',
-            "",
-            f"[superlink.{name}]",
-            f'address = "{address}"',
-            f"insecure = {'true' if insecure else 'false'}",
-            "",
-        ]
-    )
     path = home / "config.toml"
-    path.write_text(text)
+    data: dict[str, Any] = tomllib.loads(path.read_text()) if path.is_file() else {}
+    links = data.setdefault("superlink", {})
+    links[name] = {"address": address, "insecure": bool(insecure)}
+    links.setdefault("default", name)
+    path.write_text(tomli_w.dumps(data))
     return path

@@ -23,14 +23,19 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any
 
 from flwr.app import Context
 
 from fedhetero.config import ConfigError, RunConfig, load_config
-from fedhetero.integrations.flower._common import parse_config, run_config_get, split_overrides
+from fedhetero.integrations.flower._common import (
+    parse_config,
+    run_config_get,
+    split_overrides,
+)
 
 try:  # flwr >= 1.21
     from flwr.serverapp import Grid, ServerApp
