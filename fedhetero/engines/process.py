@@ -28,10 +28,11 @@ from typing import Any, Callable
 from fedhetero.config import ConfigError, RunConfig, from_dict, to_dict
 from fedhetero.context import RunError
 from fedhetero.engines import Backend, Outcome, run_task
+from fedhetero.engines.wire import dumps
 
 __all__ = ["ProcessBackend"]
 
-_STARTUP_S = 300.0
+_STARTUP_S = 300.0  # seconds a worker may take to import torch and build the data set
 
 
 def _worker_main(conn: Connection) -> None:
@@ -69,7 +70,7 @@ def _worker_main(conn: Connection) -> None:
             return
         for task, state in batch:  # one outcome message per task, as soon as it is done
             outcome = run_task(lambda: cls(options), ctx, task, state, hang_seconds=3600.0)
-            conn.send_bytes(pickle.dumps(outcome, protocol=pickle.HIGHEST_PROTOCOL))
+            conn.send_bytes(dumps(outcome))
 
 
 class _Worker:
@@ -189,7 +190,7 @@ class ProcessBackend(Backend):
         while batch:
             self._await_ready(w)
             assert w.conn is not None  # connected by _await_ready
-            data = pickle.dumps([(t, states.get(t.cid)) for t in batch], protocol=pickle.HIGHEST_PROTOCOL)
+            data = dumps([(t, states.get(t.cid)) for t in batch])
             try:
                 w.conn.send_bytes(data)
             except (BrokenPipeError, OSError):
