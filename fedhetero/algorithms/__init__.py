@@ -94,6 +94,16 @@ def get_algorithm(name: str) -> type[Algorithm]:
     same way)."""
     if ":" in name:
         return _import_path(name)
+    if _REGISTRY is None and name.isidentifier() and not name.startswith("_"):
+        # fast path for a fresh process (a worker, a Flower node): the module named after the
+        # algorithm usually defines it, and importing every method's module costs about a second
+        try:
+            module = importlib.import_module(f"{__name__}.{name}")
+        except ImportError:
+            module = None
+        for obj in vars(module).values() if module is not None else ():
+            if isinstance(obj, type) and issubclass(obj, Algorithm) and obj.__module__ == module.__name__ and obj.name == name:
+                return obj
     registry = _discover()
     if name not in registry:
         from fedhetero.config import ConfigError

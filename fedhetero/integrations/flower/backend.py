@@ -111,7 +111,11 @@ class FlowerBackend(Backend):
         node_wait_s: float = 120.0,
         delivery_grace_s: float = 10.0,
         poll_s: float = 0.05,
+        route: str = "partition-id",
     ) -> None:
+        if route not in ("partition-id", "node-order"):
+            raise ValueError(f"route: expected 'partition-id' or 'node-order', got {route!r}")
+        self.route = route
         self.cfg = cfg
         self.grid = grid
         self.num_nodes = num_nodes
@@ -207,9 +211,16 @@ class FlowerBackend(Backend):
         if self.nodes is None:
             t0 = time.perf_counter()
             ids = self._wait_for_nodes()
-            self.nodes = self._map(self._query(ids))
-            log.info("%d node(s) ready in %.1f s; client c runs on the node with partition-id c %% %d",
-                     len(self.nodes), time.perf_counter() - t0, len(self.nodes))
+            if self.route == "node-order":
+                # simulated nodes are interchangeable: the k-th node id in sorted order serves the
+                # clients c with c % N == k, without a query round (N messages) before round 1
+                self.nodes = [NodeInfo(int(n), k, {}) for k, n in enumerate(sorted(ids))]
+                rule = "the k-th node (sorted node ids) serves c % {n} == k"
+            else:
+                self.nodes = self._map(self._query(ids))
+                rule = "client c runs on the node with partition-id c % {n}"
+            log.info("%d node(s) ready in %.1f s; %s", len(self.nodes), time.perf_counter() - t0,
+                     rule.format(n=len(self.nodes)))
         return self.nodes
 
     def node_of(self, cid: int) -> int:

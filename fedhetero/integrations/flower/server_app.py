@@ -61,6 +61,7 @@ class ServerSettings:
     delivery_grace_s: float = 10.0
     stop_after: int | None = None  # stop (as if killed) after this round: tests and drills
     progress: bool = False
+    route: str = "partition-id"  # "node-order" in simulation: nodes are interchangeable, no query
 
 
 def _as_bool(value: Any) -> bool:
@@ -124,6 +125,7 @@ def run_server(grid: Grid, settings: ServerSettings, console: Any = None) -> Any
         num_nodes=settings.num_nodes,
         node_wait_s=settings.node_wait_s,
         delivery_grace_s=settings.delivery_grace_s,
+        route=settings.route,
     )
     log.info(
         "fedhetero: %s on %s (%d clients, %d rounds) -> %s%s",

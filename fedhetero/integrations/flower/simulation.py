@@ -81,6 +81,7 @@ def simulate(
         delivery_grace_s=10.0,
         stop_after=stop_after,
         progress=progress,
+        route="node-order",  # simulated nodes are interchangeable: no query round before round 1
     )
     results: list[Any] = []
     server = make_server_app(settings, results.append, console)
