@@ -254,7 +254,10 @@ def _read(out: Path):
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
 
 
-@pytest.mark.parametrize("name", ["fedavg", "dynamicfl"])
+@pytest.mark.parametrize(
+    "name",
+    ["fedavg", "dynamicfl", "fedprox", "scaffold", "feddyn", "fednova", "moon", "fedacg", "fedensemble", "fedgen"],
+)
 def test_mock_grid_gives_the_numbers_of_local(tmp_path, task_identity, name):
     """The whole path (encode → ClientApp → decode) is bit-exact; DynamicFL's private client state
     lives in the nodes' context.state and gives the numbers of the server-side store."""

@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -268,3 +269,31 @@ def test_bench_help_names_the_command():
         r = subprocess.run([sys.executable, "-m", "fedhetero.cli", "bench", what, "--help"], capture_output=True, text=True)
         assert r.returncode == 0 and f"fedhetero bench {what}" in r.stdout and "python -m" not in r.stdout
         assert len(r.stdout.strip().splitlines()) > 3
+
+
+@pytest.mark.parametrize("algo", ["hybrid_fl", "data_sharing", "feddumap"])
+def test_server_data_methods_need_server_data(tmp_path, algo):
+    with pytest.raises(ConfigError, match="data.server_fraction"):
+        Engine(_cfg(f"algorithm.name={algo}"), tmp_path / "r", progress=False).run()
+    assert not (tmp_path / "r").exists()
+
+
+def test_unused_split_is_refused_unless_shared(tmp_path):
+    with pytest.raises(ConfigError, match="withheld"):
+        Engine(_cfg("data.server_fraction=0.5"), tmp_path / "r", progress=False).run()
+    # a comparison holds the same split out for every method
+    res = Engine(_cfg("data.server_fraction=0.5"), tmp_path / "r", progress=False, shared_splits=True).run()
+    assert res.summary["rounds"] == 3
+
+
+def test_client_state_versions_are_compacted(tmp_path):
+    Engine(_cfg("algorithm.name=dynamicfl", "data.num_clients=4", "train.sample_rate=1.0"), tmp_path / "r",
+           progress=False).run()
+    dirs = list((tmp_path / "r" / "client_state").iterdir())
+    assert dirs and all(len(list(d.glob("r*.pt"))) == 1 for d in dirs)
+
+
+def test_results_table_without_arguments_is_a_usage_message():
+    script = Path(__file__).resolve().parents[2] / "examples" / "results_table.py"
+    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True)
+    assert r.returncode == 2 and "usage:" in r.stderr and "Traceback" not in r.stderr
