@@ -140,7 +140,7 @@ class Engine:
         self.ctx = Context(cfg, self.data, self.store, device, executor=self._execute)
         if self.backend is None:
             self.backend = make_backend(cfg, self.data)
-        elif getattr(self.backend, "cfg", None) is not None and config_hash(self.backend.cfg) != config_hash(cfg):
+        elif (made_for := getattr(self.backend, "cfg", None)) is not None and config_hash(made_for) != config_hash(cfg):
             # a back end builds its clients from its own config: it must be this run's
             raise ConfigError("backend: the back end passed in was made for another config than this run's")
         self.algorithm = build_algorithm(cfg)

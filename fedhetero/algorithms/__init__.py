@@ -101,9 +101,10 @@ def get_algorithm(name: str) -> type[Algorithm]:
             module = importlib.import_module(f"{__name__}.{name}")
         except ImportError:
             module = None
-        for obj in vars(module).values() if module is not None else ():
-            if isinstance(obj, type) and issubclass(obj, Algorithm) and obj.__module__ == module.__name__ and obj.name == name:
-                return obj
+        if module is not None:
+            for obj in vars(module).values():
+                if isinstance(obj, type) and issubclass(obj, Algorithm) and obj.__module__ == module.__name__ and obj.name == name:
+                    return obj
     registry = _discover()
     if name not in registry:
         from fedhetero.config import ConfigError

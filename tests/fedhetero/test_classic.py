@@ -27,6 +27,7 @@ from fedhetero.context import OPTIMIZER_STATE_KEY, Context, client_context
 from fedhetero.data import ArrayDataset, FederatedData
 from fedhetero.engine import Engine
 from fedhetero.engines import run_task
+from _util import strip_wall
 
 METHODS = ["fedprox", "scaffold", "feddyn", "fednova"]
 
@@ -49,13 +50,6 @@ def _run(tmp_path: Path, cfg, tag: str, **kw):
     return eng, eng.run()
 
 
-def _strip(rows):
-    out = []
-    for r in rows:
-        r = {k: v for k, v in r.items() if k not in ("wall_s", "timers")}
-        r["clients"] = [{k: v for k, v in c.items() if k != "wall_s"} for c in r["clients"]]
-        out.append(r)
-    return out
 
 
 def _state(eng: Engine) -> dict[str, torch.Tensor]:
@@ -618,7 +612,7 @@ def test_resume_equals_uninterrupted(tmp_path, name, options):
     full, rf = _run(tmp_path, cfg, "full")
     _run(tmp_path, cfg, "cut", stop_after=2)
     resumed, rr = _run(tmp_path, None, "cut", resume=True)
-    assert _strip(rr.metrics) == _strip(rf.metrics)
+    assert strip_wall(rr.metrics) == strip_wall(rf.metrics)
     sa, sb = full.algorithm.state_dict(), resumed.algorithm.state_dict()
     assert set(sa) == set(sb)
     for key in sa:
@@ -642,7 +636,7 @@ def test_process_backend_gives_the_numbers_of_local(tmp_path, name):
     cfg_proc = from_dict({**_as_dict(cfg_local), "engine": {"backend": "process", "workers": 2}})
     a, ra = _run(tmp_path, cfg_local, "local")
     b, rb = _run(tmp_path, cfg_proc, "process")
-    assert _strip(ra.metrics) == _strip(rb.metrics)
+    assert strip_wall(ra.metrics) == strip_wall(rb.metrics)
     if name == "fedprox":  # a client of round 2 started from the buffers it kept in round 1
         first, second = ({c["cid"] for c in r["clients"]} for r in ra.metrics)
         assert first & second

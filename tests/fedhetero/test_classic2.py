@@ -28,6 +28,7 @@ from fedhetero.algorithms.moon import moon_contrastive_loss, representation
 from fedhetero.config import ConfigError, from_dict
 from fedhetero.engine import Engine, build_algorithm
 from models import build_model, list_models
+from _util import strip_wall
 
 METHODS = ["moon", "fedacg", "fedensemble", "fedgen"]
 OFF = {  # the options that switch each method's extra term off
@@ -51,14 +52,6 @@ def _cfg(name: str, backend: str = "local", rounds: int = 3, options: dict | Non
     )
 
 
-def _strip(rows):
-    """Metrics without wall-clock fields."""
-    out = []
-    for r in rows:
-        r = {k: v for k, v in r.items() if k not in ("wall_s", "timers")}
-        r["clients"] = [{k: v for k, v in c.items() if k != "wall_s"} for c in r["clients"]]
-        out.append(r)
-    return out
 
 
 def _state(eng: Engine) -> dict[str, torch.Tensor]:
@@ -116,7 +109,7 @@ def test_learns_and_process_backend_matches_local(runs, name):
     local, rl = runs.get(f"{name}-local", _cfg(name))
     assert rl.summary["final_accuracy"] > 0.3  # 10 classes: chance is 0.1
     proc, rp = runs.get(f"{name}-process", _cfg(name, "process", workers=2))
-    assert _strip(rp.metrics) == _strip(rl.metrics)
+    assert strip_wall(rp.metrics) == strip_wall(rl.metrics)
     _assert_equal_states(_state(local), _state(proc))
     if name == "fedacg":
         for k, v in local.algorithm.momentum.items():
@@ -130,7 +123,7 @@ def test_resume_equals_uninterrupted(runs, name):
     Engine(_cfg(name), runs.root / f"{name}-cut", progress=False, stop_after=1).run()
     resumed = Engine(None, runs.root / f"{name}-cut", progress=False, resume=True)
     rr = resumed.run()
-    assert _strip(rr.metrics) == _strip(rf.metrics)
+    assert strip_wall(rr.metrics) == strip_wall(rf.metrics)
     _assert_equal_states(_state(full), _state(resumed))
     if name == "moon":  # a client's previous model went through the on-disk store
         assert resumed.store.clients()

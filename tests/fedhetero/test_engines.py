@@ -16,6 +16,7 @@ from fedhetero.config import ConfigError, from_dict
 from fedhetero.context import RunError
 from fedhetero.engine import Engine
 from fedhetero.engines import injected_fault
+from _util import strip_wall
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -39,14 +40,6 @@ def _run(tmp_path: Path, cfg, tag: str, **kw):
     return eng, res
 
 
-def _strip(rows):
-    """Metrics without wall-clock fields."""
-    out = []
-    for r in rows:
-        r = {k: v for k, v in r.items() if k not in ("wall_s", "timers")}
-        r["clients"] = [{k: v for k, v in c.items() if k not in ("wall_s",)} for c in r["clients"]]
-        out.append(r)
-    return out
 
 
 def _assert_same_model(a: Engine, b: Engine) -> None:
@@ -60,7 +53,7 @@ def _assert_same_model(a: Engine, b: Engine) -> None:
 def test_process_backend_is_bit_identical_to_local(tmp_path, name):
     a, ra = _run(tmp_path, _cfg(name, "local"), "local")
     b, rb = _run(tmp_path, _cfg(name, "process", workers=2), "process")
-    assert _strip(ra.metrics) == _strip(rb.metrics)
+    assert strip_wall(ra.metrics) == strip_wall(rb.metrics)
     _assert_same_model(a, b)
     assert ra.summary["final_accuracy"] == rb.summary["final_accuracy"]
 
@@ -70,7 +63,7 @@ def test_resume_on_process_backend_equals_uninterrupted(tmp_path):
     cfg = _cfg("dynamicfl", "process", rounds=4, workers=2)
     _run(tmp_path, cfg, "cut", stop_after=2)
     resumed, rr = _run(tmp_path, None, "cut", resume=True)
-    assert _strip(rr.metrics) == _strip(rf.metrics)
+    assert strip_wall(rr.metrics) == strip_wall(rf.metrics)
     _assert_same_model(full, resumed)
 
 
@@ -79,7 +72,7 @@ def test_resume_may_switch_backend(tmp_path):
     full, rf = _run(tmp_path, _cfg("fedavg", "local", rounds=3), "full")
     _run(tmp_path, _cfg("fedavg", "local", rounds=3), "cut", stop_after=1)
     resumed, rr = _run(tmp_path, _cfg("fedavg", "process", rounds=3, workers=2), "cut", resume=True)
-    assert _strip(rr.metrics) == _strip(rf.metrics)
+    assert strip_wall(rr.metrics) == strip_wall(rf.metrics)
     _assert_same_model(full, resumed)
 
 

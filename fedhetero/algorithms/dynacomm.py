@@ -1,0 +1,391 @@
+"""DynaComm: federated learning with dynamic communication-resource allocation.
+
+Le et al., "DynamicFL: Federated Learning with Dynamic Communication Resource Allocation" (IEEE
+BigData 2024). It is called DynaComm here so as not to clash with the re-parameterisation method
+``dynamicfl``.
+
+One round:
+
+* every active client runs the same number ``L`` of local SGD steps (``local_steps``; by default
+  ``train.local_steps``, else ``⌊N_train·E/(M·B)⌋``, the mean number of steps E local epochs take);
+* a *high-frequency group* ``z`` of the active clients, picked by a group selector so that its
+  pooled label distribution is closest (KL) to the whole training set's under the round's
+  communication budget, synchronises every ``interval_high`` steps; the others every
+  ``interval_low`` steps (both by letter a–g = 1, 4, 16, 32, 64, 128, 256 or as integers, capped
+  at ``L``);
+* at each synchronisation step the server averages (weights as ``train.aggregation``) exactly the
+  clients that synchronise there and sends the average back to them; at step ``L`` every client
+  synchronises and that average is the new global model.
+
+Special cases: ``budget_mode: all_high`` puts every active client in the high group (with
+``interval_high: a`` this is DynamicSGD, the paper's upper bound), ``budget_mode: none`` puts
+nobody there (with ``interval_low`` ≥ L this is FedAvg with L local steps).
+
+Budgets (``budget_mode``), counted in synchronisations per round:
+
+* ``fix`` (the paper's Fix-β): a fixed random ``⌈β·M⌉`` of all clients can afford high frequency
+  for the whole run; the selector chooses among the active ones of them, with no server cap;
+* ``dynamic`` (Dynamic-β): every client can; the server allows at most ``⌊β·|active|⌋``
+  high-frequency clients (``server_budget_semantics: high_count``, as the authors' code) or bounds
+  the whole round's cost ``|z|·ν_high + (n−|z|)·ν_low`` by that of ``⌊β·|active|⌋`` high clients
+  (``total_cost``, the paper's constraint taken literally).
+
+The selector returns the feasible subset of any size with the smallest distance (or exactly the
+cap with ``selector_fixed_size``); it may be empty, and then everyone is low-frequency that round.
+
+``only_high_freq`` (the paper's "x*" rows): only the high group trains and only it is averaged;
+``only_high_freq_code_quirk`` also averages the untrained low clients' unchanged models into the
+global one, as the authors' code does.
+
+Synchronisation rule (``sync_rule``): ``paper`` syncs after step ``l`` when ``l mod I == 0`` or
+``l == L``; ``code`` follows the authors' event list, which skips a sync falling on step ``L−1``.
+
+Client optimiser state follows ``train.optimizer_state``: the momentum buffer is *not* reset when a
+client receives an average inside a round (the server relays it between the round's exchanges in
+the task payload, because a client's stored private state is only read at round boundaries; it is
+not counted in the bytes, since in a deployment it never leaves the client), and with
+``persistent`` it is kept to the client's next round.
+
+Communication cost κ (model exchanges normalised by ``|active|·L``) is logged per client in
+``metrics.jsonl`` (``kappa_code``, ``kappa_paper``; their mean over a round's clients is the
+round's κ) and per round in :attr:`DynaComm.round_metrics`; see :mod:`fedhetero.dynacomm`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from fedhetero import dynacomm as dc
+from fedhetero.algorithms.base import Algorithm, ClientInfo, ClientResult, ClientTask, state_bytes, weighted_average
+from fedhetero.config import ConfigError
+from fedhetero.data import num_batches
+
+__all__ = ["DynaComm", "DynaCommOptions"]
+
+_SELECTORS = ("ensemble_dp", "random_same_size", "brute_force", "ga")
+
+
+def _err(name: str, msg: str) -> ConfigError:
+    return ConfigError(f"algorithm.options.{name}: {msg}")
+
+
+@dataclass(frozen=True)
+class DynaCommOptions:
+    interval_high: int | str = "a"  # letter a–g or steps
+    interval_low: int | str = "g"
+    local_steps: int | None = None  # L; None: train.local_steps, else ⌊N_train·E/(M·B)⌋
+    budget_mode: Literal["fix", "dynamic", "all_high", "none"] = "dynamic"
+    beta: float = 0.3
+    server_budget_semantics: Literal["high_count", "total_cost"] = "high_count"
+    selector: Literal["ensemble_dp", "random_same_size", "brute_force", "ga"] = "ensemble_dp"
+    selector_orders: int = 10  # random client orders of the ensemble
+    selector_distance: Literal["kl", "squared_l2"] = "kl"
+    selector_fixed_size: bool = False  # exactly the budget cap instead of the best size
+    ga_population: int = 50
+    ga_iterations: int = 200
+    ga_mutation_prob: float = 0.01
+    sync_rule: Literal["paper", "code"] = "paper"
+    only_high_freq: bool = False  # "x*": only the high group trains and is averaged
+    only_high_freq_code_quirk: bool = False  # ... but the low clients' start models are averaged in
+
+    def __post_init__(self) -> None:
+        for name in ("interval_high", "interval_low"):
+            try:
+                dc.parse_interval(getattr(self, name))
+            except ValueError as exc:
+                raise _err(name, str(exc)) from None
+        if self.local_steps is not None and not 1 <= self.local_steps <= 10**7:
+            raise _err("local_steps", f"must be between 1 and 10000000 or null, got {self.local_steps}")
+        if self.budget_mode not in ("fix", "dynamic", "all_high", "none"):
+            raise _err("budget_mode", f"expected fix, dynamic, all_high or none, got {self.budget_mode!r}")
+        if not 0.0 <= self.beta <= 1.0:
+            raise _err("beta", f"must be in [0, 1], got {self.beta}")
+        if self.server_budget_semantics not in ("high_count", "total_cost"):
+            raise _err("server_budget_semantics", f"expected high_count or total_cost, got {self.server_budget_semantics!r}")
+        if self.selector not in _SELECTORS:
+            raise _err("selector", f"expected one of {', '.join(_SELECTORS)}, got {self.selector!r}")
+        if not self.selector_orders >= 1:
+            raise _err("selector_orders", f"must be at least 1, got {self.selector_orders}")
+        if self.selector_distance not in ("kl", "squared_l2"):
+            raise _err("selector_distance", f"expected kl or squared_l2, got {self.selector_distance!r}")
+        if not self.ga_population >= 2:
+            raise _err("ga_population", f"must be at least 2, got {self.ga_population}")
+        if not self.ga_iterations >= 1:
+            raise _err("ga_iterations", f"must be at least 1, got {self.ga_iterations}")
+        if not 0.0 <= self.ga_mutation_prob <= 1.0:
+            raise _err("ga_mutation_prob", f"must be in [0, 1], got {self.ga_mutation_prob}")
+        if self.sync_rule not in ("paper", "code"):
+            raise _err("sync_rule", f"expected paper or code, got {self.sync_rule!r}")
+        if self.only_high_freq_code_quirk and not self.only_high_freq:
+            raise _err("only_high_freq_code_quirk", "only applies with only_high_freq: true")
+
+
+def _weights(ctx, sizes: list[int]) -> list[float]:
+    """Aggregation weights as ``train.aggregation`` says (sample counts or uniform)."""
+    if ctx.cfg.train.aggregation == "uniform":
+        return [1.0] * len(sizes)
+    return [float(n) for n in sizes]
+
+
+class DynaComm(Algorithm):
+    """DynaComm / DynamicAvg / DynamicSGD (see the module docstring)."""
+
+    name = "dynacomm"
+    Options = DynaCommOptions
+
+    # ---------------------------------------------------------------- server half
+    def setup(self, ctx) -> None:
+        o = self.options
+        self.global_model = ctx.build_model()
+        t = ctx.cfg.train
+        if o.local_steps is not None:
+            self.L = int(o.local_steps)
+        elif t.local_steps is not None:
+            self.L = int(t.local_steps)
+        else:
+            n_train = int(sum(len(ix) for ix in ctx.data.client_indices))
+            self.L = dc.default_local_steps(n_train, len(ctx.data.client_indices), t.local_epochs, t.batch_size)
+        self.I_high = min(dc.parse_interval(o.interval_high), self.L)
+        self.I_low = min(dc.parse_interval(o.interval_low), self.L)
+        labels = np.asarray(ctx.data.train.labels_np)
+        counts = np.bincount(labels, minlength=ctx.num_classes).astype(np.float64)
+        self.global_dist = counts / counts.sum()  # the whole training set's label frequencies
+        m = len(ctx.data.client_indices)
+        self.capable: list[int] = []
+        if o.budget_mode == "fix":
+            k = min(m, math.ceil(o.beta * m - 1e-9))
+            self.capable = sorted(int(c) for c in ctx.rng("algorithm", 0).choice(m, size=k, replace=False))
+        self.round_metrics: dict[str, Any] = {}
+
+    def _nu(self, interval: int) -> int:
+        return dc.nu_paper(interval, self.L) if self.options.sync_rule == "paper" else dc.nu_code(interval, self.L)
+
+    def budget(self, clients: list[ClientInfo]) -> dc.Budget:
+        """The round's budgets in synchronisations per round (see the module docstring)."""
+        o = self.options
+        n = len(clients)
+        nu_h, nu_l = float(self._nu(self.I_high)), float(self._nu(self.I_low))
+        if o.budget_mode == "fix":
+            capable = set(self.capable)
+            client = tuple(nu_h if c.cid in capable else nu_l for c in clients)
+            cap = n
+        else:
+            client = (nu_h,) * n
+            cap = math.floor(o.beta * n + 1e-9)
+        if o.server_budget_semantics == "high_count":
+            server = nu_h * cap
+        else:
+            server = cap * nu_h + (n - cap) * nu_l
+        return dc.Budget(client=client, server=server, nu_high=nu_h, nu_low=nu_l, semantics=o.server_budget_semantics)
+
+    def select(self, ctx, clients: list[ClientInfo]) -> tuple[list[int], float]:
+        """The high-frequency group (client ids) and its distance to the global distribution."""
+        o = self.options
+        n = len(clients)
+        if o.budget_mode == "all_high":
+            return [c.cid for c in clients], math.nan
+        if o.budget_mode == "none" or n == 0:
+            return [], math.nan
+        hists = np.stack([np.asarray(ctx.data.client_label_hist(c.cid), dtype=np.float64) for c in clients])
+        budget = self.budget(clients)
+        fixed = None
+        if o.selector_fixed_size:
+            fixed = sum(budget.capable(i) for i in range(n)) if o.budget_mode == "fix" else math.floor(o.beta * n + 1e-9)
+            fixed = min(fixed, n)
+            if fixed < 1:
+                return [], math.nan
+        rnd = int(clients[0].round)
+        rng = ctx.rng("algorithm", rnd, 1)
+        kw = {"distance": o.selector_distance, "fixed_size": fixed}
+        if o.selector == "brute_force":
+            idx, d = dc.select_brute_force(hists, self.global_dist, budget, **kw)
+        elif o.selector == "ga":
+            idx, d = dc.select_ga(
+                hists, self.global_dist, budget, rng=rng, population=o.ga_population,
+                iterations=o.ga_iterations, mutation_prob=o.ga_mutation_prob, **kw,
+            )
+        else:
+            idx, d = dc.select_ensemble_dp(hists, self.global_dist, budget, orders=o.selector_orders, rng=rng, **kw)
+            if o.selector == "random_same_size":
+                idx, d = dc.select_random(
+                    hists, self.global_dist, len(idx), budget, rng=ctx.rng("algorithm", rnd, 2), distance=o.selector_distance
+                )
+        return [clients[i].cid for i in idx], (float(d) if idx else math.nan)
+
+    def run_round(self, ctx, clients: list[ClientInfo]) -> list[ClientResult]:
+        o = self.options
+        L = self.L
+        high, distance = self.select(ctx, clients)
+        high_set = set(high)
+        interval = {c.cid: (self.I_high if c.cid in high_set else self.I_low) for c in clients}
+        trains = [c for c in clients if not o.only_high_freq or c.cid in high_set]
+        schedule = {c.cid: set(dc.sync_points(interval[c.cid], L, o.sync_rule)) for c in trains}
+        start = {k: v.detach().clone() for k, v in self.global_model.state_dict().items()}
+        model_of = {c.cid: start for c in trains}
+        done = {c.cid: 0 for c in trains}  # local steps finished (the last sync point)
+        momentum: dict[int, Any] = {}
+        sent = {c.cid: 0 for c in trains}
+        received = {c.cid: 0 for c in trains}
+        alive = {c.cid for c in trains}
+        final: list[ClientResult] = []
+        average = None
+        events = sorted(set().union(*schedule.values())) if schedule else []
+        for k, l in enumerate(events, 1):
+            due = [c for c in trains if c.cid in alive and l in schedule[c.cid]]
+            if not due:
+                continue
+            tasks: list[ClientTask] = []
+            for c in due:
+                payload: dict[str, Any] = {"state": model_of[c.cid], "start": done[c.cid], "steps": l - done[c.cid], "final": l == L}
+                if momentum.get(c.cid) is not None:
+                    payload["momentum"] = momentum[c.cid]
+                tasks.append(self.task(ctx, c, payload, step=k))
+                received[c.cid] += state_bytes(model_of[c.cid])
+            results = ctx.execute(self, tasks)
+            alive -= {c.cid for c in due} - {r.cid for r in results}  # a dropped client leaves the round
+            if not results:
+                continue
+            average = weighted_average([r.state for r in results], ctx.aggregation_weights(results))
+            for r in results:
+                model_of[r.cid] = average
+                done[r.cid] = l
+                momentum[r.cid] = r.payload.pop("momentum", None)
+                sent[r.cid] += int(r.bytes_up)
+            if l == L:
+                final = results
+        if final:
+            states, sizes = [r.state for r in final], [r.num_samples for r in final]
+            if o.only_high_freq_code_quirk:
+                idle = [c for c in clients if c.cid not in high_set]
+                states += [start] * len(idle)
+                sizes += [c.num_samples for c in idle]
+            self.global_model.load_state_dict(weighted_average(states, _weights(ctx, sizes)))
+
+        # accounting: κ per client and per round, both synchronisation counts
+        def nus(count) -> dict[int, int]:
+            out = {}
+            for c in clients:
+                if o.only_high_freq and c.cid not in high_set:
+                    out[c.cid] = 0
+                else:
+                    out[c.cid] = count(interval[c.cid], L)
+            return out
+
+        code, paper = nus(dc.nu_code), nus(dc.nu_paper)
+        self.round_metrics = {
+            "kappa_code": dc.kappa_round(list(code.values()), len(clients), L),
+            "kappa_paper": dc.kappa_round(list(paper.values()), len(clients), L),
+            "high_group": sorted(high),
+            "high_distance": distance,
+            "local_steps": L,
+        }
+        macs = ctx.macs(self.global_model)
+        out = list(final)
+        if o.only_high_freq:
+            got = {r.cid for r in final}
+            for c in clients:  # the idle low clients: active, but they neither train nor talk
+                if c.cid not in high_set and c.cid not in got:
+                    out.append(ClientResult(cid=c.cid, num_samples=c.num_samples, state={}, macs=macs, budget_macs=c.budget_macs, tier=c.tier, metrics={"steps": 0, "loss": math.nan}))
+            out.sort(key=lambda r: r.cid)
+        for r in out:
+            trained = r.cid in sent
+            r.bytes_up = sent.get(r.cid, 0)
+            r.bytes_down = received.get(r.cid, 0)
+            r.metrics.update(
+                {
+                    "steps": L if trained else 0,
+                    "high_freq": r.cid in high_set,
+                    "interval": interval[r.cid],
+                    "syncs": len(schedule.get(r.cid, ())),
+                    "nu_code": code[r.cid],
+                    "nu_paper": paper[r.cid],
+                    "kappa_code": code[r.cid] / L,
+                    "kappa_paper": paper[r.cid] / L,
+                }
+            )
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"global_model": self.global_model.state_dict(), "capable": list(self.capable)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.global_model.load_state_dict(state["global_model"])
+        self.capable = [int(c) for c in state.get("capable", self.capable)]
+
+    # ---------------------------------------------------------------- client half
+    def client_update(self, ctx, task: ClientTask, state: dict[str, Any] | None) -> ClientResult:
+        """Run ``payload["steps"]`` local steps from ``payload["state"]``, continuing the
+        client's batch stream at step ``payload["start"]`` of the round and its momentum buffer
+        from ``payload["momentum"]`` (the one it had at its last sync in this round)."""
+        model = self.client_model(ctx, task, state)
+        p = task.payload
+        first, steps = int(p["start"]), int(p["steps"])
+        opt = ctx.make_optimizer(model)
+        carried = p.get("momentum")
+        if carried is not None:
+            for name, param in model.named_parameters():
+                st = opt.state[param]
+                st.pop("momentum_buffer", None)
+                buf = carried.get(name)
+                if param.requires_grad and isinstance(buf, torch.Tensor):
+                    st["momentum_buffer"] = buf.detach().to(device=param.device, dtype=param.dtype).clone()
+        loss_sum, seen = self._steps(ctx, task, model, opt, first, steps)
+        buffers = {
+            name: opt.state[param]["momentum_buffer"].detach().to("cpu").clone()
+            for name, param in model.named_parameters()
+            if param in opt.state and isinstance(opt.state[param].get("momentum_buffer"), torch.Tensor)
+        }
+        if p.get("final"):
+            # hand the buffers to the context so that train.optimizer_state: persistent keeps
+            # them to the client's next round (a trainer call of zero epochs only does that)
+            ctx.train(model, task, 0, optimizer=opt)
+        upload = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        return ClientResult(
+            cid=task.cid,
+            num_samples=task.num_samples,
+            state=upload,
+            payload={"momentum": buffers or None},
+            macs=ctx.macs(model),
+            budget_macs=task.budget_macs,
+            bytes_up=state_bytes(upload),
+            bytes_down=state_bytes(p["state"]),
+            tier=task.tier,
+            metrics={"loss": loss_sum / seen if seen else math.nan, "steps": steps},
+        )
+
+    @staticmethod
+    def _steps(ctx, task: ClientTask, model, opt, first: int, steps: int) -> tuple[float, int]:
+        """Local steps ``first … first+steps−1`` of the round: step ``s`` takes batch
+        ``s mod P`` of pass ``⌊s/P⌋`` (``P`` batches per pass, each pass in the order
+        ``client_batches`` gives it), the stream the shared trainer uses with
+        ``train.local_steps``; the loss, clipping and optimizer step are the trainer's too."""
+        t = ctx.cfg.train
+        model.train()
+        per_pass = num_batches(len(ctx.data.client_indices[task.cid]), t.batch_size)
+        batches = None
+        current = -1
+        loss_sum, seen = 0.0, 0
+        for s in range(first, first + steps):
+            pss, pos = divmod(s, per_pass)
+            if pss != current or batches is None:
+                batches, current = iter(ctx.client_batches(task.cid, pss)), pss
+                for _ in range(pos):
+                    next(batches)
+            x, y = next(batches)
+            x = x.to(ctx.device, ctx.dtype, non_blocking=True)
+            y = y.to(ctx.device, non_blocking=True)
+            opt.zero_grad(set_to_none=True)
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            if t.clip_grad_norm is not None:
+                torch.nn.utils.clip_grad_norm_([q for q in model.parameters() if q.grad is not None], t.clip_grad_norm)
+            opt.step()
+            loss_sum += float(loss.detach()) * int(y.shape[0])
+            seen += int(y.shape[0])
+        return loss_sum, seen
