@@ -128,6 +128,19 @@ def _finite(value: Any) -> bool:
     return True
 
 
+def _all_finite(state: dict[str, Any]) -> bool:
+    """Whether every floating tensor of a state is finite: one pass over their concatenation (a
+    check per tensor cost about as much as a small client's training on digits)."""
+    floats = [v.reshape(-1) for v in state.values() if isinstance(v, torch.Tensor) and torch.is_floating_point(v)]
+    by_dtype: dict[Any, list[torch.Tensor]] = {}
+    for t in floats:
+        by_dtype.setdefault((t.dtype, t.device), []).append(t)
+    for group in by_dtype.values():
+        if not bool(torch.isfinite(torch.cat(group)).all()):
+            return False
+    return all(_finite(v) for v in state.values() if not isinstance(v, torch.Tensor))
+
+
 def check_result(outcome: Outcome, timeout_s: float | None) -> str | None:
     """Why an outcome must be dropped (an error, a time-out, a non-finite upload), or None."""
     if outcome.error is not None:
@@ -136,7 +149,7 @@ def check_result(outcome: Outcome, timeout_s: float | None) -> str | None:
         return f"timeout: {outcome.seconds:.2f} s > engine.client_timeout_s={timeout_s:g}"
     res = outcome.result
     assert res is not None
-    if not _finite(res.state):
+    if not _all_finite(res.state):
         bad = [k for k, v in res.state.items() if not _finite(v)]
         return f"non-finite upload ({', '.join(bad[:3])}{', …' if len(bad) > 3 else ''})"
     if not _finite(res.payload):
