@@ -368,6 +368,7 @@ class Engine:
                 updates = self.algorithm.run_round(self.ctx, clients)
                 row: dict[str, Any] = {"round": rnd}
                 row["dropped"] = list(self._dropped)
+                row.update(self.algorithm.round_metrics(self.ctx))
                 if rnd % self.cfg.train.eval_every == 0 or rnd == rounds:
                     row.update(self._evaluate())
                 by_cid = {c.cid: c for c in clients}
@@ -417,6 +418,7 @@ class Engine:
         wall = prior_wall + (time.perf_counter() - t_start)
         summary = summarize(self.cfg, history, self.ctx.plain_macs, wall)
         summary["resumed_from_round"] = start if self.resume else None
+        summary.update(self.algorithm.summary_metrics(history))
         atomic_write_text(self.out_dir / "summary.json", json.dumps(finite_json(summary), indent=2))
         return RunResult(self.out_dir, summary, history)
 

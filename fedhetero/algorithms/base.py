@@ -245,6 +245,16 @@ class Algorithm:
             metrics=dict(result),
         )
 
+    def round_metrics(self, ctx: "Context") -> dict[str, Any]:
+        """Extra JSON-able fields for this round's row of ``metrics.jsonl`` (default: none), read
+        after the round's aggregation and server update."""
+        return {}
+
+    def summary_metrics(self, history: list[dict[str, Any]]) -> dict[str, Any]:
+        """Extra JSON-able fields for ``summary.json`` computed from the rows of every round
+        (default: none)."""
+        return {}
+
     def eval_models(self, ctx: "Context") -> dict[str, nn.Module]:
         """Models to evaluate: ``"global"`` plus optional ``"tier:<name>"`` entries.
 
