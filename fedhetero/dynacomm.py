@@ -202,7 +202,8 @@ def _dp_one_order(
     size ``fixed_size``)."""
     n = len(order)
     inf = math.inf
-    prev: list[tuple[float, list[int]]] = [(0.0, [])] + [(inf, []) for _ in range(n)]
+    prev: list[tuple[float, list[int]]] = [(inf, []) for _ in range(n + 1)]
+    prev[0] = (0.0, [])
     for i in range(1, n + 1):
         new = m = order[i - 1]
         cur = list(prev)  # option 1: skip client order[i-1]
@@ -218,7 +219,7 @@ def _dp_one_order(
                 cur[j] = (d, cand)
         prev = cur
     sizes = range(1, n + 1) if fixed_size is None else [fixed_size]
-    best_kl, best = inf, []
+    best_kl, best = inf, list[int]()
     for j in sizes:
         if 1 <= j <= n and prev[j][0] < best_kl:
             best_kl, best = prev[j]
@@ -251,7 +252,8 @@ def select_ensemble_dp(
             hit = cache[key] = group_distance(hists, key, global_dist, distance)
         return hit
 
-    best, best_kl = [], math.inf
+    best: list[int] = []
+    best_kl = math.inf
     for _ in range(max(1, int(orders))):
         order = [int(x) for x in rng.permutation(n)]
         members, d = _dp_one_order(order, score, budget, fixed_size)
@@ -275,7 +277,8 @@ def select_brute_force(
     if n > max_clients:
         raise ValueError(f"exhaustive search over {n} clients is too slow (at most {max_clients})")
     budget = budget or _unconstrained(n)
-    best, best_kl = [], math.inf
+    best: list[int] = []
+    best_kl = math.inf
     sizes = range(1, n + 1) if fixed_size is None else [fixed_size]
     for k in sizes:
         for members in itertools.combinations(range(n), k):

@@ -375,7 +375,7 @@ class ServerDataAlgorithm(Algorithm):
     def __init__(self, options: Any | None = None) -> None:
         super().__init__(options)
         self.stats: NonIIDStats | None = None
-        self.round_metrics: dict[str, Any] = {}
+        self.round_extras: dict[str, Any] = {}
         self.initial_test_loss: float | None = None
         self._clients: list[ClientInfo] = []
 
@@ -451,7 +451,7 @@ class ServerDataAlgorithm(Algorithm):
 
     def run_round(self, ctx: "Context", clients: list[ClientInfo]) -> list[ClientResult]:
         assert self.global_model is not None
-        self.round_metrics = {"lr": self.lr(ctx)}
+        self.round_extras = {"lr": self.lr(ctx)}
         self._clients = list(clients)
         self.before_round(ctx, clients)
         prev = _clone_state(self.global_model.state_dict())
@@ -464,7 +464,7 @@ class ServerDataAlgorithm(Algorithm):
         self.after_server_update(ctx, prev)
         self._guard_test(ctx, prev)
         for u in updates:
-            u.metrics.update(self.round_metrics)
+            u.metrics.update(self.round_extras)
         return updates
 
     # ------------------------------------------------------------------ guards (authors' code; opt-in)
@@ -489,7 +489,7 @@ class ServerDataAlgorithm(Algorithm):
         reverted = not math.isfinite(loss) or loss >= float(self.opt("test_guard_factor", 100.0)) * self.initial_test_loss
         if reverted:
             self._revert_global(prev)
-        self.round_metrics["guard_test_reverted"] = int(reverted)
+        self.round_extras["guard_test_reverted"] = int(reverted)
 
     def _revert_global(self, prev: dict[str, Tensor]) -> None:
         assert self.global_model is not None
@@ -535,11 +535,11 @@ class ServerDataAlgorithm(Algorithm):
 
         ``clients`` are the round's selected devices (they define ``n'`` and ``P̄'^t``). Returns
         ``α^t`` (0 without server data); the model is unchanged when ``α^t ≤ alpha_min``. The
-        quantities are recorded in :attr:`round_metrics`.
+        quantities are recorded in :attr:`round_extras`.
         """
         idx = self.server_indices(ctx)
         assert self.global_model is not None and self.stats is not None
-        rm = self.round_metrics
+        rm = self.round_extras
         if idx is None:
             rm.update({"feddu_alpha": 0.0, "feddu_server_step": 0})
             return 0.0

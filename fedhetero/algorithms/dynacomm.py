@@ -21,6 +21,12 @@ Special cases: ``budget_mode: all_high`` puts every active client in the high gr
 ``interval_high: a`` this is DynamicSGD, the paper's upper bound), ``budget_mode: none`` puts
 nobody there (with ``interval_low`` ≥ L this is FedAvg with L local steps).
 
+``dynamicsgd_impl: summed_gradient`` runs DynamicSGD the other way the authors' code does: one
+global model steps, after every local step, on the unweighted mean of the active clients'
+minibatch gradients (each clipped on its own client), with one server-side momentum buffer (kept
+across rounds with ``train.optimizer_state: persistent``); every client still takes its own next
+batch at every step.
+
 Budgets (``budget_mode``), counted in synchronisations per round:
 
 * ``fix`` (the paper's Fix-β): a fixed random ``⌈β·M⌉`` of all clients can afford high frequency
@@ -48,7 +54,8 @@ not counted in the bytes, since in a deployment it never leaves the client), and
 
 Communication cost κ (model exchanges normalised by ``|active|·L``) is logged per client in
 ``metrics.jsonl`` (``kappa_code``, ``kappa_paper``; their mean over a round's clients is the
-round's κ) and per round in :attr:`DynaComm.round_metrics`; see :mod:`fedhetero.dynacomm`.
+round's κ), per round (``kappa_code``, ``kappa_paper``, ``high_group`` in the round's row) and as
+the mean over rounds in ``summary.json``; see :mod:`fedhetero.dynacomm`.
 """
 
 from __future__ import annotations
@@ -60,6 +67,7 @@ from typing import Any, Literal
 import numpy as np
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from fedhetero import dynacomm as dc
 from fedhetero.algorithms.base import Algorithm, ClientInfo, ClientResult, ClientTask, state_bytes, weighted_average
@@ -93,6 +101,7 @@ class DynaCommOptions:
     sync_rule: Literal["paper", "code"] = "paper"
     only_high_freq: bool = False  # "x*": only the high group trains and is averaged
     only_high_freq_code_quirk: bool = False  # ... but the low clients' start models are averaged in
+    dynamicsgd_impl: Literal["engine", "summed_gradient"] = "engine"
 
     def __post_init__(self) -> None:
         for name in ("interval_high", "interval_low"):
@@ -124,6 +133,16 @@ class DynaCommOptions:
             raise _err("sync_rule", f"expected paper or code, got {self.sync_rule!r}")
         if self.only_high_freq_code_quirk and not self.only_high_freq:
             raise _err("only_high_freq_code_quirk", "only applies with only_high_freq: true")
+        if self.dynamicsgd_impl not in ("engine", "summed_gradient"):
+            raise _err("dynamicsgd_impl", f"expected engine or summed_gradient, got {self.dynamicsgd_impl!r}")
+        if self.dynamicsgd_impl == "summed_gradient" and (
+            self.budget_mode != "all_high" or dc.parse_interval(self.interval_high) != 1
+        ):
+            raise _err(
+                "dynamicsgd_impl",
+                "summed_gradient is DynamicSGD (every client synchronising after every step): it needs "
+                "budget_mode: all_high and interval_high: a (1)",
+            )
 
 
 def _weights(ctx, sizes: list[int]) -> list[float]:
@@ -134,7 +153,7 @@ def _weights(ctx, sizes: list[int]) -> list[float]:
 
 
 class DynaComm(Algorithm):
-    """DynaComm / DynamicAvg / DynamicSGD (see the module docstring)."""
+    """DynaComm: equal local steps; a label-balanced high-frequency group syncs more often."""
 
     name = "dynacomm"
     Options = DynaCommOptions
@@ -161,7 +180,12 @@ class DynaComm(Algorithm):
         if o.budget_mode == "fix":
             k = min(m, math.ceil(o.beta * m - 1e-9))
             self.capable = sorted(int(c) for c in ctx.rng("algorithm", 0).choice(m, size=k, replace=False))
-        self.round_metrics: dict[str, Any] = {}
+        self._last_round: dict[str, Any] = {}
+        self.server_momentum: dict[str, torch.Tensor] = {}  # dynamicsgd_impl: summed_gradient
+
+    def _gm(self) -> nn.Module:
+        assert self.global_model is not None, "setup() has not run"
+        return self.global_model
 
     def _nu(self, interval: int) -> int:
         return dc.nu_paper(interval, self.L) if self.options.sync_rule == "paper" else dc.nu_code(interval, self.L)
@@ -226,7 +250,10 @@ class DynaComm(Algorithm):
         interval = {c.cid: (self.I_high if c.cid in high_set else self.I_low) for c in clients}
         trains = [c for c in clients if not o.only_high_freq or c.cid in high_set]
         schedule = {c.cid: set(dc.sync_points(interval[c.cid], L, o.sync_rule)) for c in trains}
-        start = {k: v.detach().clone() for k, v in self.global_model.state_dict().items()}
+        if o.dynamicsgd_impl == "summed_gradient":
+            last, sent, received = self._summed_gradient_round(ctx, trains)
+            return self._account(ctx, clients, last, high_set, interval, schedule, sent, received, distance)
+        start = {k: v.detach().clone() for k, v in self._gm().state_dict().items()}
         model_of = {c.cid: start for c in trains}
         done = {c.cid: 0 for c in trains}  # local steps finished (the last sync point)
         momentum: dict[int, Any] = {}
@@ -265,7 +292,15 @@ class DynaComm(Algorithm):
                 idle = [c for c in clients if c.cid not in high_set]
                 states += [start] * len(idle)
                 sizes += [c.num_samples for c in idle]
-            self.global_model.load_state_dict(weighted_average(states, _weights(ctx, sizes)))
+            self._gm().load_state_dict(weighted_average(states, _weights(ctx, sizes)))
+        return self._account(ctx, clients, final, high_set, interval, schedule, sent, received, distance)
+
+    def _account(self, ctx, clients, final, high_set, interval, schedule, sent, received, distance) -> list[ClientResult]:
+        """κ per client (in its metrics) and per round (:meth:`round_metrics`); bytes summed over
+        the round's exchanges; the idle low clients of "x*" rounds listed with zero work."""
+        o = self.options
+        L = self.L
+        high = sorted(high_set)
 
         # accounting: κ per client and per round, both synchronisation counts
         def nus(count) -> dict[int, int]:
@@ -278,20 +313,20 @@ class DynaComm(Algorithm):
             return out
 
         code, paper = nus(dc.nu_code), nus(dc.nu_paper)
-        self.round_metrics = {
+        self._last_round = {
             "kappa_code": dc.kappa_round(list(code.values()), len(clients), L),
             "kappa_paper": dc.kappa_round(list(paper.values()), len(clients), L),
             "high_group": sorted(high),
-            "high_distance": distance,
+            "high_distance": None if math.isnan(distance) else float(distance),
             "local_steps": L,
         }
-        macs = ctx.macs(self.global_model)
+        macs = ctx.macs(self._gm())
         out = list(final)
         if o.only_high_freq:
             got = {r.cid for r in final}
             for c in clients:  # the idle low clients: active, but they neither train nor talk
                 if c.cid not in high_set and c.cid not in got:
-                    out.append(ClientResult(cid=c.cid, num_samples=c.num_samples, state={}, macs=macs, budget_macs=c.budget_macs, tier=c.tier, metrics={"steps": 0, "loss": math.nan}))
+                    out.append(ClientResult(cid=c.cid, num_samples=c.num_samples, state={}, macs=macs, budget_macs=c.budget_macs, tier=c.tier, metrics={"steps": 0, "loss": None}))
             out.sort(key=lambda r: r.cid)
         for r in out:
             trained = r.cid in sent
@@ -311,12 +346,90 @@ class DynaComm(Algorithm):
             )
         return out
 
+    def _summed_gradient_round(self, ctx, trains: list[ClientInfo]):
+        """DynamicSGD as one model stepping on the mean of the clients' clipped gradients (see
+        the module docstring); floating buffers (BatchNorm statistics) are averaged."""
+        model = self._gm()
+        params = [q for q in model.parameters() if q.requires_grad]
+        names = [n for n, q in model.named_parameters() if q.requires_grad]
+        opt = torch.optim.SGD(
+            params,
+            lr=ctx.lr_at(),
+            momentum=ctx.local_momentum(),
+            weight_decay=ctx.cfg.train.weight_decay,
+            nesterov=ctx.cfg.train.nesterov,
+        )
+        if ctx.cfg.train.optimizer_state == "persistent":
+            for name, q in zip(names, params):
+                buf = self.server_momentum.get(name)
+                if isinstance(buf, torch.Tensor):
+                    opt.state[q]["momentum_buffer"] = buf.to(device=q.device, dtype=q.dtype).clone()
+        alive = {c.cid for c in trains}
+        sent = {c.cid: 0 for c in trains}
+        received = {c.cid: 0 for c in trains}
+        final: list[ClientResult] = []
+        for s in range(self.L):
+            state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+            tasks = []
+            for c in trains:
+                if c.cid in alive:
+                    tasks.append(self.task(ctx, c, {"state": state, "start": s, "steps": 1, "mode": "gradient"}, step=s + 1))
+                    received[c.cid] += state_bytes(state)
+            results = ctx.execute(self, tasks)
+            alive = {r.cid for r in results}
+            if not results:
+                break
+            for r in results:
+                sent[r.cid] += int(r.bytes_up)
+            opt.zero_grad(set_to_none=True)
+            for name, q in zip(names, params):
+                g = torch.zeros_like(q, dtype=torch.float64)
+                for r in results:
+                    g.add_(r.payload["grad"][name].to(g.device, torch.float64), alpha=1.0 / len(results))
+                q.grad = g.to(q.dtype)
+            opt.step()
+            buffers = [k for k, v in results[0].state.items() if torch.is_floating_point(v)]
+            if buffers:
+                avg = weighted_average([{k: r.state[k] for k in buffers} for r in results], ctx.aggregation_weights(results))
+                model.load_state_dict(avg, strict=False)
+            final = results
+        opt.zero_grad(set_to_none=True)
+        if ctx.cfg.train.optimizer_state == "persistent":
+            self.server_momentum = {
+                name: opt.state[q]["momentum_buffer"].detach().to("cpu").clone()
+                for name, q in zip(names, params)
+                if isinstance(opt.state.get(q, {}).get("momentum_buffer"), torch.Tensor)
+            }
+        return final, sent, received
+
+    def round_metrics(self, ctx) -> dict[str, Any]:
+        """Fields of the round's row of ``metrics.jsonl``: ``kappa_code`` and ``kappa_paper`` (the
+        round's normalised communication cost under both synchronisation counts), ``high_group``
+        (client ids), ``high_distance`` (its distance to the global label distribution; null when
+        no selector ran) and ``local_steps`` (L)."""
+        return dict(self._last_round)
+
+    def summary_metrics(self, history: list[dict[str, Any]]) -> dict[str, Any]:
+        """``kappa_code`` / ``kappa_paper`` in ``summary.json``: the rounds' mean (the paper's κ),
+        and ``mean_high_group_size``."""
+        out: dict[str, Any] = {}
+        for key in ("kappa_code", "kappa_paper"):
+            values = [float(r[key]) for r in history if isinstance(r.get(key), (int, float))]
+            out[key] = float(np.mean(values)) if values else None
+        sizes = [len(r["high_group"]) for r in history if isinstance(r.get("high_group"), list)]
+        out["mean_high_group_size"] = float(np.mean(sizes)) if sizes else None
+        return out
+
     def state_dict(self) -> dict[str, Any]:
-        return {"global_model": self.global_model.state_dict(), "capable": list(self.capable)}
+        out = {"global_model": self._gm().state_dict(), "capable": list(self.capable)}
+        if self.server_momentum:
+            out["server_momentum"] = dict(self.server_momentum)
+        return out
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.global_model.load_state_dict(state["global_model"])
+        self._gm().load_state_dict(state["global_model"])
         self.capable = [int(c) for c in state.get("capable", self.capable)]
+        self.server_momentum = {k: v.detach().clone() for k, v in state.get("server_momentum", {}).items()}
 
     # ---------------------------------------------------------------- client half
     def client_update(self, ctx, task: ClientTask, state: dict[str, Any] | None) -> ClientResult:
@@ -326,6 +439,8 @@ class DynaComm(Algorithm):
         model = self.client_model(ctx, task, state)
         p = task.payload
         first, steps = int(p["start"]), int(p["steps"])
+        if p.get("mode") == "gradient":
+            return self._gradient(ctx, task, model, first)
         opt = ctx.make_optimizer(model)
         carried = p.get("momentum")
         if carried is not None:
@@ -350,13 +465,52 @@ class DynaComm(Algorithm):
             cid=task.cid,
             num_samples=task.num_samples,
             state=upload,
-            payload={"momentum": buffers or None},
+            payload={"momentum": buffers} if buffers else {},
             macs=ctx.macs(model),
             budget_macs=task.budget_macs,
             bytes_up=state_bytes(upload),
             bytes_down=state_bytes(p["state"]),
             tier=task.tier,
             metrics={"loss": loss_sum / seen if seen else math.nan, "steps": steps},
+        )
+
+    def _gradient(self, ctx, task: ClientTask, model, step: int) -> ClientResult:
+        """The clipped gradient at the received model on the batch of local step ``step``, and
+        the model's floating buffers after that forward pass (summed-gradient DynamicSGD)."""
+        t = ctx.cfg.train
+        model.train()
+        per_pass = num_batches(len(ctx.data.client_indices[task.cid]), t.batch_size)
+        pss, pos = divmod(step, per_pass)
+        batches = iter(ctx.client_batches(task.cid, pss))
+        for _ in range(pos):
+            next(batches)
+        x, y = next(batches)
+        x = x.to(ctx.device, ctx.dtype)
+        y = y.to(ctx.device)
+        for q in model.parameters():
+            q.grad = None
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        if t.clip_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_([q for q in model.parameters() if q.grad is not None], t.clip_grad_norm)
+        grad = {
+            n: (q.grad.detach().clone() if q.grad is not None else torch.zeros_like(q))
+            for n, q in model.named_parameters()
+            if q.requires_grad
+        }
+        params = {n for n, _ in model.named_parameters()}
+        buffers = {k: v.detach().clone() for k, v in model.state_dict().items() if k not in params}
+        return ClientResult(
+            cid=task.cid,
+            num_samples=task.num_samples,
+            state=buffers,
+            payload={"grad": grad},
+            macs=ctx.macs(model),
+            budget_macs=task.budget_macs,
+            bytes_up=state_bytes(grad),
+            bytes_down=state_bytes(task.payload["state"]),
+            tier=task.tier,
+            metrics={"loss": float(loss.detach()), "steps": 1},
         )
 
     @staticmethod

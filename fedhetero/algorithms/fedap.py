@@ -315,7 +315,7 @@ class PruningMixin:
             with ctx.timer("fedap"):
                 self.prune_now(ctx)
         if self.prune_report is not None:
-            rm = self.round_metrics  # type: ignore[attr-defined]
+            rm = self.round_extras  # type: ignore[attr-defined]
             rm["prune_p_star"] = float(self.prune_report["p_star"])
             for g, r in self.prune_report["group_rates"].items():
                 rm[f"prune_rate/{g}"] = float(r)

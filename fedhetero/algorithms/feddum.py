@@ -141,7 +141,7 @@ class ServerMomentumMixin:
         model.load_state_dict(state)
         self.server_momentum_buffer = m
         norm = float(torch.sqrt(sum((v * v).sum() for v in m.values()))) if m else 0.0
-        self.round_metrics["server_momentum_norm"] = norm  # type: ignore[attr-defined]
+        self.round_extras["server_momentum_norm"] = norm  # type: ignore[attr-defined]
 
     def state_dict(self) -> dict[str, Any]:
         out = super().state_dict()  # type: ignore[misc]

@@ -117,7 +117,7 @@ class DataSharing(ServerDataAlgorithm):
         n_dev = float(sum(len(ix) for ix in ctx.data.client_indices))
         idx = self.server_indices(ctx)
         n0 = 0 if idx is None else len(idx)
-        self.round_metrics["train_time_factor"] = float(min(100.0 * n0 / n_dev, 5.0) + 1.0) if n_dev else 1.0
+        self.round_extras["train_time_factor"] = float(min(100.0 * n0 / n_dev, 5.0) + 1.0) if n_dev else 1.0
 
     def client_payload(self, ctx: "Context", client: ClientInfo, common: dict[str, Any]) -> dict[str, Any]:
         """Adds ``shared`` (the device's shared server-sample indices, a list) and ``shared_bytes``
@@ -200,7 +200,7 @@ class HybridFL(ServerDataAlgorithm):
                 res = self.train_on_server(ctx, server_model)
             states.append(server_model.state_dict())
             weights.append(1.0 if ctx.cfg.train.aggregation == "uniform" else float(len(idx)))
-            self.round_metrics["hybrid_server_loss"] = float(res["loss"])
+            self.round_extras["hybrid_server_loss"] = float(res["loss"])
         if states:
             self.global_model.load_state_dict(weighted_average(states, weights))
 
@@ -410,8 +410,8 @@ class IMC(ServerDataAlgorithm):
             report.update({"round": int(ctx.round) - 1, "masked_fraction": 1.0 - kept / max(total, 1)})
             self.prune_report = report
         if self.prune_report is not None:
-            self.round_metrics["prune_p_star"] = float(self.prune_report["p_star"])
-            self.round_metrics["imc_masked_fraction"] = float(self.prune_report["masked_fraction"])
+            self.round_extras["prune_p_star"] = float(self.prune_report["p_star"])
+            self.round_extras["imc_masked_fraction"] = float(self.prune_report["masked_fraction"])
 
     def after_aggregate(self, ctx: "Context") -> None:
         assert self.global_model is not None

@@ -6,6 +6,7 @@ closed form, resume and the process back end."""
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -121,7 +122,7 @@ def test_ensemble_is_the_best_single_order_run_and_respects_caps():
         singles = []
         for _ in range(10):
             order = [int(x) for x in orders.permutation(len(hists))]
-            singles.append(dc._dp_one_order(order, lambda m: dc.group_distance(hists, m, glob), budget, None))
+            singles.append(dc._dp_one_order(order, lambda m, h=hists, g=glob: dc.group_distance(h, m, g), budget, None))
         best = min(singles, key=lambda r: r[1])
         assert d == best[1] and members == best[0]
     # a Dynamic-β cap of 3: never more than 3 members; fixed size: exactly 3
@@ -250,16 +251,17 @@ def test_every_client_at_interval_one_is_dynamic_sgd(tmp_path):
     """All clients synchronising after every step: the same numbers whichever way the interval is
     set, and (without momentum) one model stepping on the weighted mean of the clients' clipped
     gradients, as the paper's DynamicSGD is described."""
+    plain = {"name": "cnn", "norm": "none", "width": 0.25}  # no BatchNorm statistics to average
     train = {"optimizer_state": "none", "momentum": 0.0, "nesterov": False, "local_steps": 4}
-    a, ra = _run(tmp_path, _cfg({"budget_mode": "all_high", "interval_high": "a"}, train, rounds=1), "all_high")
-    b, rb = _run(tmp_path, _cfg({"budget_mode": "none", "interval_low": 1}, train, rounds=1), "none")
-    c, rc = _run(tmp_path, _cfg({"budget_mode": "dynamic", "beta": 1.0, "interval_high": "a", "interval_low": "a"}, train, rounds=1), "dyn")
+    a, ra = _run(tmp_path, _cfg({"budget_mode": "all_high", "interval_high": "a"}, train, rounds=1, model=plain), "all_high")
+    b, rb = _run(tmp_path, _cfg({"budget_mode": "none", "interval_low": 1}, train, rounds=1, model=plain), "none")
+    c, rc = _run(tmp_path, _cfg({"budget_mode": "dynamic", "beta": 1.0, "interval_high": "a", "interval_low": "a"}, train, rounds=1, model=plain), "dyn")
     _same_states(_global(a), _global(b))
     _same_states(_global(a), _global(c))
     assert all(x["syncs"] == 4 and x["kappa_paper"] == 1.0 and x["kappa_code"] == 0.75 for x in ra.metrics[0]["clients"])
 
     # the reference: one model, the weighted mean of per-client clipped gradient steps
-    eng = Engine(_cfg({"budget_mode": "none"}, train, rounds=1), tmp_path / "ref", progress=False)
+    eng = Engine(_cfg({"budget_mode": "none"}, train, rounds=1, model=plain), tmp_path / "ref", progress=False)
     eng._setup()
     ctx = eng.ctx
     ctx.round = 1
@@ -287,6 +289,7 @@ def test_every_client_at_interval_one_is_dynamic_sgd(tmp_path):
         model.load_state_dict({k: v.to(torch.float32) for k, v in new.items()})
     for k, v in model.state_dict().items():
         assert torch.allclose(v, _global(a)[k], atol=1e-5, rtol=1e-4), k
+    eng.backend.close()
 
 
 def test_dynamic_avg_round_accounting(tmp_path):
@@ -301,11 +304,19 @@ def test_dynamic_avg_round_accounting(tmp_path):
         assert all(c["syncs"] == 6 and c["nu_code"] == 5 for c in high)
         assert all(c["syncs"] == 2 and c["nu_code"] == 2 for c in low)
         assert all(c["steps"] == 6 for c in row["clients"])
-    last = res.metrics[-1]["clients"]
-    assert eng.algorithm.round_metrics["kappa_code"] == pytest.approx(np.mean([c["kappa_code"] for c in last]))
-    assert eng.algorithm.round_metrics["kappa_paper"] == pytest.approx(np.mean([c["kappa_paper"] for c in last]))
-    assert len(eng.algorithm.round_metrics["high_group"]) == sum(c["high_freq"] for c in last)
+    for row in res.metrics:  # the round's κ is the mean of its clients'
+        assert row["kappa_code"] == pytest.approx(np.mean([c["kappa_code"] for c in row["clients"]]))
+        assert row["kappa_paper"] == pytest.approx(np.mean([c["kappa_paper"] for c in row["clients"]]))
+        assert row["high_group"] == [c["cid"] for c in row["clients"] if c["high_freq"]]
+        assert row["local_steps"] == 6
+    assert res.summary["kappa_code"] == pytest.approx(np.mean([r["kappa_code"] for r in res.metrics]))
+    assert res.summary["kappa_paper"] == pytest.approx(np.mean([r["kappa_paper"] for r in res.metrics]))
+    assert json.loads((tmp_path / "dyn" / "summary.json").read_text())["kappa_code"] == res.summary["kappa_code"]
     assert res.metrics[0]["accuracy"] > 0
+    # the authors' sync rule: interval 1 skips the sync after step L−1
+    _, rc = _run(tmp_path, _cfg({**opts, "sync_rule": "code"}, rounds=1), "code")
+    for c in rc.metrics[0]["clients"]:
+        assert c["syncs"] == (5 if c["high_freq"] else 2) == c["nu_code"]
 
 
 def test_fix_beta_and_only_high_group(tmp_path):
@@ -361,3 +372,43 @@ def test_process_backend_gives_the_numbers_of_local(tmp_path):
     b, rb = _run(tmp_path, cfg_proc, "process")
     assert strip_wall(ra.metrics) == strip_wall(rb.metrics)
     _same_states(_global(a), _global(b))
+
+
+def test_a_lone_client_continues_its_stream_and_momentum_across_syncs(tmp_path):
+    """With one active client every average is the client's own model, so any interval must give
+    FedAvg with L steps bit for bit: the batch stream and the (Nesterov) momentum buffer carry on
+    across sync points instead of restarting."""
+    train = {"sample_rate": 0.125}
+    ref, rref = _run(tmp_path, _cfg(name="fedavg", train=train, rounds=3), "fedavg")
+    for interval in (1, 2, 4):
+        eng, res = _run(tmp_path, _cfg({"budget_mode": "none", "interval_low": interval}, train, rounds=3), f"i{interval}")
+        assert [c["syncs"] for r in res.metrics for c in r["clients"]] == [len(dc.sync_points(interval, 6))] * 3
+        _same_states(_global(eng), _global(ref))
+        assert [r["accuracy"] for r in res.metrics] == [r["accuracy"] for r in rref.metrics]
+
+
+def test_summed_gradient_dynamic_sgd(tmp_path):
+    """Without momentum and with uniform weights, stepping one model on the mean clipped
+    gradient is the engine's every-step model average (up to rounding); with persistent momentum
+    the server's buffer survives a resume."""
+    plain = {"name": "cnn", "norm": "none", "width": 0.25}
+    train = {"optimizer_state": "none", "momentum": 0.0, "nesterov": False, "local_steps": 4, "aggregation": "uniform"}
+    opts = {"budget_mode": "all_high", "interval_high": "a"}
+    a, ra = _run(tmp_path, _cfg(opts, train, model=plain), "engine")
+    b, rb = _run(tmp_path, _cfg({**opts, "dynamicsgd_impl": "summed_gradient"}, train, model=plain), "summed")
+    for k, v in _global(a).items():
+        assert torch.allclose(v, _global(b)[k], atol=1e-5, rtol=1e-4), k
+    assert [c["kappa_code"] for r in rb.metrics for c in r["clients"]] == [0.75] * 8
+    assert [c["steps"] for r in rb.metrics for c in r["clients"]] == [4] * 8
+
+    cfg = _cfg({**opts, "dynamicsgd_impl": "summed_gradient"}, rounds=3)
+    full, rf = _run(tmp_path, cfg, "full")
+    assert full.algorithm.state_dict()["server_momentum"]
+    _run(tmp_path, cfg, "cut", stop_after=1)
+    resumed, rr = _run(tmp_path, None, "cut", resume=True)
+    assert strip_wall(rr.metrics) == strip_wall(rf.metrics)
+    _same_states(_global(full), _global(resumed))
+    with pytest.raises(ConfigError, match="algorithm.options.dynamicsgd_impl"):
+        from fedhetero.algorithms import build_algorithm
+
+        build_algorithm(_cfg({"dynamicsgd_impl": "summed_gradient"}))

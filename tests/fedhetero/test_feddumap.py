@@ -128,7 +128,7 @@ def test_feddu_server_step_equals_formula_in_the_engine(tmp_path):
     ctx.round = 3
     clients = [ClientInfo(cid=c, tier="small", ratio=1.0, budget_macs=float(ctx.plain_macs),
                           num_samples=len(ctx.data.client_indices[c]), round=3) for c in (0, 2, 5)]
-    alg.round_metrics = {}
+    alg.round_extras = {}
     half = copy.deepcopy(alg.global_model.state_dict())
     # expected, computed independently from the paper's Formulas 2–7
     idx = ctx.data.server_indices
@@ -147,9 +147,9 @@ def test_feddu_server_step_equals_formula_in_the_engine(tmp_path):
     srv_state = server_model.state_dict()
     got_alpha = alg.feddu_step(ctx, clients)
     assert got_alpha == pytest.approx(alpha, rel=1e-10)
-    assert alg.round_metrics["feddu_alpha"] == got_alpha and alg.round_metrics["feddu_server_step"] == 1
-    assert alg.round_metrics["feddu_js_selected"] == pytest.approx(js_sel, rel=1e-10)
-    assert alg.round_metrics["feddu_server_acc"] == acc
+    assert alg.round_extras["feddu_alpha"] == got_alpha and alg.round_extras["feddu_server_step"] == 1
+    assert alg.round_extras["feddu_js_selected"] == pytest.approx(js_sel, rel=1e-10)
+    assert alg.round_extras["feddu_server_acc"] == acc
     new = alg.global_model.state_dict()
     for k in half:
         want = (half[k].double() + got_alpha * (srv_state[k].double() - half[k].double())).float()

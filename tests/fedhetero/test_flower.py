@@ -256,7 +256,8 @@ def _read(out: Path):
 
 @pytest.mark.parametrize(
     "name",
-    ["fedavg", "dynamicfl", "fedprox", "scaffold", "feddyn", "fednova", "moon", "fedacg", "fedensemble", "fedgen"],
+    ["fedavg", "dynamicfl", "fedprox", "scaffold", "feddyn", "fednova", "moon", "fedacg", "fedensemble", "fedgen",
+     "dynacomm"],
 )
 def test_mock_grid_gives_the_numbers_of_local(tmp_path, task_identity, name):
     """The whole path (encode → ClientApp → decode) is bit-exact; DynamicFL's private client state
