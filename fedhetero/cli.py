@@ -2,7 +2,7 @@
 
 ``fedhetero train``    run one federated job (the embedded default when given no arguments)
 ``fedhetero compare``  run several algorithms on the same clients, data, budgets and seeds
-``fedhetero bench``    benchmarks (``reparam``, ``round``, ``memory``, ``engines``)
+``fedhetero bench``    benchmarks (``reparam``, ``round``, ``memory``, ``engines``, ``selector``)
 ``fedhetero flower``   run on Flower's simulation engine, or write a Flower App for deployment
 ``fedhetero info``     algorithms, models, datasets and versions
 """
@@ -174,6 +174,10 @@ def _bench(args: argparse.Namespace) -> int:
         return int(bench.memory_main(args.rest) or 0)
     if args.what == "engines":
         return int(bench.engines_main(args.rest) or 0)
+    if args.what == "selector":
+        from fedhetero.bench_selector import main as selector_main
+
+        return int(selector_main(args.rest) or 0)
     raise SystemExit(f"unknown benchmark {args.what!r}")  # pragma: no cover
 
 
@@ -193,7 +197,7 @@ def _info(args: argparse.Namespace) -> int:
         scen = ",".join(sorted(cls.adapts_to))
         console.print(f"  {name:<16} {doc[0] if doc else ''} [dim](budgets: {scen})[/dim]")
     console.print("[bold]models[/bold]: " + ", ".join(list_models()))
-    console.print("[bold]datasets[/bold]: digits (bundled), cifar10, cifar100, dermamnist, mnist, fashion_mnist, synthetic")
+    console.print("[bold]datasets[/bold]: digits (bundled), cifar10, cifar100, dermamnist, mnist, fashion_mnist, femnist, synthetic")
     return 0
 
 
@@ -239,8 +243,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quiet", action="store_true", help="no progress display")
     p.set_defaults(func=_compare)
 
-    p = sub.add_parser("bench", help="benchmarks: reparam | round | memory | engines", description="Benchmarks measured side by side in one run; pass --help after the name for its options.")
-    p.add_argument("what", choices=["reparam", "round", "memory", "engines"])
+    p = sub.add_parser("bench", help="benchmarks: reparam | round | memory | engines | selector", description="Benchmarks measured side by side in one run; pass --help after the name for its options.")
+    p.add_argument("what", choices=["reparam", "round", "memory", "engines", "selector"])
     p.add_argument("rest", nargs=argparse.REMAINDER, help="options of the benchmark")
     p.set_defaults(func=_bench)
 

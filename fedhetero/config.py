@@ -49,10 +49,10 @@ class ConfigError(ValueError):
 
 @dataclass(frozen=True)
 class DataConfig:
-    dataset: Literal["digits", "cifar10", "cifar100", "dermamnist", "mnist", "fashion_mnist", "synthetic"] = "digits"
+    dataset: Literal["digits", "cifar10", "cifar100", "dermamnist", "mnist", "fashion_mnist", "femnist", "synthetic"] = "digits"
     data_dir: str | None = None
     download: bool = False  # fetch a missing CIFAR / DermaMNIST file (needs network access)
-    partition: Literal["dirichlet", "iid", "shards"] = "dirichlet"
+    partition: Literal["dirichlet", "iid", "shards", "kshards"] = "dirichlet"
     alpha: float = 0.5
     shards_per_client: int = 2
     num_clients: int = 20
@@ -68,7 +68,7 @@ class DataConfig:
 class ModelConfig:
     name: str = "lenet5"
     width: float = 1.0
-    norm: Literal["bn", "none"] = "bn"
+    norm: Literal["bn", "groupnorm1", "none"] = "bn"
 
 
 @dataclass(frozen=True)

@@ -442,10 +442,14 @@ def _resized(module: nn.Module, shapes: dict[str, torch.Size], path: str) -> nn.
             n, eps=module.eps, momentum=module.momentum, affine=module.affine,
             track_running_stats=module.track_running_stats, **kw,
         )
+    elif isinstance(module, nn.GroupNorm) and module.num_groups == 1:
+        # GroupNorm(1, C) has one statistics group whatever C is, so it resizes like BatchNorm
+        n = next(s[0] for name, s in shapes.items() if len(s) == 1)
+        new = nn.GroupNorm(1, n, eps=module.eps, affine=module.affine, **kw)
     else:
         raise TypeError(
-            f"{path}: cannot resize a {type(module).__name__}; sub-models support Conv2d, Linear and "
-            "BatchNorm layers"
+            f"{path}: cannot resize a {type(module).__name__}; sub-models support Conv2d, Linear, "
+            "BatchNorm and GroupNorm(1, C) layers"
         )
     new.train(module.training)
     for name, param in new.named_parameters(recurse=False):

@@ -14,13 +14,17 @@ __all__ = [
     "INITS",
     "ModelOptions",
     "ConvBNAct",
+    "make_norm",
+    "is_norm",
     "resolve_options",
     "conv_out",
     "check_spatial",
     "apply_init",
 ]
 
-NORMS = ("bn", "none")
+#: ``bn``: BatchNorm2d after every conv; ``groupnorm1``: GroupNorm(1, C) (normalisation over
+#: C×H×W per sample, per-channel affine; the DynaComm paper's "layer normalization"); ``none``.
+NORMS = ("bn", "groupnorm1", "none")
 INITS = ("torch", "kaiming_out")
 
 
@@ -119,10 +123,26 @@ def check_spatial(model: str, input_size: int, sizes: Sequence[int]) -> None:
         )
 
 
-class ConvBNAct(nn.Module):
-    """``Conv2d`` → ``BatchNorm2d`` (or nothing when ``norm='none'``) → ``ReLU`` (optional).
+def make_norm(channels: int, opts: ModelOptions) -> nn.Module:
+    """The per-layer normalisation ``opts.norm`` asks for: ``BatchNorm2d(C)``, ``GroupNorm(1, C)``
+    or ``Identity``."""
+    if opts.norm == "bn":
+        return nn.BatchNorm2d(channels, track_running_stats=opts.track_running_stats)
+    if opts.norm == "groupnorm1":
+        return nn.GroupNorm(1, channels)
+    return nn.Identity()
 
-    Standard modules only, so the conv+BN pair is found by ``reparam``'s fx/hook pair detection.
+
+def is_norm(module: nn.Module) -> bool:
+    """Whether ``module`` is a normalisation layer with per-channel parameters (BN or GroupNorm)."""
+    return isinstance(module, (nn.BatchNorm2d, nn.GroupNorm))
+
+
+class ConvBNAct(nn.Module):
+    """``Conv2d`` → norm (``BatchNorm2d``, ``GroupNorm(1, C)`` or nothing) → ``ReLU`` (optional).
+
+    Standard modules only, so the conv+BN pair is found by ``reparam``'s fx/hook pair detection
+    (a conv followed by GroupNorm is no such pair: re-parameterisation leaves it alone).
     """
 
     def __init__(
@@ -140,11 +160,7 @@ class ConvBNAct(nn.Module):
         self.conv = nn.Conv2d(
             in_channels, out_channels, kernel_size, stride=stride, padding=padding, bias=opts.conv_bias
         )
-        self.bn: nn.Module = (
-            nn.BatchNorm2d(out_channels, track_running_stats=opts.track_running_stats)
-            if opts.norm == "bn"
-            else nn.Identity()
-        )
+        self.bn: nn.Module = make_norm(out_channels, opts)
         self.act: nn.Module = nn.ReLU() if act else nn.Identity()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -153,7 +169,7 @@ class ConvBNAct(nn.Module):
     def declare(self, lay: GroupLayout, path: str, inputs: str | Sequence[str], out: str) -> None:
         """Declare this unit's channel groups (conv reads ``inputs`` and writes ``out``)."""
         lay.conv(f"{path}.conv", inputs, out)
-        if isinstance(self.bn, nn.BatchNorm2d):
+        if is_norm(self.bn):
             lay.norm(f"{path}.bn", out)
 
 

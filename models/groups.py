@@ -241,9 +241,12 @@ class GroupLayout:
         self._local(path, m, ((out, 1),), d1)
 
     def norm(self, path: str, group: str) -> None:
-        """Declare a per-channel norm (``BatchNorm2d``) on ``group``."""
+        """Declare a per-channel norm (``BatchNorm2d`` or ``GroupNorm``) on ``group``."""
         m = self._module(path)
-        self._size(group, int(m.num_features), path)
+        channels = getattr(m, "num_features", None)
+        if channels is None:
+            channels = m.num_channels  # GroupNorm
+        self._size(group, int(channels), path)
         self._local(path, m, ((group, 1),), None)
 
     def linear(self, path: str, inputs: str | Sequence[str], out: str, repeat: int = 1) -> None:

@@ -4,6 +4,10 @@ conv5×5(C→6)–ReLU–MaxPool2 → conv5×5(6→16)–ReLU–MaxPool2 → FC(
 FC(84→classes), ``s = ((input_size − 4)//2 − 4)//2`` (5 at 32×32, 4 at 28×28). With ``norm="bn"`` a
 ``BatchNorm2d`` follows each conv. No activation on the logits (the FedDUMAP authors' stray ReLU is
 dropped). At 3×32×32, 10 classes, ``norm="none"``: 62,006 parameters and 651,720 MACs.
+
+With ``norm="groupnorm1"`` (GroupNorm(1, C) after each conv, convs without bias) this is the CNN of
+the DynaComm paper (registry alias ``dynacomm_cnn``): 62,028 parameters at 3×32×32 and 10 classes,
+flatten 16·5·5 = 400 (16·4·4 = 256 at 1×28×28, FEMNIST).
 """
 
 from __future__ import annotations

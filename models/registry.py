@@ -10,6 +10,7 @@ from .cnn import CNN
 from .googlenet import GoogLeNet
 from .lenet import LeNet5
 from .logreg import LogReg
+from .preact_resnet import PreActResNet18
 from .resnet import ResNet18
 from .vgg import VGG11
 
@@ -20,6 +21,7 @@ _MODELS: dict[str, Callable[..., nn.Module]] = {
     "cnn": CNN,
     "vgg11": VGG11,
     "resnet18": ResNet18,
+    "preact_resnet18": PreActResNet18,
     "googlenet": GoogLeNet,
     "logreg": LogReg,
 }
@@ -28,9 +30,17 @@ _ALIASES = {
     "vgg": "vgg11",
     "resnet": "resnet18",
     "feddumapcnn": "cnn",
+    # the DynaComm paper's CNN is LeNet-5 (6/16 5×5 convs, FC 120/84); use it with norm="groupnorm1"
+    "dynacommcnn": "lenet5",
+    "preactresnet": "preact_resnet18",
+    "preactresnet18": "preact_resnet18",
     "logisticregression": "logreg",
     "mlr": "logreg",
 }
+
+
+# canonical names written without "_" (the lookup key drops "-" and "_")
+_CANONICAL = {name.replace("_", ""): name for name in _MODELS}
 
 
 def list_models() -> list[str]:
@@ -47,6 +57,7 @@ def canonical_name(name: str) -> str:
         raise ValueError(f"model name must be a string, one of {list_models()}, got {name!r}")
     key = name.lower().replace("-", "").replace("_", "")
     key = _ALIASES.get(key, key)
+    key = _CANONICAL.get(key, key)
     if key not in _MODELS:
         raise ValueError(f"unknown model {name!r}; expected one of {list_models()}")
     return key
@@ -69,14 +80,15 @@ def build_model(
     Parameters
     ----------
     name:
-        one of :func:`list_models` (``lenet5``, ``cnn``, ``vgg11``, ``resnet18``, ``googlenet``,
-        ``logreg``).
+        one of :func:`list_models` (``lenet5``, ``cnn``, ``vgg11``, ``resnet18``,
+        ``preact_resnet18``, ``googlenet``, ``logreg``); ``dynacomm_cnn`` is an alias of ``lenet5``.
     num_classes, in_channels:
         logits and image channels (never scaled by ``width``).
     width:
         multiplier of every hidden channel/unit count; sizes are ``max(1, ceil(c·width))``.
     norm:
-        ``"bn"`` (conv → BatchNorm2d → ReLU) or ``"none"`` (conv with bias → ReLU; the FedDUMAP models).
+        ``"bn"`` (conv → BatchNorm2d → ReLU), ``"groupnorm1"`` (conv → GroupNorm(1, C) → ReLU; the
+        DynaComm paper's models) or ``"none"`` (conv with bias → ReLU; the FedDUMAP models).
     input_size:
         square input side (32 for CIFAR, 28 for DermaMNIST); flatten sizes follow from it.
     conv_bias:

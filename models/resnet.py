@@ -3,7 +3,8 @@
 Stem: conv3×3(C→64, stride 1, padding 1)–BN–ReLU, no max-pool. Four stages of two ``BasicBlock``s with
 widths 64/128/256/512, stride 2 at the start of stages 2–4; a block whose shape changes gets a
 ``downsample`` shortcut (conv1×1 + BN). Global average pooling, then FC(512→classes). With
-``norm="none"`` every BN is dropped and convs get biases; ``conv_bias=True`` with ``norm="bn"`` gives the
+``norm="none"`` every BN is dropped and convs get biases (``norm="groupnorm1"``: GroupNorm(1, C)
+in place of every BN); ``conv_bias=True`` with ``norm="bn"`` gives the
 FedDUMAP authors' variant (convs with bias followed by BN). Forward MACs at 3×32×32: 555,417,600 in the
 convs plus ``512·classes`` in the FC (555,468,800 with 100 classes).
 """
@@ -15,16 +16,14 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from ._common import ModelOptions, apply_init, check_spatial, conv_out, resolve_options
+from ._common import ModelOptions, apply_init, check_spatial, conv_out, is_norm, make_norm, resolve_options
 from .groups import CLASSES, INPUT, ChannelGroups, GroupLayout
 
 __all__ = ["BasicBlock", "ResNet", "ResNet18"]
 
 
 def _norm(channels: int, o: ModelOptions) -> nn.Module:
-    if o.norm == "bn":
-        return nn.BatchNorm2d(channels, track_running_stats=o.track_running_stats)
-    return nn.Identity()
+    return make_norm(channels, o)
 
 
 class BasicBlock(nn.Module):
@@ -54,14 +53,14 @@ class BasicBlock(nn.Module):
         shortcut is the identity)."""
         mid = f"{path}.conv1"
         lay.conv(f"{path}.conv1", inputs, mid)
-        if isinstance(self.bn1, nn.BatchNorm2d):
+        if is_norm(self.bn1):
             lay.norm(f"{path}.bn1", mid)
         lay.conv(f"{path}.conv2", mid, out)
-        if isinstance(self.bn2, nn.BatchNorm2d):
+        if is_norm(self.bn2):
             lay.norm(f"{path}.bn2", out)
         if self.downsample is not None:
             lay.conv(f"{path}.downsample.0", inputs, out)
-            if isinstance(self.downsample[1], nn.BatchNorm2d):
+            if is_norm(self.downsample[1]):
                 lay.norm(f"{path}.downsample.1", out)
         elif inputs != out:
             raise ValueError(f"{path}: identity shortcut must tie {inputs!r} and {out!r}")
@@ -127,7 +126,7 @@ class ResNet(nn.Module):
         block-internal group ``layerK.i.conv1`` per block, plus fixed ``input``/``classes``."""
         lay = GroupLayout(self)
         lay.conv("conv1", INPUT, "layer1")
-        if isinstance(self.bn1, nn.BatchNorm2d):
+        if is_norm(self.bn1):
             lay.norm("bn1", "layer1")
         prev = "layer1"
         for stage in range(1, 5):

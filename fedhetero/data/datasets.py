@@ -25,6 +25,13 @@ Datasets
     ``train-labels-idx1-ubyte``, ``t10k-images-idx3-ubyte``, ``t10k-labels-idx1-ubyte``, each
     gzipped or not), parsed here (magic numbers, dimensions and counts are checked). Served as
     ``1×28×28`` with the published training-set mean and standard deviation.
+``femnist``
+    LEAF's FEMNIST JSON files (``train/*.json`` and ``test/*.json`` under the data directory or
+    under ``femnist/data/`` in it; 62 classes, ``1×28×28``, pixels as LEAF stores them). By default
+    (``split_mode="pooled"``, the DynaComm authors' construction) every writer's samples from both
+    folders are pooled and split at random (``test_fraction`` 0.2, ``split_seed`` 0);
+    ``split_mode="leaf"`` keeps LEAF's own train/test files. Normalised with the training split's
+    statistics.
 ``synthetic``
     Seeded class-conditional Gaussian images of any shape and class count, for tests.
 
@@ -37,6 +44,7 @@ does not normalise).
 from __future__ import annotations
 
 import gzip
+import json
 import os
 import pickle
 import tarfile
@@ -66,7 +74,9 @@ __all__ = [
     "resolve_data_dir",
 ]
 
-DATASETS: tuple[str, ...] = ("digits", "cifar10", "cifar100", "dermamnist", "mnist", "fashion_mnist", "synthetic")
+DATASETS: tuple[str, ...] = (
+    "digits", "cifar10", "cifar100", "dermamnist", "mnist", "fashion_mnist", "femnist", "synthetic",
+)
 SPLITS: tuple[str, ...] = ("train", "test")
 DATA_DIR_ENV = "FEDHETERO_DATA_DIR"
 DEFAULT_DATA_DIR = "data"
@@ -737,6 +747,166 @@ def _load_idx_set(
 
 
 # --------------------------------------------------------------------------------------------------
+# FEMNIST (LEAF JSON files)
+# --------------------------------------------------------------------------------------------------
+
+FEMNIST_NUM_CLASSES = 62
+FEMNIST_CLASSES = tuple("0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz")
+_FEMNIST_PIXELS = 28 * 28
+_FEMNIST_OPTIONS = {"split_mode": "pooled", "test_fraction": 0.2, "split_seed": 0}
+_LEAF_URL = "https://github.com/TalwalkarLab/leaf (folder data/femnist)"
+
+
+def _femnist_folder(root: Path) -> Path | None:
+    """The folder holding ``train/*.json`` and ``test/*.json``: ``root``, ``root/femnist/data`` or
+    ``root/femnist``."""
+    for cand in (root, root / "femnist" / "data", root / "femnist"):
+        if all((cand / part).is_dir() and any((cand / part).glob("*.json")) for part in SPLITS):
+            return cand
+    return None
+
+
+def read_leaf_json(path: str | os.PathLike[str], num_classes: int = FEMNIST_NUM_CLASSES) -> tuple[
+    list[str], list[np.ndarray], list[np.ndarray]
+]:
+    """Writers, images and labels of one LEAF JSON file.
+
+    The file holds ``{"users": [...], "num_samples": [...], "user_data": {user: {"x": [[784
+    floats]], "y": [ints]}}}``. Returns ``(users, xs, ys)`` in the order of ``users``: ``xs[k]`` is a
+    float32 ``n_k×784`` array and ``ys[k]`` an int64 array of length ``n_k``. Anything else (bad
+    JSON, missing keys, ragged or non-numeric pixels, labels outside ``[0, num_classes)``, counts that
+    disagree with ``num_samples``) raises :class:`DatasetFormatError` naming the file."""
+    path = Path(path)
+    try:
+        with open(path, encoding="utf-8") as fh:
+            obj = json.load(fh)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise DatasetFormatError(f"{path}: not a readable LEAF JSON file ({exc})") from exc
+    if not isinstance(obj, dict) or not isinstance(obj.get("users"), list) or not isinstance(
+        obj.get("user_data"), dict
+    ):
+        raise DatasetFormatError(
+            f"{path}: a LEAF file must be an object with a 'users' list and a 'user_data' object"
+        )
+    users = [str(u) for u in obj["users"]]
+    counts = obj.get("num_samples")
+    if counts is not None and (not isinstance(counts, list) or len(counts) != len(users)):
+        raise DatasetFormatError(f"{path}: 'num_samples' must be a list with one count per user")
+    xs: list[np.ndarray] = []
+    ys: list[np.ndarray] = []
+    for k, user in enumerate(users):
+        entry = obj["user_data"].get(user)
+        if not isinstance(entry, dict) or "x" not in entry or "y" not in entry:
+            raise DatasetFormatError(f"{path}: user {user!r} has no 'x'/'y' entry in 'user_data'")
+        try:
+            x = np.asarray(entry["x"], dtype=np.float32)
+            y_raw = np.asarray(entry["y"])
+        except (TypeError, ValueError) as exc:
+            raise DatasetFormatError(f"{path}: user {user!r}: non-numeric 'x' or 'y' ({exc})") from exc
+        if x.size == 0:
+            x = x.reshape(0, _FEMNIST_PIXELS)
+        if x.ndim != 2 or x.shape[1] != _FEMNIST_PIXELS:
+            raise DatasetFormatError(
+                f"{path}: user {user!r}: 'x' must be a list of {_FEMNIST_PIXELS}-pixel rows (28×28), "
+                f"got shape {x.shape}"
+            )
+        if y_raw.ndim != 1 or (y_raw.size and not np.issubdtype(y_raw.dtype, np.integer)):
+            raise DatasetFormatError(f"{path}: user {user!r}: 'y' must be a list of integer labels")
+        y = y_raw.astype(np.int64)
+        if len(y) != len(x):
+            raise DatasetFormatError(f"{path}: user {user!r} has {len(x)} images but {len(y)} labels")
+        if counts is not None and counts[k] != len(y):
+            raise DatasetFormatError(
+                f"{path}: user {user!r}: num_samples says {counts[k]} but 'y' holds {len(y)} labels"
+            )
+        if y.size and (int(y.min()) < 0 or int(y.max()) >= num_classes):
+            raise DatasetFormatError(f"{path}: user {user!r}: labels must lie in 0..{num_classes - 1}")
+        if not np.all(np.isfinite(x)):
+            raise DatasetFormatError(f"{path}: user {user!r}: pixels must be finite numbers")
+        xs.append(x)
+        ys.append(y)
+    return users, xs, ys
+
+
+def _read_leaf_folder(folder: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Images (float32 ``N×784``), labels and writer ids (index into the sorted writer names) of
+    every ``*.json`` file in ``folder``, files in name order, users in file order."""
+    xs: list[np.ndarray] = []
+    ys: list[np.ndarray] = []
+    names: list[str] = []
+    for path in sorted(folder.glob("*.json")):
+        users, ux, uy = read_leaf_json(path)
+        for user, x, y in zip(users, ux, uy):
+            xs.append(x)
+            ys.append(y)
+            names.extend([user] * len(y))
+    if not xs:
+        return np.zeros((0, _FEMNIST_PIXELS), np.float32), np.zeros(0, np.int64), np.zeros(0, np.int64)
+    _, writers = np.unique(np.asarray(names), return_inverse=True)
+    return np.concatenate(xs), np.concatenate(ys), writers.astype(np.int64)
+
+
+def _load_femnist(
+    root: Path, split: str, download: bool, normalize: bool, options: Mapping[str, Any]
+) -> ArrayDataset:
+    opts = _check_options("femnist", options, _FEMNIST_OPTIONS)
+    mode = opts["split_mode"]
+    if mode not in ("pooled", "leaf"):
+        raise DataConfigError(f"split_mode must be 'pooled' or 'leaf', got {mode!r}")
+    frac = float(opts["test_fraction"])
+    if not 0.0 < frac < 1.0:
+        raise DataConfigError(f"test_fraction must lie in (0, 1), got {opts['test_fraction']!r}")
+    folder = _femnist_folder(root)
+    if folder is None:
+        note = (
+            "\nThere is no automatic download for FEMNIST (data.download has no effect): LEAF builds the "
+            "JSON files with its own preprocessing scripts." if download else ""
+        )
+        raise DatasetNotFoundError(
+            f"FEMNIST not found: no train/*.json and test/*.json under {root}, {root / 'femnist' / 'data'} "
+            f"or {root / 'femnist'}.\n"
+            f"Generate LEAF's FEMNIST JSON files with LEAF's femnist preprocessing ({_LEAF_URL}; e.g. "
+            f"`./preprocess.sh -s niid --sf 1.0 -k 0 -t sample` keeps every writer and sample), then copy "
+            f"its data/train and data/test folders to {root / 'femnist' / 'data'}, or point the loader at "
+            f"the folder that holds train/ and test/ with --set data.data_dir=DIR (config: data.data_dir)."
+            + note
+        )
+    parts = {s: _read_leaf_folder(folder / s) for s in SPLITS}
+    if mode == "leaf":
+        train_x = parts["train"][0]
+        x_np, y_np = parts[split][0], parts[split][1]
+    else:
+        x_all = np.concatenate([parts[s][0] for s in SPLITS])
+        y_all = np.concatenate([parts[s][1] for s in SPLITS])
+        perm = np.random.default_rng(int(opts["split_seed"])).permutation(len(y_all))
+        n_test = int(round(len(y_all) * frac))
+        rows = {"test": np.sort(perm[:n_test]), "train": np.sort(perm[n_test:])}
+        train_x = x_all[rows["train"]]
+        x_np, y_np = x_all[rows[split]], y_all[rows[split]]
+    if len(train_x) == 0 or len(y_np) == 0:
+        raise DatasetFormatError(f"{folder}: the FEMNIST {split} split is empty")
+
+    def images(arr: np.ndarray) -> Tensor:
+        return torch.from_numpy(np.ascontiguousarray(arr)).reshape(-1, 1, 28, 28)
+
+    mean, std = _channel_stats(images(train_x))
+    x = images(x_np).clone()
+    if normalize:
+        _normalize_(x, mean, std)
+    return ArrayDataset(
+        images=x,
+        labels=torch.from_numpy(np.ascontiguousarray(y_np)),
+        num_classes=FEMNIST_NUM_CLASSES,
+        name="femnist",
+        split=split,
+        mean=mean if normalize else None,
+        std=std if normalize else None,
+        class_names=FEMNIST_CLASSES,
+        default_augment=False,
+    )
+
+
+# --------------------------------------------------------------------------------------------------
 # synthetic
 # --------------------------------------------------------------------------------------------------
 
@@ -813,7 +983,7 @@ def load_dataset(
     name:
         one of :data:`DATASETS`.
     data_dir:
-        directory holding the files (CIFAR, DermaMNIST, MNIST, Fashion-MNIST); default ``$FEDHETERO_DATA_DIR`` or
+        directory holding the files (CIFAR, DermaMNIST, MNIST, Fashion-MNIST, FEMNIST); default ``$FEDHETERO_DATA_DIR`` or
         ``./data``. Ignored by ``digits`` and ``synthetic``.
     split:
         ``"train"`` or ``"test"``.
@@ -826,7 +996,8 @@ def load_dataset(
         ``test_fraction`` (0.2), ``split_seed`` (0), ``interpolation`` (``"bilinear"`` |
         ``"nearest"``). ``dermamnist``: ``size`` (28 | 64 | 128 | 224: which file),
         ``resize`` (None or an int), ``include_val`` (False: the val split is not in "train").
-        ``synthetic``: ``num_samples`` (1000), ``num_test`` (200), ``num_classes`` (10),
+        ``femnist``: ``split_mode`` (``"pooled"`` | ``"leaf"``), ``test_fraction`` (0.2),
+        ``split_seed`` (0). ``synthetic``: ``num_samples`` (1000), ``num_test`` (200), ``num_classes`` (10),
         ``input_shape`` ((3, 32, 32)), ``noise`` (1.0), ``seed`` (0).
 
     Returns
@@ -853,6 +1024,7 @@ def load_dataset(
         "dermamnist": lambda: _load_dermamnist(resolve_data_dir(data_dir), split, download, normalize, options),
         "mnist": lambda: _load_idx_set("mnist", resolve_data_dir(data_dir), split, download, normalize, options),
         "fashion_mnist": lambda: _load_idx_set("fashion_mnist", resolve_data_dir(data_dir), split, download, normalize, options),
+        "femnist": lambda: _load_femnist(resolve_data_dir(data_dir), split, download, normalize, options),
         "synthetic": lambda: _load_synthetic(split, normalize, options),
     }
     return loaders[name]()

@@ -242,7 +242,7 @@ def build_federated_data(
         ``N``.
     partition:
         one of :data:`~fedhetero.data.partition.PARTITIONS`; ``alpha`` (Dirichlet),
-        ``shards`` (shards per client), ``classes_per_client`` (pathological), ``min_size``,
+        ``shards`` (shards per client; also ``kshards``' K), ``classes_per_client`` (pathological), ``min_size``,
         ``max_retries`` and ``self_balancing`` (Dirichlet) configure it.
     server_fraction:
         server set size: a fraction of the whole training set (float in ``[0, 1)``) or a count
@@ -341,7 +341,7 @@ def build_federated_data(
     if partition == "dirichlet":
         info.update({"alpha": float(alpha), "min_partition_size": int(min_size), "max_retries": int(max_retries),
                      "attempts": report.get("attempts"), "repaired_samples": report.get("moved")})
-    elif partition == "shards":
+    elif partition in ("shards", "kshards"):
         info["shards_per_client"] = int(shards)
     elif partition == "pathological":
         info["classes_per_client"] = int(classes_per_client)

@@ -21,6 +21,11 @@ Partitioners
     FedAvg/FedDUMAP sort-and-shard: sort by label, cut into ``num_clients·shards_per_client``
     contiguous shards, give each client ``shards_per_client`` random shards (so at most that many
     labels per client).
+``kshards``
+    HeteroFL/SemiFL "non-iid-l-K" label shards (the DynaComm paper's "K classes"): every class is
+    cut into ``K·M/C`` shards of near-equal size and each client receives ``K`` shards drawn at
+    random from all ``K·M`` of them (two may come from the same class). Unlike ``shards``, a shard
+    never straddles two classes, whatever the class sizes.
 ``pathological``
     exactly ``classes_per_client`` distinct classes per client (HeteroFL's "non-iid-n"); each
     class is split evenly among the clients that hold it.
@@ -40,6 +45,7 @@ __all__ = [
     "iid",
     "dirichlet",
     "shards",
+    "kshards",
     "pathological",
     "make_partition",
     "label_histograms",
@@ -49,7 +55,7 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-PARTITIONS: tuple[str, ...] = ("iid", "dirichlet", "shards", "pathological")
+PARTITIONS: tuple[str, ...] = ("iid", "dirichlet", "shards", "kshards", "pathological")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -251,6 +257,52 @@ def shards(
     return [np.sort(np.concatenate([pieces[s] for s in row])).astype(np.int64) for row in assignment]
 
 
+def kshards(
+    labels: Any,
+    num_clients: int,
+    shards_per_client: int,
+    rng: np.random.Generator,
+) -> list[np.ndarray]:
+    """``K = shards_per_client`` label shards per client (HeteroFL/SemiFL "non-iid-l-K").
+
+    With ``C`` classes present and ``M = num_clients``, each class's shuffled samples are cut into
+    ``K·M/C`` shards (``np.array_split``: sizes differ by at most one, every sample is used); the
+    ``K·M`` shards are dealt in a random order, ``K`` to each client. CIFAR-10 with M = 100:
+    K = 1 gives every client one whole class (500 images), K = 2 two shards of 250.
+
+    Raises
+    ------
+    DataConfigError
+        ``K·M`` is not a multiple of ``C`` (each class must be cut into a whole number of shards), or
+        a class has fewer samples than shards (a shard would be empty).
+    """
+    y = _labels(labels)
+    n = len(y)
+    num_clients = _clients(num_clients, n)
+    k = _count("shards_per_client", shards_per_client)
+    rng = _rng(rng)
+    present = np.unique(y)
+    c = len(present)
+    total = k * num_clients
+    if total % c:
+        raise DataConfigError(
+            f"kshards cuts each of the {c} classes into shards_per_client·num_clients/{c} shards, so "
+            f"shards_per_client·num_clients = {total} must be a multiple of {c}"
+        )
+    per_class = total // c
+    pieces: list[np.ndarray] = []
+    for cl in present:
+        idx = rng.permutation(np.flatnonzero(y == cl))
+        if len(idx) < per_class:
+            raise DataConfigError(
+                f"class {int(cl)} has {len(idx)} samples, fewer than its {per_class} shards; lower "
+                f"shards_per_client or num_clients"
+            )
+        pieces.extend(np.array_split(idx, per_class))
+    assignment = rng.permutation(total).reshape(num_clients, k)
+    return [np.sort(np.concatenate([pieces[s] for s in row])).astype(np.int64) for row in assignment]
+
+
 def pathological(
     labels: Any,
     num_clients: int,
@@ -330,6 +382,8 @@ def make_partition(
         )
     if name == "shards":
         return shards(labels, num_clients, shards_per_client, rng)
+    if name == "kshards":
+        return kshards(labels, num_clients, shards_per_client, rng)
     if name == "pathological":
         return pathological(labels, num_clients, classes_per_client, rng)
     raise DataConfigError(f"unknown partition {name!r}; accepted: {', '.join(PARTITIONS)}")
