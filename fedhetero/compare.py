@@ -95,6 +95,10 @@ def comparison_rows(results: dict[str, list[dict[str, Any] | None]], tiers: list
             row[f"acc_{t}_std"] = sd
             row[f"macs_{t}_mean"] = _mean_std([s["tiers"][t]["macs"] for s in summaries])[0]
             row[f"budget_{t}"] = summaries[0]["tiers"][t]["budget_macs"]
+        kappas = [s.get("kappa_code") for s in summaries]
+        if all(k is not None for k in kappas):  # communication cost of methods that report it (DynaComm)
+            row["kappa_code_mean"] = float(np.mean(kappas))
+            row["kappa_paper_mean"] = float(np.mean([s.get("kappa_paper", np.nan) for s in summaries]))
         ttt = [s.get("time_to_target") for s in summaries]
         row["time_to_target_mean"] = None if any(t is None for t in ttt) else float(np.mean(ttt))
         row["reached_target"] = sum(t is not None for t in ttt)
@@ -202,12 +206,15 @@ def run_comparison(
         table.add_column("client MMACs", justify="right")
         if base.train.target_accuracy is not None:
             table.add_column(f"time to {100 * base.train.target_accuracy:g} % (sim s)", justify="right")
+        show_kappa = any("kappa_code_mean" in r for r in rows)
+        if show_kappa:
+            table.add_column("κ", justify="right")
         table.add_column("bytes/run", justify="right")
         table.add_column("wall s", justify="right")
         for r in rows:
             if r["status"] != "ok":
                 cell = "N/A" if r["status"] == "N/A" else r["status"]
-                table.add_row(r["algorithm"], cell, *(["—"] * (2 * len(tiers) + 3 + (base.train.target_accuracy is not None))))
+                table.add_row(r["algorithm"], cell, *(["—"] * (2 * len(tiers) + 3 + (base.train.target_accuracy is not None) + show_kappa)))
                 continue
             ttt_cell = []
             if base.train.target_accuracy is not None:
@@ -220,6 +227,7 @@ def run_comparison(
                 *[("—" if r[f"macs_{t}_mean"] is None else f"{r[f'macs_{t}_mean'] / 1e6:.3f}") for t in tiers],
                 f"{r['client_macs_mean'] / 1e6:.3f}",
                 *ttt_cell,
+                *([f"{r['kappa_code_mean']:.4f}" if "kappa_code_mean" in r else "—"] if show_kappa else []),
                 f"{r['bytes_total_mean'] / 2**20:.1f} MiB",
                 f"{r['wall_s_mean']:.1f}",
             )

@@ -65,3 +65,26 @@ def test_compare_unknown_algorithm_is_one_clear_error(tmp_path, capsys):
     assert main(["compare", "--config", str(cfg), "--algorithms", "fedavg,nope", "--out", str(tmp_path / "x")]) == 2
     err = capsys.readouterr().err
     assert "algorithm.name" in err and "nope" in err
+
+
+def test_compare_reports_kappa_for_dynacomm(tmp_path):
+    cfg = _write_cfg(tmp_path / "c.yaml")
+    out = tmp_path / "cmp"
+    rc = main(["compare", "--config", str(cfg), "--algorithms", "fedavg,dynacomm", "--out", str(out), "--quiet", "--no-plot"])
+    assert rc == 0
+    rows = {r["algorithm"]: r for r in json.loads((out / "comparison.json").read_text())["rows"]}
+    assert "kappa_code_mean" not in rows["fedavg"]
+    summary = json.loads((out / "dynacomm" / "seed5" / "summary.json").read_text())
+    assert rows["dynacomm"]["kappa_code_mean"] == summary["kappa_code"]
+    assert 0 < rows["dynacomm"]["kappa_code_mean"] <= 1
+
+
+def test_compare_goes_on_when_a_method_fails(tmp_path):
+    cfg = _write_cfg(tmp_path / "c.yaml")
+    out = tmp_path / "cmp"
+    rc = main(["compare", "--config", str(cfg), "--algorithms", "fedavg,fedprox", "--out", str(out), "--quiet", "--no-plot",
+               "--set", "train.lr=1e30"])
+    assert rc == 0
+    rows = {r["algorithm"]: r for r in json.loads((out / "comparison.json").read_text())["rows"]}
+    for name in ("fedavg", "fedprox"):
+        assert rows[name]["status"].startswith("failed") and "non-finite" in rows[name]["reason"]
