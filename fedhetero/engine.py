@@ -71,7 +71,7 @@ class Engine:
 
     def __init__(
         self,
-        cfg: RunConfig,
+        cfg: RunConfig | None,
         out_dir: str | Path,
         *,
         resume: bool = False,

@@ -265,7 +265,7 @@ def paper_cumulative_times(
 # --------------------------------------------------------------------------------------------------
 
 
-def _acc_array(accs: Sequence[float], name: str = "acc_history") -> np.ndarray:
+def _acc_array(accs: Sequence[float] | np.ndarray, name: str = "acc_history") -> np.ndarray:
     arr = np.asarray(accs, dtype=np.float64)
     if arr.ndim != 1 or arr.size == 0:
         raise TimeModelError(f"{name} must be a non-empty 1-D sequence of accuracies")
@@ -322,7 +322,7 @@ def smoothed_final_accuracy(
     return float(np.max(smooth_accuracy(acc_history, window, polyorder=polyorder, decimals=decimals, has_initial=has_initial)))
 
 
-def rounds_to_target(accs: Sequence[float], target: float) -> int | None:
+def rounds_to_target(accs: Sequence[float] | np.ndarray, target: float) -> int | None:
     """First index ``i`` with ``accs[i] >= target``; ``None`` if never."""
     arr = _acc_array(accs, "accs")
     hit = np.flatnonzero(arr >= float(target))

@@ -108,7 +108,9 @@ class FedEnsemble(Algorithm):
         return self.assignment(ctx, ctx.round)[int(self.stratum[result.cid])]
 
     def state_dict(self) -> dict[str, Any]:
+        assert self.global_model is not None
         return {"global_model": self.global_model.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        assert self.global_model is not None
         self.global_model.load_state_dict(state["global_model"])

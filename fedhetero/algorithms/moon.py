@@ -111,12 +111,15 @@ class Moon(Algorithm):
 
             def loss_fn(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
                 x = tap.input
+                assert x is not None  # the tap saw this step's forward
                 with torch.no_grad():
                     if use_logits:
                         z_glob, z_prev = glob(x), prev(x)
                     else:
                         z_glob, z_prev = penultimate(glob, x, ctx.num_classes), penultimate(prev, x, ctx.num_classes)
-                con = moon_contrastive_loss(out if use_logits else tap.features, z_glob, z_prev, tau)
+                feats = out if use_logits else tap.features
+                assert feats is not None and z_glob is not None and z_prev is not None  # the tap saw the forward
+                con = moon_contrastive_loss(feats, z_glob, z_prev, tau)
                 con_sum.append(con.detach())
                 return F.cross_entropy(out, y) + mu * con
 
