@@ -253,9 +253,7 @@ def engines_main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     def started(cfg: Any) -> ProcessBackend:
         backend = ProcessBackend(cfg)
-        backend._start()
-        for w in backend._workers:
-            backend._await_ready(w)
+        backend.start()
         return backend
 
     t0 = time.perf_counter()

@@ -17,6 +17,7 @@ client and turns an exception into a failed :class:`Outcome` instead of stopping
 
 from __future__ import annotations
 
+import abc
 import math
 import time
 import traceback
@@ -157,22 +158,23 @@ def check_result(outcome: Outcome, timeout_s: float | None) -> str | None:
     return None
 
 
-class Backend:
+class Backend(abc.ABC):
     """Executes client tasks; :meth:`run` returns one :class:`Outcome` per task, sorted by client
     id. ``states`` maps a client id to its private state from earlier rounds (or None)."""
 
     name = "base"
 
+    @abc.abstractmethod
     def run(
         self,
         algorithm: "Algorithm",
         tasks: "list[ClientTask]",
         states: dict[int, dict[str, Any] | None],
         on_done: Callable[[int], None] | None = None,
-    ) -> list[Outcome]:  # pragma: no cover - abstract
-        raise NotImplementedError
+    ) -> list[Outcome]:
+        """Run the tasks; one outcome per task, sorted by client id."""
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - optional: back ends without resources need nothing
         """Release workers or connections (idempotent)."""
 
 
