@@ -201,6 +201,12 @@ def _info(args: argparse.Namespace) -> int:
     return 0
 
 
+def _dyninit_table(args: argparse.Namespace) -> int:
+    from fedhetero.dyninit_table import main as table_main
+
+    return table_main(list(args.rest))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="fedhetero",
@@ -248,6 +254,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("rest", nargs=argparse.REMAINDER, help="options of the benchmark")
     p.set_defaults(func=_bench)
 
+    p = sub.add_parser(
+        "dyninit-table",
+        help="the DynInit transition table: overlap x alpha x host x method x seed, run in parallel",
+        description="Run (or reuse) the DynInit study's grid and print the transition and time-to-accuracy "
+        "tables; pass --help after the name for its options.",
+        add_help=False,
+    )
+    p.add_argument("rest", nargs=argparse.REMAINDER, help="options of the table (see `fedhetero dyninit-table --help`)")
+    p.set_defaults(func=_dyninit_table)
+
     from fedhetero.integrations.flower.cli import add_parser as add_flower_parser
 
     add_flower_parser(sub)  # imports Flower only when a flower command runs
@@ -259,7 +275,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    raw = list(sys.argv[1:] if argv is None else argv)
+    if raw[:1] == ["dyninit-table"]:  # its own parser: every option (--help too) goes to it
+        args = argparse.Namespace(command="dyninit-table", func=_dyninit_table, rest=raw[1:])
+    else:
+        args = parser.parse_args(raw)
     if args.command is None:
         parser.print_help()
         return 0

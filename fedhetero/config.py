@@ -32,6 +32,7 @@ __all__ = [
     "DataConfig",
     "ModelConfig",
     "RunConfig",
+    "SessionsConfig",
     "TierConfig",
     "TrainConfig",
     "apply_overrides",
@@ -49,11 +50,12 @@ class ConfigError(ValueError):
 
 @dataclass(frozen=True)
 class DataConfig:
-    dataset: Literal["digits", "cifar10", "cifar100", "dermamnist", "mnist", "fashion_mnist", "femnist", "synthetic"] = "digits"
+    dataset: Literal["digits", "cifar10", "cifar100", "dermamnist", "mnist", "fashion_mnist", "femnist", "svhn", "synthetic"] = "digits"
     data_dir: str | None = None
     download: bool = False  # fetch a missing CIFAR / DermaMNIST file (needs network access)
-    partition: Literal["dirichlet", "iid", "shards", "kshards"] = "dirichlet"
+    partition: Literal["dirichlet", "iid", "shards", "kshards", "session_groups", "natural"] = "dirichlet"
     alpha: float = 0.5
+    group_overlap: float = 0.0  # session_groups: label overlap o of the two device groups
     shards_per_client: int = 2
     num_clients: int = 20
     min_partition_size: int = 10
@@ -69,6 +71,9 @@ class ModelConfig:
     name: str = "lenet5"
     width: float = 1.0
     norm: Literal["bn", "groupnorm1", "none"] = "bn"
+    # a state-dict file of initial weights (e.g. ImageNet weights of resnet18_proj's backbone):
+    # loaded into the model, or into its ``backbone`` when it has one
+    weights: str | None = None
 
 
 @dataclass(frozen=True)
@@ -150,6 +155,27 @@ class EngineConfig:
     client_timeout_s: float | None = None  # a client that takes longer is dropped from the round
     min_clients: int = 1  # fewer successful clients in a round stops the run with a clear message
     inject_faults: FaultConfig = field(default_factory=FaultConfig)
+    # local back end: train the clients of a round together as one batched model when the
+    # algorithm and model allow it (fedhetero.cohort); same numbers up to the order of float sums
+    vectorize: bool = False
+
+
+@dataclass(frozen=True)
+class SessionsConfig:
+    """Device arrival and departure: ``count`` sessions of ``rounds`` rounds each, with a fixed
+    set of available devices per session (``devices``: one list of client ids per session; without
+    it ``schedule: alternate`` uses the first half of the clients, then the second, A, B, A, …).
+    ``count: 0`` (default): no sessions, every client is available in every round. In a session
+    the learning-rate schedule runs over its ``rounds`` and restarts at the next one; accuracy is
+    reported on the test classes the session's devices hold (``eval_on_session_classes``) and on
+    the full test set."""
+
+    count: int = 0
+    rounds: int = 50
+    schedule: Literal["alternate"] = "alternate"
+    devices: tuple[tuple[int, ...], ...] | None = None
+    eval_on_session_classes: bool = True
+    transition_window: int = 10  # rounds averaged for a transition's accuracy
 
 
 @dataclass(frozen=True)
@@ -169,6 +195,7 @@ class RunConfig:
     budget: BudgetConfig = field(default_factory=BudgetConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
+    sessions: SessionsConfig = field(default_factory=SessionsConfig)
 
 
 # ---------------------------------------------------------------------------- conversion
@@ -294,6 +321,11 @@ def validate(cfg: RunConfig) -> None:
     _check(d.alpha > 0, "data.alpha", f"the Dirichlet concentration must be > 0, got {d.alpha}")
     _check(d.shards_per_client >= 1, "data.shards_per_client", "must be at least 1")
     _check(d.min_partition_size >= 1, "data.min_partition_size", "must be at least 1")
+    _check(
+        d.partition != "natural" or d.dataset == "femnist",
+        "data.partition",
+        f"natural makes one client per writer and needs a dataset with writers (femnist); {d.dataset} has none",
+    )
     _check(0 <= d.server_fraction < 1, "data.server_fraction", f"must be in [0, 1), got {d.server_fraction}")
     _check(0 < d.server_classes <= 1, "data.server_classes", f"must be in (0, 1], got {d.server_classes}")
     _check(0 <= d.public_fraction < 1, "data.public_fraction", f"must be in [0, 1), got {d.public_fraction}")
@@ -379,6 +411,32 @@ def validate(cfg: RunConfig) -> None:
     for i, tier in enumerate(b.tiers):
         _check(bool(tier.name.strip()), f"budget.tiers[{i}].name", "must not be empty")
         _check(tier.ratio <= b.max_ratio, f"budget.tiers[{i}].ratio", f"must be at most budget.max_ratio={b.max_ratio:g}, got {tier.ratio:g}")
+    _check(0 <= d.group_overlap < 1, "data.group_overlap", f"must be in [0, 1), got {d.group_overlap}")
+    _check(
+        d.partition != "session_groups" or (d.num_clients >= 2 and d.num_clients % 2 == 0),
+        "data.num_clients",
+        f"partition session_groups splits the clients into two equal groups: needs an even count, got {d.num_clients}",
+    )
+    ss = cfg.sessions
+    _check(ss.count >= 0, "sessions.count", f"must be >= 0 (0: no sessions), got {ss.count}")
+    _check(ss.rounds >= 1, "sessions.rounds", f"must be at least 1, got {ss.rounds}")
+    _check(ss.transition_window >= 1, "sessions.transition_window", "must be at least 1")
+    if ss.count:
+        _check(
+            t.rounds == ss.count * ss.rounds,
+            "train.rounds",
+            f"with sessions.count={ss.count} and sessions.rounds={ss.rounds} it must be {ss.count * ss.rounds}, got {t.rounds}",
+        )
+        _check(ss.devices is not None or d.num_clients >= 2, "sessions.schedule", "alternate needs at least 2 clients")
+        if ss.devices is not None:
+            _check(len(ss.devices) == ss.count, "sessions.devices", f"lists {len(ss.devices)} sessions, sessions.count is {ss.count}")
+            for i, devs in enumerate(ss.devices):
+                _check(len(devs) >= 1, f"sessions.devices[{i}]", "must list at least one client id")
+                _check(
+                    all(0 <= c < d.num_clients for c in devs),
+                    f"sessions.devices[{i}]",
+                    f"client ids must be in [0, data.num_clients={d.num_clients})",
+                )
     e = cfg.engine
     _check(e.workers is None or e.workers >= 1, "engine.workers", f"must be at least 1 or null, got {e.workers}")
     _check(
@@ -493,4 +551,13 @@ def config_hash(cfg: RunConfig) -> str:
     for section, keys in _UNHASHED.items():
         for key in keys:
             data.get(section, {}).pop(key, None)
+    # fields added later are hashed only when set, so runs made before them can still be resumed
+    if not cfg.sessions.count:
+        data.pop("sessions", None)
+    if cfg.data.group_overlap == 0.0:
+        data["data"].pop("group_overlap", None)
+    if not cfg.engine.vectorize:
+        data["engine"].pop("vectorize", None)
+    if cfg.model.weights is None:
+        data["model"].pop("weights", None)
     return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()

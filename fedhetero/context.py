@@ -86,6 +86,7 @@ CONCERNS = {
     "algorithm": 9,
     "eval": 10,
     "faults": 11,
+    "prelude": 12,  # data order of prelude exchanges (DynInit's gradient round)
 }
 
 
@@ -154,6 +155,15 @@ class ClientContext:
         with self.seeded("init", 0):
             self.plain_macs = self.macs(self.build_model())
         self.tier_ratio = {t.name: t.ratio for t in cfg.budget.tiers}
+        self.lr_override: float | None = None  # server side: the rate of an exchange run now
+        self.schedule: Any = None  # fedhetero.sessions.Schedule when sessions are configured
+        if cfg.sessions.count:
+            from fedhetero.sessions import Schedule
+
+            self.schedule = Schedule.from_config(
+                cfg.sessions.count, cfg.sessions.rounds, len(data.client_indices), cfg.sessions.schedule,
+                cfg.sessions.devices,
+            )
 
     # ------------------------------------------------------------------ randomness
     def seed_sequence(self, concern: str, *keys: int) -> np.random.SeedSequence:
@@ -240,6 +250,18 @@ class ClientContext:
         finally:
             self.timers[name] = self.timers.get(name, 0.0) + time.perf_counter() - t0
 
+    def session_test_indices(self, session: int) -> np.ndarray:
+        """Test rows of the classes the devices of ``session`` (0-based) hold in their training
+        data (sessions only)."""
+        key = ("session_test", session)
+        hit = self.cache.get(key)
+        if hit is None:
+            devs = self.schedule.devices[session]
+            labels = self.data.train.labels_np
+            classes = np.unique(np.concatenate([labels[self.data.client_indices[c]] for c in devs]))
+            hit = self.cache[key] = np.flatnonzero(np.isin(self.data.test.labels_np, classes))
+        return hit
+
     # ------------------------------------------------------------------ models & budgets
     def build_model(self, width: float | None = None, **overrides: Any) -> nn.Module:
         """A fresh model of the configured architecture (optionally another width)."""
@@ -253,7 +275,33 @@ class ClientContext:
             input_size=self.input_shape[1],
         )
         kw.update(overrides)
-        return build_model(self.cfg.model.name, **kw).to(device=self.device, dtype=self.dtype)
+        model = build_model(self.cfg.model.name, **kw)
+        if self.cfg.model.weights:
+            self._load_weights(model)
+        return model.to(device=self.device, dtype=self.dtype)
+
+    def _load_weights(self, model: nn.Module) -> None:
+        """``model.weights``: a state dict loaded into the model or into its ``backbone``."""
+        from fedhetero.config import ConfigError
+
+        path = str(self.cfg.model.weights)
+        state = self.cache.get(("weights", path))
+        if state is None:
+            try:
+                state = torch.load(path, weights_only=True, map_location="cpu")
+            except (OSError, RuntimeError, ValueError) as exc:
+                raise ConfigError(f"model.weights: cannot load {path} ({type(exc).__name__}: {exc})") from None
+            if isinstance(state, dict) and isinstance(state.get("state_dict"), dict):
+                state = state["state_dict"]
+            if not isinstance(state, dict):
+                raise ConfigError(f"model.weights: {path} does not hold a state dict")
+            self.cache[("weights", path)] = state
+        target = getattr(model, "backbone", model)
+        own = target.state_dict()
+        fits = {k: v for k, v in state.items() if k in own and tuple(own[k].shape) == tuple(v.shape)}
+        if not fits:
+            raise ConfigError(f"model.weights: no entry of {path} fits the {self.cfg.model.name} model")
+        target.load_state_dict(fits, strict=False)
 
     def macs(self, model: nn.Module) -> int:
         """Forward MACs per sample (conv + linear; BN, activations and pooling excluded).
@@ -295,12 +343,27 @@ class ClientContext:
         * ``cosine``: ``lr_min + (lr − lr_min)·(1 + cos(π·(t−1)/T))/2`` (cosine annealing with
           ``T = train.rounds``, stepped once per round);
         * ``polynomial``: ``lr_min + (lr − lr_min)·(1 − (t−1)/T)^lr_power``.
+
+        With sessions, ``t`` counts the rounds of the current session and ``T`` is
+        ``sessions.rounds`` (the schedule restarts at every session). A rate the server sent with
+        the task (``ClientTask.lr``), or set for an exchange it runs now (:attr:`lr_override`),
+        takes precedence.
         """
+        if rnd is None:
+            sent = self.current_client.lr if self.current_client is not None else None
+            if sent is not None:
+                return float(sent)
+            if self.lr_override is not None:
+                return float(self.lr_override)
         t = self.cfg.train
         if t.lr_schedule == "constant":
             return t.lr
-        k = min(max(int(self.round if rnd is None else rnd), 1), t.rounds) - 1
-        frac = k / t.rounds
+        k = max(int(self.round if rnd is None else rnd), 1)
+        total = t.rounds
+        if self.schedule is not None:  # the schedule restarts at every session
+            k, total = self.schedule.round_in_session(k), self.schedule.rounds
+        k = min(k, total) - 1
+        frac = k / total
         if t.lr_schedule == "cosine":
             return t.lr_min + (t.lr - t.lr_min) * 0.5 * (1.0 + math.cos(math.pi * frac))
         return t.lr_min + (t.lr - t.lr_min) * (1.0 - frac) ** t.lr_power
@@ -360,7 +423,8 @@ class ClientContext:
 
     def client_batches(self, cid: int, epoch: int, batch_size: int | None = None):
         """The client's shuffled batches for one local epoch (order from (round, client, epoch))."""
-        gen = self.torch_generator("data", self.round, cid, epoch)
+        prelude = self.current_client is not None and self.current_client.prelude
+        gen = self.torch_generator("prelude" if prelude else "data", self.round, cid, epoch)
         return iterate_batches(
             self.data.train,
             self.data.client_indices[cid],
@@ -369,6 +433,15 @@ class ClientContext:
             shuffle=True,
             augment=self.cfg.data.augment,
         )
+
+    def client_epoch_rows(self, cid: int, epoch: int) -> torch.Tensor:
+        """The training rows of one local epoch of client ``cid`` in :meth:`client_batches`'s order
+        (without augmentation); batch ``k`` is rows ``[k·B, (k+1)·B)``."""
+        from fedhetero.data.batches import epoch_order
+
+        prelude = self.current_client is not None and self.current_client.prelude
+        gen = self.torch_generator("prelude" if prelude else "data", self.round, cid, epoch)
+        return epoch_order(self.data.train, self.data.client_indices[cid], generator=gen, shuffle=True)
 
     def train(
         self,

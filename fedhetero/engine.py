@@ -51,6 +51,7 @@ from fedhetero.rundir import (
     finite_json,
     read_metrics,
 )
+from fedhetero.sessions import session_summary
 from fedhetero.store import ClientStateStore, atomic_save
 from fedhetero.timemodel import ClientCost, TimeModel, smoothed_final_accuracy
 from reparam.allocator import tune_malloc
@@ -178,7 +179,7 @@ class Engine:
         """Run tasks on the back end with each client's private state; keep the new states of the
         clients that succeeded; record and drop the others (error, time-out, non-finite upload)."""
         assert self.backend is not None
-        states = {t.cid: self.store.get(t.cid, before_round=t.round) for t in tasks}
+        states = {t.cid: self.store.get(t.cid, before_round=t.round, prelude=t.prelude) for t in tasks}
         outcomes = self.backend.run(algorithm, tasks, states, on_done=self.ctx.on_client_done)
         ok: list[ClientResult] = []
         for outcome in outcomes:
@@ -192,7 +193,7 @@ class Engine:
             res = outcome.result
             assert res is not None
             if res.client_state is not None:
-                self.store.put(task.cid, res.client_state, task.round)
+                self.store.put(task.cid, res.client_state, task.round, prelude=task.prelude)
             for k, v in res.timers.items():
                 self.ctx.timers[k] = self.ctx.timers.get(k, 0.0) + v
             ok.append(res)
@@ -221,10 +222,15 @@ class Engine:
 
     # ------------------------------------------------------------------ rounds
     def sample_clients(self, rnd: int) -> list[int]:
-        n = self.cfg.data.num_clients
-        k = max(1, int(round(self.cfg.train.sample_rate * n)))
+        """``train.sample_rate`` of the available clients: all clients, or with sessions the
+        devices of the round's session."""
+        if self.ctx.schedule is not None:
+            pool = np.asarray(self.ctx.schedule.devices[self.ctx.schedule.session_of(rnd)], dtype=np.int64)
+        else:
+            pool = np.arange(self.cfg.data.num_clients)
+        k = max(1, int(round(self.cfg.train.sample_rate * len(pool))))
         rng = self.ctx.rng("sample", rnd)
-        return sorted(int(c) for c in rng.choice(np.arange(n), size=k, replace=False))
+        return sorted(int(c) for c in rng.choice(pool, size=k, replace=False))
 
     def client_info(self, cid: int, rnd: int) -> ClientInfo:
         tier = self.tiers[cid]
@@ -244,6 +250,14 @@ class Engine:
         models = self.algorithm.eval_models(self.ctx)
         res = self.ctx.evaluate(models["global"])
         out: dict[str, Any] = {"accuracy": res["accuracy"], "loss": res["loss"], "tier_accuracy": {}}
+        if self.ctx.schedule is not None:
+            # accuracy on the classes of the session's devices, and on the full test set
+            session = self.ctx.schedule.session_of(self.ctx.round)
+            part = self.ctx.evaluate(models["global"], indices=self.ctx.session_test_indices(session))
+            out["accuracy_full"], out["loss_full"] = res["accuracy"], res["loss"]
+            out["accuracy_session"] = part["accuracy"]
+            if self.cfg.sessions.eval_on_session_classes:
+                out["accuracy"], out["loss"] = part["accuracy"], part["loss"]
         cache: dict[int, float] = {id(models["global"]): res["accuracy"]}
         for t in self.cfg.budget.tiers:
             m = models.get(f"tier:{t.name}", models["global"])
@@ -358,18 +372,30 @@ class Engine:
                 t0 = time.perf_counter()
                 self.ctx.round = rnd
                 self.ctx.timers = {}
-                cids = self.sample_clients(rnd)
-                clients = [self.client_info(c, rnd) for c in cids]
-                for c in cids:
-                    self._participation[c] += 1
-                progress.round_started(rnd, len(clients))
-                self.ctx.on_client_done = progress.client_done
-                self._dropped = []
-                updates = self.algorithm.run_round(self.ctx, clients)
                 row: dict[str, Any] = {"round": rnd}
+                sched = self.ctx.schedule
+                if sched is not None:
+                    row["session"] = sched.session_of(rnd) + 1
+                    row["session_round"] = sched.round_in_session(rnd)
+                self._dropped = []
+                if sched is not None and sched.round_in_session(rnd) == 1:
+                    self.algorithm.session_start(self.ctx, sched.session_of(rnd))
+                skip = self.algorithm.skip_round(self.ctx, rnd)
+                if skip:  # e.g. a baseline that does not run DynInit's pilot session
+                    row["skipped"] = True
+                    clients: list[ClientInfo] = []
+                    updates: list[ClientResult] = []
+                else:
+                    cids = self.sample_clients(rnd)
+                    clients = [self.client_info(c, rnd) for c in cids]
+                    for c in cids:
+                        self._participation[c] += 1
+                    progress.round_started(rnd, len(clients))
+                    self.ctx.on_client_done = progress.client_done
+                    updates = self.algorithm.run_round(self.ctx, clients)
                 row["dropped"] = list(self._dropped)
                 row.update(self.algorithm.round_metrics(self.ctx))
-                if rnd % self.cfg.train.eval_every == 0 or rnd == rounds:
+                if not skip and (rnd % self.cfg.train.eval_every == 0 or rnd == rounds):
                     row.update(self._evaluate())
                 by_cid = {c.cid: c for c in clients}
                 row["clients"] = [
@@ -540,6 +566,7 @@ def summarize(cfg: RunConfig, history: list[dict[str, Any]], plain_macs: int, wa
         "all_fit_budget": bool(all(c["fits_budget"] for r in history for c in r["clients"])),
         "dropped_clients": int(sum(len(r.get("dropped", ())) for r in history)),
         "wall_s": round(wall, 3),
+        **(session_summary(history, cfg.sessions.transition_window) if cfg.sessions.count else {}),
     }
 
 

@@ -23,7 +23,7 @@ import torch
 
 __all__ = ["ClientStateStore", "atomic_save"]
 
-_NAME = re.compile(r"^r(\d+)\.pt$")
+_NAME = re.compile(r"^r(\d+)(b?)\.pt$")
 
 
 def atomic_save(obj: Any, path: Path) -> None:
@@ -53,30 +53,41 @@ class ClientStateStore:
         for p in d.iterdir():
             m = _NAME.match(p.name)
             if m:
-                out.append((int(m.group(1)), p))
+                # tick 2r: written in round r; tick 2r+1 ("rNb.pt"): written between round r and
+                # round r+1 (a prelude exchange that round r+1's own tasks must see)
+                out.append((2 * int(m.group(1)) + (1 if m.group(2) else 0), p))
         return sorted(out)
 
-    def put(self, cid: int, state: dict[str, Any], round: int) -> None:
-        """Store ``state`` as the version written in ``round``; older versions are kept until
-        :meth:`compact` (a checkpoint may still need them)."""
-        atomic_save(state, self._dir(cid) / f"r{int(round):06d}.pt")
+    @staticmethod
+    def _tick(round: int, prelude: bool) -> int:
+        return 2 * int(round) - (1 if prelude else 0)
+
+    def put(self, cid: int, state: dict[str, Any], round: int, prelude: bool = False) -> None:
+        """Store ``state`` as the version written in ``round`` (``prelude``: by an exchange that
+        runs before round ``round`` proper, whose state that round's tasks see); older versions
+        are kept until :meth:`compact` (a checkpoint may still need them)."""
+        name = f"r{int(round) - 1:06d}b.pt" if prelude else f"r{int(round):06d}.pt"
+        atomic_save(state, self._dir(cid) / name)
         if self._touched is not None:
             self._touched.add(int(cid))
 
-    def get(self, cid: int, before_round: int | None = None) -> dict[str, Any] | None:
-        """Newest state written before ``before_round`` (all rounds when None), or None."""
+    def _before(self, cid: int, before_round: int | None, prelude: bool) -> list[tuple[int, Path]]:
         versions = self._versions(cid)
         if before_round is not None:
-            versions = [v for v in versions if v[0] < before_round]
+            tick = self._tick(before_round, prelude)
+            versions = [v for v in versions if v[0] < tick]
+        return versions
+
+    def get(self, cid: int, before_round: int | None = None, prelude: bool = False) -> dict[str, Any] | None:
+        """Newest state written before ``before_round`` (all rounds when None; with ``prelude``,
+        before that round's prelude exchange), or None."""
+        versions = self._before(cid, before_round, prelude)
         if not versions:
             return None
         return torch.load(versions[-1][1], weights_only=True, map_location="cpu")
 
-    def has(self, cid: int, before_round: int | None = None) -> bool:
-        versions = self._versions(cid)
-        if before_round is not None:
-            versions = [v for v in versions if v[0] < before_round]
-        return bool(versions)
+    def has(self, cid: int, before_round: int | None = None, prelude: bool = False) -> bool:
+        return bool(self._before(cid, before_round, prelude))
 
     def clients(self) -> list[int]:
         if not self.root.is_dir():
@@ -93,7 +104,7 @@ class ClientStateStore:
         cids = self.clients() if self._touched is None else sorted(self._touched)
         for cid in cids:
             versions = self._versions(cid)
-            old = [v for v in versions if v[0] <= upto_round]
+            old = [v for v in versions if v[0] <= 2 * upto_round]
             for _, p in old[:-1]:
                 p.unlink(missing_ok=True)
         self._touched = set()
@@ -101,8 +112,8 @@ class ClientStateStore:
     def rollback(self, to_round: int) -> None:
         """Delete versions written after ``to_round`` (resuming from that round's checkpoint)."""
         for cid in self.clients():
-            for r, p in self._versions(cid):
-                if r > to_round:
+            for tick, p in self._versions(cid):
+                if tick > 2 * to_round:
                     p.unlink(missing_ok=True)
 
     def disk_bytes(self) -> int:

@@ -12,6 +12,8 @@ from .lenet import LeNet5
 from .logreg import LogReg
 from .preact_resnet import PreActResNet18
 from .resnet import ResNet18
+from .resnet_proj import ResNet18Proj
+from .svhn_cnn import SVHNCNN
 from .vgg import VGG11
 
 __all__ = ["build_model", "list_models", "canonical_name"]
@@ -24,6 +26,8 @@ _MODELS: dict[str, Callable[..., nn.Module]] = {
     "preact_resnet18": PreActResNet18,
     "googlenet": GoogLeNet,
     "logreg": LogReg,
+    "svhn_cnn": SVHNCNN,
+    "resnet18_proj": ResNet18Proj,
 }
 _ALIASES = {
     "lenet": "lenet5",
@@ -81,7 +85,8 @@ def build_model(
     ----------
     name:
         one of :func:`list_models` (``lenet5``, ``cnn``, ``vgg11``, ``resnet18``,
-        ``preact_resnet18``, ``googlenet``, ``logreg``); ``dynacomm_cnn`` is an alias of ``lenet5``.
+        ``preact_resnet18``, ``googlenet``, ``logreg``, ``svhn_cnn``, ``resnet18_proj``);
+        ``dynacomm_cnn`` is an alias of ``lenet5``.
     num_classes, in_channels:
         logits and image channels (never scaled by ``width``).
     width:

@@ -12,6 +12,9 @@ Quick start::
     plain = reparam.merge(big.eval())            # one biased conv per block, BNs folded
     reparam.testing.assert_equivalent(big, plain, x)
 
+Branch kinds live in a registry (:mod:`reparam.kinds`): a new kind is one
+:class:`BranchKind` subclass plus :func:`register_kind`, and blocks, FLOPs and DYMM pick it up.
+
 Depends on torch only (numpy and the standard library aside). Importing it also installs a small
 import hook, :mod:`reparam._compat`, that lets ``import torchvision`` / ``import timm`` work when the
 installed torchvision wheel was built against another torch build than the installed one (its
@@ -38,23 +41,16 @@ from .branches import (
     applicability,
 )
 from .changes import StructureChange, apply_to_optimizer
-from .convert import (
-    ConvScan,
-    FoldedIdentity,
-    build,
-    detect_form,
-    expand,
-    find_conv_bn_pairs,
-    find_identity_branches,
-    iter_blocks,
-    merge,
-    merge_state_dict,
-    rep_to_local,
-    strip_prefixes,
-    structure,
-)
+from ._tree import iter_blocks
+from .expand_merge import FoldedIdentity, expand, merge
+from .pairs import ConvScan, find_conv_bn_pairs, find_identity_branches
+from .rep import rep_to_local
+from .spec import build, detect_form, merge_state_dict, strip_prefixes, structure
 from .errors import AlignmentError, NotMergeableError, ReparamError, ReparamModeError
 from .geometry import ConvGeometry
+from . import kinds
+from .branches import CentredConvKind
+from .kinds import BranchKind, get_kind, kind_names, kind_registered, register_kind, unregister_kind
 from .testing import assert_equivalent, randomize_bn_, rel_err
 
 __all__ = [
@@ -77,6 +73,15 @@ __all__ = [
     "OneByOneKxKBranch",
     "AvgBranch",
     "IdentityBranch",
+    # branch-kind registry: a new kind is a BranchKind subclass plus register_kind
+    "kinds",
+    "BranchKind",
+    "CentredConvKind",
+    "register_kind",
+    "unregister_kind",
+    "get_kind",
+    "kind_names",
+    "kind_registered",
     # block and whole-model API
     "DiverseBranchBlock",
     "StructureChange",
@@ -106,14 +111,16 @@ __all__ = [
 # this line (imports and __all__ additions).
 # ---------------------------------------------------------------------------------------------
 
-from . import dymm, flops, saliency  # reparam.dymm.dymm(...) is the DYMM operation
+from . import convert, dymm, flops, planning, saliency  # reparam.dymm.dymm(...) is the DYMM operation
 from .dymm import DymmReport, classify_branches, plan_bottom_up, shrink_to_budget, update_optimizer
 from .flops import block_macs, branch_macs, conv_macs, input_sizes, model_macs, train_macs
 from .saliency import SaliencyMeter
 
 __all__ += [
+    "convert",
     "dymm",
     "flops",
+    "planning",
     "saliency",
     "conv_macs",
     "branch_macs",

@@ -15,9 +15,13 @@ Exactness guarantees:
   ``require_eval=False``.
 * ``anchor_norm="calibrated"`` and ``"batchnorm"`` are eval-exact up to rounding only.
 
-Forward order is fixed (``KINDS``): the anchor output plus each further branch output, in that order
-(adding the exact zeros of a zero-γ branch leaves the anchor output bit-identical). There is no
-data-dependent control flow, so ``torch.fx`` and ``torch.compile`` work on the block.
+Forward order is fixed (the registry order of :mod:`reparam.kinds`, ``KINDS`` for the built-ins):
+the anchor output plus each further branch output, in that order (adding the exact zeros of a
+zero-γ branch leaves the anchor output bit-identical). There is no data-dependent control flow, so
+``torch.fx`` and ``torch.compile`` work on the block.
+
+Everything kind-specific (applicability, construction and options, merge terms, nesting) is looked
+up in the branch-kind registry, so a registered custom kind works in a block like a built-in one.
 """
 
 from __future__ import annotations
@@ -30,16 +34,14 @@ from torch import Tensor, nn
 
 from .branches import (
     KINDS,
-    AvgBranch,
     ConvBNBranch,
     FrozenIdentityBN,
-    IdentityBasedConv1x1,
-    OneByOneKxKBranch,
     acc_shape,
     applicability,
     make_branch,
 )
 from . import fused
+from .kinds import default_kinds, get_kind, is_kind, kind_names
 from .changes import StructureChange
 from .errors import AlignmentError, NotMergeableError, ReparamError, ReparamModeError
 from .geometry import ConvGeometry
@@ -65,18 +67,18 @@ def _writable_beta(bn: nn.Module) -> bool:
 
 
 def _normalise_request(main: ConvGeometry, branches: Any) -> tuple[dict[str, dict[str, Any]], bool]:
-    """-> ({kind: options} in KINDS order without 'kxk', explicit?)."""
-    default = DEPTHWISE_BRANCHES if main.is_depthwise else DEFAULT_BRANCHES
+    """-> ({kind: options} in forward order without the anchor, explicit?)."""
+    names = kind_names()
     if branches is None or (isinstance(branches, str) and branches == "default"):
-        return {k: {} for k in default if k != "kxk"}, False
+        return {k: {} for k in default_kinds(main.is_depthwise) if not get_kind(k).anchor}, False
     if isinstance(branches, str):
         if branches == "all":
-            return {k: {} for k in KINDS if k != "kxk"}, False
-        if branches in KINDS:
+            return {k: {} for k in names if not get_kind(k).anchor}, False
+        if is_kind(branches):
             branches = [branches]
         else:
             raise ReparamError(
-                f"branches must be None, 'default', 'all', a kind or an iterable of kinds from {KINDS}; "
+                f"branches must be None, 'default', 'all', a kind or an iterable of kinds from {names}; "
                 f"got {branches!r}"
             )
     if isinstance(branches, Mapping):
@@ -85,14 +87,14 @@ def _normalise_request(main: ConvGeometry, branches: Any) -> tuple[dict[str, dic
         try:
             items = [(k, {}) for k in branches]
         except TypeError as exc:
-            raise ReparamError(f"branches must be an iterable of kinds from {KINDS}, got {branches!r}") from exc
+            raise ReparamError(f"branches must be an iterable of kinds from {names}, got {branches!r}") from exc
     out: dict[str, dict[str, Any]] = {}
     for k, opts in items:
-        if not isinstance(k, str) or k not in KINDS:
-            raise ReparamError(f"unknown branch kind {k!r}; accepted values: {KINDS}")
-        if k != "kxk":
+        if not is_kind(k):
+            raise ReparamError(f"unknown branch kind {k!r}; accepted values: {names}")
+        if not get_kind(k).anchor:
             out[k] = opts
-    return {k: out[k] for k in KINDS if k in out}, True
+    return {k: out[k] for k in names if k in out}, True
 
 
 class DiverseBranchBlock(nn.Module):
@@ -106,12 +108,16 @@ class DiverseBranchBlock(nn.Module):
             present until the block is deployed (:meth:`switch_to_deploy`), after which it is empty.
         bn_path / host_path: module paths of the host BN and conv (set by ``reparam.expand``).
         depth / max_depth: nesting depth of this block and the limit for nested growth.
+        crop: whether branches may read an input window (a crop of the input, see
+            :mod:`reparam.branches`) where their own padding cannot align them; ``False`` keeps the
+            classic rule (unpadded convs then admit only ``1x1_kxk`` and ``1x1_avg``).
         gamma_floor: γ guard of the anchor inverse: re-solving the anchor divides by its BN's γ,
             so ``|γ|`` is kept at least this large.
 
     State-dict keys: ``branches.<kind>.<sub>.<param>``, e.g. ``branches.1x1_kxk.bn2.running_var``.
     """
 
+    #: the built-in kinds; registered custom kinds are listed by :func:`reparam.kinds.kind_names`
     KINDS: tuple[str, ...] = KINDS
 
     def __init__(
@@ -127,15 +133,16 @@ class DiverseBranchBlock(nn.Module):
         bn_path: str | None = None,
         host_path: str | None = None,
         new_bias: bool = False,
+        crop: bool = True,
     ) -> None:
         super().__init__()
         if mode not in ("conv_bn", "conv"):
             raise ReparamError(f"mode must be 'conv_bn' or 'conv', got {mode!r}")
         if "kxk" not in branches:
             raise ReparamError("a DiverseBranchBlock needs the anchor branch 'kxk'")
-        unknown = [k for k in branches if k not in KINDS]
+        unknown = [k for k in branches if not is_kind(k)]
         if unknown:
-            raise ReparamError(f"unknown branch kinds {unknown}; accepted values: {KINDS}")
+            raise ReparamError(f"unknown branch kinds {unknown}; accepted values: {kind_names()}")
         self.geometry = geometry
         self.mode = mode
         self.anchor_norm = anchor_norm
@@ -145,7 +152,8 @@ class DiverseBranchBlock(nn.Module):
         self.bn_path = bn_path
         self.host_path = host_path
         self.new_bias = bool(new_bias)
-        self.branches = nn.ModuleDict({k: branches[k] for k in KINDS if k in branches})
+        self.crop = bool(crop)
+        self.branches = nn.ModuleDict({k: branches[k] for k in kind_names() if k in branches})
         self.register_module("reparam_conv", None)
         self._order: tuple[str, ...] = tuple(self.branches.keys())
 
@@ -165,6 +173,7 @@ class DiverseBranchBlock(nn.Module):
         gamma_floor: float = 1e-3,
         max_depth: int = 2,
         depth: int = 0,
+        crop: bool = True,
     ) -> "DiverseBranchBlock":
         """Expand ``conv`` (+ ``bn``) into a block computing exactly the same function.
 
@@ -185,6 +194,8 @@ class DiverseBranchBlock(nn.Module):
             allow_new_bias: accept a conv without bias and without BN by giving it a zero bias
                 (changes the host layer's parameter set).
             generator: RNG of the new branches' conv initialisation.
+            crop: allow input-window branches (``1x1``, ``1xk``, ``kx1``, ``identity`` on convs
+                whose padding cannot centre them, e.g. unpadded convs); ``False``: classic rule.
 
         Raises:
             NotMergeableError: not a plain ``Conv2d``; BN without running statistics; no bias and
@@ -215,7 +226,7 @@ class DiverseBranchBlock(nn.Module):
                 )
         # validate the request before anything is modified
         requested, explicit = _normalise_request(geometry, branches)
-        reasons = applicability(geometry)
+        reasons = applicability(geometry, crop=crop)
         kinds: dict[str, dict[str, Any]] = {}
         for kind, opts in requested.items():
             if reasons[kind] is not None:
@@ -244,6 +255,7 @@ class DiverseBranchBlock(nn.Module):
             max_depth=max_depth,
             gamma_floor=gamma_floor,
             new_bias=new_bias,
+            crop=crop,
         )
         block._set_mode_flag(conv.training)
         target = None
@@ -300,17 +312,18 @@ class DiverseBranchBlock(nn.Module):
             gamma_floor=float(spec.get("gamma_floor", 1e-3)),
             bn_path=spec.get("bn_path"),
             new_bias=bool(spec.get("new_bias", False)),
+            # specs written before input windows existed hold only kinds that need none
+            crop=bool(spec.get("crop", True)),
         )
         block._set_mode_flag(conv.training)
-        unknown = [k for k in branch_specs if k not in KINDS]
+        unknown = [k for k in branch_specs if not is_kind(k)]
         if unknown:
-            raise ReparamError(f"block spec names unknown branch kinds {unknown}; accepted values: {KINDS}")
-        for kind in KINDS:
-            if kind == "kxk" or kind not in branch_specs:
+            raise ReparamError(f"block spec names unknown branch kinds {unknown}; accepted values: {kind_names()}")
+        for kind in kind_names():
+            if get_kind(kind).anchor or kind not in branch_specs:
                 continue
-            opts = dict(branch_specs[kind] or {})
-            if kind == "1x1_avg" and "path" in opts:
-                opts = {"path": opts["path"]}
+            accepted = get_kind(kind).options
+            opts = {k: v for k, v in dict(branch_specs[kind] or {}).items() if k in accepted}
             block._insert(kind, block._new_branch(kind, opts, eps, zero_last=True, generator=None))
         for name, sub in dict(spec.get("nested", {}) or {}).items():
             block.grow_nested(name, spec=sub)
@@ -394,8 +407,8 @@ class DiverseBranchBlock(nn.Module):
     def _new_branch(
         self, kind: str, opts: Mapping[str, Any], eps: float, *, zero_last: bool, generator: torch.Generator | None
     ) -> nn.Module:
-        allowed = {"1x1_kxk": {"internal", "identity_init"}, "1x1_avg": {"path"}}.get(kind, set())
-        bad = set(opts) - allowed
+        allowed = get_kind(kind).options
+        bad = set(opts) - set(allowed)
         if bad:
             raise ReparamError(f"unknown options {sorted(bad)} for branch {kind!r}; accepted: {sorted(allowed)}")
         branch = make_branch(
@@ -403,11 +416,10 @@ class DiverseBranchBlock(nn.Module):
             self.geometry,
             eps=eps,
             momentum=0.1,
-            internal=opts.get("internal"),
-            identity_init=opts.get("identity_init"),
-            avg_path=opts.get("path"),
             zero_last=zero_last,
             generator=generator,
+            crop=self.crop,
+            options=opts,
             **self._factory(),
         )
         branch.train(self.training)
@@ -418,7 +430,7 @@ class DiverseBranchBlock(nn.Module):
         items[kind] = branch
         for k in list(self.branches.keys()):
             del self.branches[k]
-        for k in KINDS:
+        for k in kind_names():
             if k in items:
                 self.branches[k] = items[k]
         self._order = tuple(self.branches.keys())
@@ -451,7 +463,7 @@ class DiverseBranchBlock(nn.Module):
 
     def applicable(self) -> list[str]:
         """Kinds applicable to this geometry (their kernels embed exactly), in forward order."""
-        return [k for k, r in applicability(self.geometry).items() if r is None]
+        return [k for k, r in applicability(self.geometry, crop=self.crop).items() if r is None]
 
     def extra_repr(self) -> str:
         g = self.geometry
@@ -480,7 +492,7 @@ class DiverseBranchBlock(nn.Module):
         if self.reparam_conv is not None:
             w, b = self.reparam_conv.weight, self.reparam_conv.bias
             return (w, b) if dtype is None else (w.to(dtype), b.to(dtype))
-        pairs = [self.branches[n].equivalent_kernel_bias(self.geometry, dtype) for n in self._order]  # type: ignore[operator]
+        pairs = [get_kind(n).kernel_bias(self.branches[n], self.geometry, dtype) for n in self._order]
         return add_branches(pairs)
 
     #: elements of one chunk of the merge accumulator (2 MiB in float64): the chunked merge writes
@@ -508,16 +520,15 @@ class DiverseBranchBlock(nn.Module):
                 return out
             return self.reparam_conv.weight.to(dtype, copy=True), self.reparam_conv.bias.to(dtype, copy=True)
         chosen = list(self._order if names is None else [n for n in self._order if n in set(names)])
-        if "1x1_avg" in chosen:  # its kernel is a broadcast (O, C/g, 1, 1) term: start with it
-            chosen.remove("1x1_avg")
-            chosen.insert(0, "1x1_avg")
+        # kinds whose kernel is a broadcast (O, C/g, 1, 1) term go first (the next term expands it)
+        chosen.sort(key=lambda n: not get_kind(n).broadcast_merge)
         device = self._factory()["device"]
         if out is None:
             return self._accumulate(chosen, dtype, device, None)
         chunks = self._row_chunks()
         terms = None
         if len(chunks) > 1:  # per-branch vectors once, not once per chunk
-            terms = {n: self.branches[n].merge_terms(self.geometry, dtype) for n in chosen}  # type: ignore[operator]
+            terms = {n: get_kind(n).merge_terms(self.branches[n], self.geometry, dtype) for n in chosen}
         for rows in chunks:
             k, b = self._accumulate(chosen, dtype, device, rows, terms)
             target = (out[0], out[1]) if rows is None else (out[0][rows], out[1][rows])
@@ -548,7 +559,7 @@ class DiverseBranchBlock(nn.Module):
         acc: Tensor | None = None
         for n in chosen:
             t = None if terms is None else terms[n]
-            acc = self.branches[n].accumulate_(acc, bias, self.geometry, rows, t)  # type: ignore[operator]
+            acc = get_kind(n).accumulate(self.branches[n], acc, bias, self.geometry, rows, t)
         if acc is None:
             acc = torch.zeros(shape, dtype=dtype, device=device)
         elif tuple(acc.shape) != shape:
@@ -562,7 +573,7 @@ class DiverseBranchBlock(nn.Module):
     def branch_kernel_bias(self, name: str, dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor]:
         """Equivalent pair of one branch at the main kernel size (differentiable, eval-exact)."""
         self._require_branch(name)
-        return self.branches[name].equivalent_kernel_bias(self.geometry, dtype)  # type: ignore[operator]
+        return get_kind(name).kernel_bias(self.branches[name], self.geometry, dtype)
 
     def branch_parameters(self, name: str) -> list[nn.Parameter]:
         """Trainable parameters of one branch (for the anchor: the host conv and BN parameters)."""
@@ -570,8 +581,8 @@ class DiverseBranchBlock(nn.Module):
         return [p for p in self.branches[name].parameters() if p.requires_grad]
 
     def _require_branch(self, name: str) -> None:
-        if name not in KINDS:
-            raise ReparamError(f"unknown branch {name!r}; accepted values: {KINDS}")
+        if not is_kind(name):
+            raise ReparamError(f"unknown branch {name!r}; accepted values: {kind_names()}")
         if name not in self.branches:
             raise ReparamError(f"branch {name!r} is not present (present: {self.branch_names})")
 
@@ -784,13 +795,13 @@ class DiverseBranchBlock(nn.Module):
         """
         if self.reparam_conv is not None:
             raise ReparamError("cannot add a branch to a deployed block")
-        if kind not in KINDS:
-            raise ReparamError(f"unknown branch kind {kind!r}; accepted values: {KINDS}")
+        if not is_kind(kind):
+            raise ReparamError(f"unknown branch kind {kind!r}; accepted values: {kind_names()}")
         if kind in self.branches:
             raise ReparamError(f"branch {kind!r} is already present")
         if init not in INITS:
             raise ReparamError(f"init must be one of {INITS}, got {init!r}")
-        reason = applicability(self.geometry)[kind]
+        reason = get_kind(kind).reason(self.geometry, crop=self.crop)
         if reason is not None:
             raise AlignmentError(reason)
         target = None
@@ -898,20 +909,47 @@ class DiverseBranchBlock(nn.Module):
         return StructureChange(overwritten=overwritten, paths=self._path_list())
 
     # ------------------------------------------------------------------------------ nesting
+    def nested_block(self, name: str) -> "DiverseBranchBlock | None":
+        """The nested block inside branch ``name``'s ``K×K`` conv, or ``None``."""
+        attr = get_kind(name).nested_conv if is_kind(name) else None
+        if attr is None or name not in self.branches:
+            return None
+        conv = getattr(self.branches[name], attr, None)
+        return conv if isinstance(conv, DiverseBranchBlock) else None
+
+    def nestable(self) -> list[str]:
+        """Present branches whose ``K×K`` conv nested growth may still expand (depth limit, not
+        nested yet, ``max(K) > 1``), in forward order."""
+        if self.reparam_conv is not None or self.depth + 1 >= self.max_depth:
+            return []
+        out = []
+        for name in self._order:
+            attr = get_kind(name).nested_conv
+            conv = getattr(self.branches[name], attr, None) if attr is not None else None
+            if isinstance(conv, nn.Conv2d) and not hasattr(conv, "_equivalent") and max(conv.kernel_size) > 1:
+                out.append(name)
+        return out
+
+    def nested_crop(self, name: str) -> bool:
+        """The input-window policy a nested block in branch ``name`` gets."""
+        return self.crop and get_kind(name).nested_crop
+
     def grow_nested(self, name: str, branches: Any = None, *, spec: Mapping[str, Any] | None = None,
                     generator: torch.Generator | None = None) -> StructureChange:
-        """Expand the K×K conv of branch ``name`` (``"kxk"`` or ``"1x1_kxk"``) into a nested block in
-        ``conv`` mode (zero-γ growth: bit-exact in train and eval mode). A bias-free conv gets a zero
-        bias, which the host branch's BN absorbs when flattened. Limited by ``max_depth``."""
+        """Expand the K×K conv of branch ``name`` (a kind with a ``nested_conv``: ``"kxk"`` or
+        ``"1x1_kxk"``) into a nested block in ``conv`` mode (zero-γ growth: bit-exact in train and
+        eval mode). A bias-free conv gets a zero bias, which the host branch's BN absorbs when
+        flattened. Limited by ``max_depth``."""
         if self.reparam_conv is not None:
             raise ReparamError("cannot grow a deployed block")
-        if name not in ("kxk", "1x1_kxk"):
-            raise ReparamError(f"nested growth is defined for 'kxk' and '1x1_kxk', got {name!r}")
         self._require_branch(name)
+        attr = get_kind(name).nested_conv
+        if attr is None:
+            nestable = [k for k in kind_names() if get_kind(k).nested_conv is not None]
+            raise ReparamError(f"nested growth is defined for {nestable}, got {name!r}")
         if self.depth + 1 >= self.max_depth:
             raise ReparamError(f"max_depth={self.max_depth} reached (this block has depth {self.depth})")
         branch = self.branches[name]
-        attr = "conv" if name == "kxk" else "conv2"
         conv = getattr(branch, attr)
         if not isinstance(conv, nn.Conv2d) or hasattr(conv, "_equivalent"):
             raise ReparamError(f"the conv of branch {name!r} is already nested")
@@ -924,6 +962,7 @@ class DiverseBranchBlock(nn.Module):
             nested = DiverseBranchBlock.from_conv(
                 conv, None, branches, allow_new_bias=True, generator=generator,
                 depth=self.depth + 1, max_depth=self.max_depth, gamma_floor=self.gamma_floor,
+                crop=self.nested_crop(name),
             )
         nested.depth = self.depth + 1
         nested.max_depth = self.max_depth
@@ -931,6 +970,34 @@ class DiverseBranchBlock(nn.Module):
         added = [(p, self._reference(p, m)) for m in nested.modules() for p in m.parameters(recurse=False)
                  if not any(p is q for q in conv.parameters())]
         return StructureChange(added=added, paths=self._path_list())
+
+    def add_nested_branch(
+        self, name: str, kind: str, *, init: str = "zero_gamma", generator: torch.Generator | None = None
+    ) -> StructureChange:
+        """Add a branch of ``kind`` inside the ``K×K`` conv of branch ``name``, turning that conv
+        into a nested block first when it is not one yet (:meth:`grow_nested` with the anchor only).
+
+        ``init="zero_gamma"``: bit-exact in train and eval mode; ``"random_resolve"``: the nested
+        anchor is re-solved, eval-exact.
+
+        Raises:
+            ReparamError: as :meth:`grow_nested` and :meth:`add_branch` (depth limit, kind present).
+            AlignmentError: ``kind`` does not fit the nested conv.
+        """
+        change = StructureChange(paths=self._path_list())
+        inner = self.nested_block(name)
+        if inner is None:
+            attr = get_kind(name).nested_conv if is_kind(name) else None
+            conv = getattr(self.branches[name], attr, None) if attr is not None and name in self.branches else None
+            if isinstance(conv, nn.Conv2d):
+                reason = get_kind(kind).reason(ConvGeometry.from_conv(conv), crop=self.nested_crop(name)) if is_kind(kind) else None
+                if reason is not None:
+                    raise AlignmentError(reason)
+            change.extend(self.grow_nested(name, []))
+            inner = self.nested_block(name)
+            if inner is None:  # pragma: no cover - grow_nested either nests or raises
+                raise ReparamError(f"internal: branch {name!r} was not nested")
+        return change.extend(inner.add_branch(kind, init=init, generator=generator))
 
     def flatten_nested(self, name: str) -> StructureChange:
         """Merge the nested block of branch ``name`` back into a plain conv (eval-exact).
@@ -941,9 +1008,10 @@ class DiverseBranchBlock(nn.Module):
         """
         self._require_branch(name)
         branch = self.branches[name]
-        attr = "conv" if name == "kxk" else "conv2"
-        nested = getattr(branch, attr)
-        if not hasattr(nested, "_equivalent"):
+        kind = get_kind(name)
+        attr = kind.nested_conv
+        nested = getattr(branch, attr) if attr is not None else None
+        if attr is None or not hasattr(nested, "_equivalent"):
             raise ReparamError(f"branch {name!r} has no nested block")
         k, b = nested._merged_pair(torch.float64)
         host = None if nested.is_merged else nested.anchor.conv
@@ -954,7 +1022,7 @@ class DiverseBranchBlock(nn.Module):
         with torch.no_grad():
             host.weight.copy_(k)
             if nested.new_bias:
-                bn = branch.bn if name == "kxk" else branch.bn2
+                bn = getattr(branch, kind.nested_norm or "bn")
                 bn.running_mean.copy_((bn.running_mean.to(torch.float64) - b).to(bn.running_mean.dtype))
                 if host.bias is not None:
                     removed.append(host.bias)
@@ -1006,16 +1074,11 @@ class DiverseBranchBlock(nn.Module):
         nested: dict[str, Any] = {}
         for name in self._order:
             br = self.branches[name]
-            opts: dict[str, Any] = {}
-            if isinstance(br, OneByOneKxKBranch):
-                opts = {"internal": br.internal, "identity_init": isinstance(br.conv1, IdentityBasedConv1x1)}
-                if hasattr(br.conv2, "_equivalent"):
-                    nested[name] = br.conv2.spec()
-            elif isinstance(br, AvgBranch):
-                opts = {"path": br.path}
-            elif name == "kxk" and hasattr(br.conv, "_equivalent"):
-                nested[name] = br.conv.spec()
-            branches[name] = opts
+            kind = get_kind(name)
+            branches[name] = {} if kind.anchor else kind.options_of(br)
+            inner = self.nested_block(name)
+            if inner is not None:
+                nested[name] = inner.spec()
         anchor_bn = self.branches["kxk"].bn if "kxk" in self.branches else None
         out: dict[str, Any] = {
             "mode": self.mode,
@@ -1027,6 +1090,7 @@ class DiverseBranchBlock(nn.Module):
             "eps": float(getattr(anchor_bn, "eps", 1e-5)) if anchor_bn is not None else 1e-5,
             "gamma_floor": self.gamma_floor,
             "new_bias": self.new_bias,
+            "crop": self.crop,
             "branches": branches,
             "nested": nested,
             "deployed": self.is_merged,

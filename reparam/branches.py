@@ -12,7 +12,8 @@ Each branch is a small ``nn.Module`` with
 The forward of every branch is exact as written; the equivalent pair is exact in eval mode only
 (it uses running statistics). :class:`FrozenIdentityBN` is the identity bit for bit in every mode.
 
-Branch kinds (``KINDS`` is also the fixed forward order):
+Built-in branch kinds (``KINDS`` is also their fixed forward order); each is a
+:class:`~reparam.kinds.BranchKind` registered at the end of this module:
 
 ============  ====================================================================================
 ``kxk``       anchor: host conv → host BN (``conv_bn`` mode) or → :class:`FrozenIdentityBN` / BN
@@ -22,12 +23,21 @@ Branch kinds (``KINDS`` is also the fixed forward order):
 ``1xk``       ``Conv2d(C, O, (1, K_w))`` → BN;   ``kx1``: ``Conv2d(C, O, (K_h, 1))`` → BN
 ``identity``  ``BatchNorm2d(C)``
 ============  ====================================================================================
+
+Input windows. ``1x1``, ``1xk``, ``kx1`` and ``identity`` read the main conv's centre taps. When
+the main padding is too small to centre them with a padding of their own (an unpadded conv such
+as LeNet-5's valid 5×5, or a padding below ``d(K−1)/2``), the branch first takes a window of the
+input (:func:`~reparam.transforms.branch_window`: a crop, for ``identity`` also extra padding) and
+then runs its conv with padding 0 and the main stride. The window is exactly the part of the input
+the centre taps read, so the branch still equals its embedded kernel under the main geometry
+(forward exact in train and eval mode; the merge exact in eval mode). ``crop=False`` restores the
+classic rule that refuses these geometries.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 import torch.fx
@@ -36,16 +46,20 @@ from torch import Tensor, nn
 
 from .errors import AlignmentError, ReparamError
 from .geometry import ConvGeometry
+from .kinds import BranchKind, _register_builtin, get_kind, is_kind, kind_names
 from .transforms import (
+    Window,
+    avg_kernel,
     bn_stats,
+    branch_window,
     check_alignment,
     check_identity,
     embed_kernel,
     fuse_bn,
     identity_kernel,
-    avg_kernel,
     merge_1x1_kxk,
     value_pad,
+    window_input,
 )
 
 __all__ = [
@@ -57,8 +71,14 @@ __all__ = [
     "AvgBranch",
     "IdentityBranch",
     "branch_geometry",
+    "conv_layout",
     "applicability",
     "make_branch",
+    "AnchorKind",
+    "CentredConvKind",
+    "OneByOneKxKKind",
+    "AvgKind",
+    "IdentityKind",
     "conv_kernel_bias",
     "bn_scale_shift",
 ]
@@ -68,6 +88,7 @@ KINDS: tuple[str, ...] = ("kxk", "1x1", "1x1_kxk", "1x1_avg", "1xk", "kx1", "ide
 # value padding is a leaf for torch.fx (it slice-assigns into a fresh tensor)
 torch.fx.wrap("value_pad")
 torch.fx.wrap("_box_mean")
+torch.fx.wrap("window_input")
 
 _PAD_MODE = {"reflect": "reflect", "replicate": "replicate", "circular": "circular"}
 
@@ -294,20 +315,43 @@ def _pad_intermediate(z: Tensor, padding: tuple[int, int], mode: str, bn: nn.Mod
 # branches
 
 
-class ConvBNBranch(nn.Module):
-    """``conv → bn`` (kinds ``kxk``, ``1x1``, ``1xk``, ``kx1``).
+def _window(window: Any) -> Window | None:
+    """A normalised window (``None`` for no window or an all-zero one)."""
+    if window is None:
+        return None
+    (t, b), (left, right) = window
+    w = ((int(t), int(b)), (int(left), int(right)))
+    return None if w == ((0, 0), (0, 0)) else w
 
-    ``offset`` is the embedding position of the branch kernel inside the main kernel.
+
+class ConvBNBranch(nn.Module):
+    """``conv → bn`` (kinds ``kxk``, ``1x1``, ``1xk``, ``kx1``), optionally on an input window.
+
+    ``offset`` is the embedding position of the branch kernel inside the main kernel; ``window``
+    (``((top, bottom), (left, right))``, negative = crop) the input window the conv reads when its
+    own padding cannot align it (see the module docstring).
     """
 
-    def __init__(self, kind: str, conv: nn.Module, bn: nn.Module, offset: tuple[int, int] = (0, 0)) -> None:
+    def __init__(
+        self,
+        kind: str,
+        conv: nn.Module,
+        bn: nn.Module,
+        offset: tuple[int, int] = (0, 0),
+        window: Window | None = None,
+        padding_mode: str = "zeros",
+    ) -> None:
         super().__init__()
         self.kind = kind
         self.conv = conv
         self.bn = bn
         self.offset = (int(offset[0]), int(offset[1]))
+        self.window = _window(window)
+        self.padding_mode = padding_mode
 
     def forward(self, x: Tensor) -> Tensor:
+        if self.window is not None:
+            x = window_input(x, self.window, self.padding_mode)
         return self.bn(self.conv(x))
 
     @property
@@ -619,19 +663,24 @@ class AvgBranch(nn.Module):
 
 
 class IdentityBranch(nn.Module):
-    """``BatchNorm2d(C)`` on the input (needs ``C == O``, stride 1, size-preserving odd kernel)."""
+    """``BatchNorm2d(C)`` on the input (needs ``C == O``, stride 1 and an odd kernel); on a conv
+    that does not preserve the size, on the input window its centre taps read (``window``)."""
 
     kind = "identity"
 
-    def __init__(self, bn: nn.Module) -> None:
+    def __init__(self, bn: nn.Module, window: Window | None = None, padding_mode: str = "zeros") -> None:
         super().__init__()
         self.bn = bn
+        self.window = _window(window)
+        self.padding_mode = padding_mode
 
     @property
     def last_bn(self) -> nn.Module:
         return self.bn
 
     def forward(self, x: Tensor) -> Tensor:
+        if self.window is not None:
+            x = window_input(x, self.window, self.padding_mode)
         return self.bn(x)
 
     def equivalent_kernel_bias(self, geometry: ConvGeometry, dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor]:
@@ -667,53 +716,76 @@ class IdentityBranch(nn.Module):
 # applicability and construction
 
 
-def _half(d: int, k: int) -> int | None:
-    """``d(k − 1)/2`` when it is an integer, else ``None``."""
-    v = d * (k - 1)
-    return None if v % 2 else v // 2
+def conv_layout(
+    main: ConvGeometry, kernel_size: tuple[int, int], *, crop: bool = True, name: str = "branch"
+) -> tuple[ConvGeometry, Window | None, tuple[int, int]]:
+    """Layout of a ``conv → BN`` branch whose kernel (``kernel_size``, each axis 1 or the main
+    size) is centred in the main kernel: ``(conv geometry, input window or None, offset)``.
+
+    A unit axis takes the padding ``P − d(K − 1)/2`` that centres it (dilation 1); a full axis
+    keeps the main padding and dilation. Where that padding would be negative the axis gets padding
+    0 and a crop of the input instead (``crop=True``), so the branch reads exactly the main conv's
+    centre taps.
+
+    Raises:
+        AlignmentError: parity mismatch (even ``K`` on a unit axis: no centre tap), or a negative
+            padding with ``crop=False``.
+    """
+    ks: list[int] = []
+    pads: list[int] = []
+    dils: list[int] = []
+    offs: list[int] = []
+    win: list[tuple[int, int]] = []
+    for axis, big_k, k, p, d in zip(("height", "width"), main.kernel_size, kernel_size, main.padding, main.dilation):
+        if k == big_k:
+            ks.append(k)
+            pads.append(p)
+            dils.append(d)
+            offs.append(0)
+            win.append((0, 0))
+            continue
+        if k != 1 or (big_k - k) % 2:
+            raise AlignmentError(
+                f"{name}: parity mismatch on the {axis} axis: a size-{k} branch does not centre in kernel "
+                f"size {big_k} with dilation {d} (no centre tap)"
+            )
+        j0 = (big_k - k) // 2
+        q = p - d * j0
+        ks.append(k)
+        dils.append(1)
+        offs.append(j0)
+        if q >= 0:
+            pads.append(q)
+            win.append((0, 0))
+        elif crop:
+            pads.append(0)
+            win.append((q, q))
+        else:
+            raise AlignmentError(
+                f"{name}: required branch padding on the {axis} axis is {q} < 0 (main padding {p} is not "
+                f"centred: P must be >= d(K-1)/2 = {d * j0}); negative padding needs an input crop "
+                "(crop=True)"
+            )
+    geo = main.replace(kernel_size=(ks[0], ks[1]), padding=(pads[0], pads[1]), dilation=(dils[0], dils[1]), bias=False)
+    window = _window((win[0], win[1]))
+    # a padded layout is validated by the alignment rule; a windowed one reads the centre taps by
+    # construction (transforms.branch_window gives the same crop for its unit axes)
+    offset = check_alignment(main, geo) if window is None else (offs[0], offs[1])
+    return geo, window, offset
 
 
 def branch_geometry(kind: str, main: ConvGeometry) -> ConvGeometry:
-    """Geometry of the single conv of ``1x1``, ``1xk`` or ``kx1`` on ``main``: the unit axes take
-    the padding that centres them in the main kernel, so the branch reads the main conv's centre taps.
+    """Geometry of the single conv of a centred-conv kind (``1x1``, ``1xk``, ``kx1``) on ``main``
+    under the classic rule (no input window): the unit axes take the padding that centres them in
+    the main kernel, so the branch reads the main conv's centre taps.
 
     Raises:
         AlignmentError: the branch does not align (parity mismatch or negative padding).
     """
-    (kh, kw), (ph, pw), (dh, dw) = main.kernel_size, main.padding, main.dilation
-    if kind == "1x1":
-        axes = ((kh, ph, dh, True), (kw, pw, dw, True))
-    elif kind == "1xk":
-        axes = ((kh, ph, dh, True), (kw, pw, dw, False))
-    elif kind == "kx1":
-        axes = ((kh, ph, dh, False), (kw, pw, dw, True))
-    else:
-        raise ReparamError(f"branch_geometry covers '1x1', '1xk', 'kx1', got {kind!r}")
-    ks, pads, dils = [], [], []
-    for axis, (k, p, d, unit) in zip(("height", "width"), axes):
-        if not unit:
-            ks.append(k)
-            pads.append(p)
-            dils.append(d)
-            continue
-        half = _half(d, k)
-        if half is None:
-            raise AlignmentError(
-                f"{kind}: parity mismatch on the {axis} axis: a size-1 branch does not centre in kernel "
-                f"size {k} with dilation {d} (even effective kernel)"
-            )
-        q = p - half
-        if q < 0:
-            raise AlignmentError(
-                f"{kind}: required branch padding on the {axis} axis is {q} < 0 (main padding {p} is not "
-                f"centred: P must be >= d(K-1)/2 = {half}); negative padding would need cropping, not supported"
-            )
-        ks.append(1)
-        pads.append(q)
-        dils.append(1)
-    geo = main.replace(kernel_size=tuple(ks), padding=tuple(pads), dilation=tuple(dils), bias=False)
-    check_alignment(main, geo)
-    return geo
+    k = get_kind(kind) if is_kind(kind) else None
+    if not isinstance(k, CentredConvKind):
+        raise ReparamError(f"branch_geometry covers centred-conv kinds such as '1x1', '1xk', 'kx1', got {kind!r}")
+    return conv_layout(main, k.branch_kernel(main.kernel_size), crop=False, name=kind)[0]
 
 
 def _avg_reason(main: ConvGeometry) -> str | None:
@@ -723,23 +795,25 @@ def _avg_reason(main: ConvGeometry) -> str | None:
     return None
 
 
-def applicability(main: ConvGeometry) -> dict[str, str | None]:
-    """For every kind: ``None`` if it is applicable to ``main``, else the reason it is not."""
-    out: dict[str, str | None] = {"kxk": None}
-    for kind in ("1x1", "1xk", "kx1"):
-        try:
-            branch_geometry(kind, main)
-            out[kind] = None
-        except AlignmentError as exc:
-            out[kind] = str(exc)
-    out["1x1_kxk"] = None
-    out["1x1_avg"] = _avg_reason(main)
-    try:
+def _identity_window(main: ConvGeometry, crop: bool) -> Window | None:
+    """Input window of the identity branch (``None``: the conv preserves the size).
+
+    Raises:
+        AlignmentError: channels differ, stride ≠ 1, even kernel, or (``crop=False``) a conv that
+            does not preserve the size.
+    """
+    if main.preserves_size or not crop:
         check_identity(main)
-        out["identity"] = None
-    except AlignmentError as exc:
-        out["identity"] = f"identity: {exc}"
-    return {k: out[k] for k in KINDS}
+        return None
+    centred = tuple(d * (k - 1) // 2 for k, d in zip(main.kernel_size, main.dilation))
+    check_identity(main.replace(padding=centred))  # channels, stride, odd kernel
+    return branch_window(main, (1, 1), ((main.kernel_size[0] - 1) // 2, (main.kernel_size[1] - 1) // 2))
+
+
+def applicability(main: ConvGeometry, *, crop: bool = True) -> dict[str, str | None]:
+    """For every registered kind (forward order): ``None`` if it is applicable to ``main``, else the
+    reason it is not. ``crop`` allows input-window branches (see the module docstring)."""
+    return {name: get_kind(name).reason(main, crop=crop) for name in kind_names()}
 
 
 def _kaiming_(weight: Tensor, generator: torch.Generator | None) -> None:
@@ -766,33 +840,192 @@ def make_branch(
     avg_path: str | None = None,
     zero_last: bool = True,
     generator: torch.Generator | None = None,
+    crop: bool = True,
+    options: Mapping[str, Any] | None = None,
 ) -> nn.Module:
-    """Create a new (non-anchor) branch of ``kind`` for the main geometry.
+    """Create a new (non-anchor) branch of the registered ``kind`` for the main geometry.
 
     Convs get Kaiming-normal fan-out init (identity-based residuals 0); inner BNs PyTorch defaults;
     the last BN ``γ = β = 0`` when ``zero_last`` (the branch then outputs exactly 0 in train and eval
-    mode).
+    mode). Build options: ``options`` (any kind), or the keywords ``internal``/``identity_init``
+    (``1x1_kxk``) and ``avg_path`` (``1x1_avg``, option ``path``).
 
     Raises:
         AlignmentError: the kind is not applicable to ``main`` (reason in the message).
-        ReparamError: unknown kind, or bad ``internal`` / ``avg_path``.
+        ReparamError: unknown kind or option, or a bad option value.
     """
-    if kind not in KINDS or kind == "kxk":
-        raise ReparamError(f"kind must be one of {KINDS[1:]}, got {kind!r}")
-    reason = applicability(main)[kind]
+    if not is_kind(kind) or get_kind(kind).anchor:
+        accepted = tuple(n for n in kind_names() if not get_kind(n).anchor)
+        raise ReparamError(f"kind must be one of {accepted}, got {kind!r}")
+    k = get_kind(kind)
+    opts = dict(options or {})
+    for key, value in (("internal", internal), ("identity_init", identity_init), ("path", avg_path)):
+        if value is not None:
+            opts[key] = value
+    bad = set(opts) - set(k.options)
+    if bad:
+        raise ReparamError(f"unknown options {sorted(bad)} for branch {kind!r}; accepted: {sorted(k.options)}")
+    reason = k.reason(main, crop=crop)
     if reason is not None:
         raise AlignmentError(reason)
-    fk: dict[str, Any] = {"device": device, "dtype": dtype}
-    c, o, g = main.in_channels, main.out_channels, main.groups
-    if kind in ("1x1", "1xk", "kx1"):
-        geo = branch_geometry(kind, main)
-        conv = geo.make_conv(bias=False, **fk)
+    factory: dict[str, Any] = {"device": device, "dtype": dtype}
+    branch = k.build(main, eps=eps, momentum=momentum, factory=factory, generator=generator, crop=crop, options=opts)
+    if zero_last:
+        last = branch.last_bn
+        with torch.no_grad():
+            last.weight.zero_()  # type: ignore[union-attr, operator]
+            last.bias.zero_()  # type: ignore[union-attr, operator]
+    return branch
+
+
+# ---------------------------------------------------------------------------------------------
+# the built-in kinds
+
+
+def _default_internal(geometry: Any) -> int:
+    c, o, g = int(geometry.in_channels), int(geometry.out_channels), int(geometry.groups)
+    return 2 * c if (g > 1 and g == c == o) else c
+
+
+def _kernel_pair(geometry: Any) -> tuple[int, int]:
+    k = geometry.kernel_size
+    return (k, k) if isinstance(k, int) else (int(k[0]), int(k[1]))
+
+
+class AnchorKind(BranchKind):
+    """``kxk``: the host conv and its norm (built by the block, never by :func:`make_branch`)."""
+
+    name = "kxk"
+    order = 0
+    anchor = True
+    in_default = True
+    in_depthwise_default = True
+    in_first_plan = True
+    in_fill = False
+    growable = False
+    nested_conv = "conv"
+    nested_norm = "bn"
+
+    def reason(self, main: ConvGeometry, *, crop: bool = True) -> str | None:
+        return None
+
+    def build(self, main: ConvGeometry, **kwargs: Any) -> nn.Module:  # type: ignore[override]
+        raise ReparamError("the anchor 'kxk' is the host conv; it is created by DiverseBranchBlock.from_conv")
+
+    def macs(self, geometry: Any, in_hw: tuple[int, int], out_hw: tuple[int, int], options: Mapping[str, Any]) -> int:
+        kh, kw = _kernel_pair(geometry)
+        return out_hw[0] * out_hw[1] * int(geometry.out_channels) * (int(geometry.in_channels) // int(geometry.groups)) * kh * kw
+
+
+class CentredConvKind(BranchKind):
+    """``conv → BN`` whose kernel (:meth:`branch_kernel`, each axis 1 or the main size) is centred
+    in the main kernel, on an input window where the main padding is too small
+    (:func:`conv_layout`)."""
+
+    in_fill = True
+
+    def branch_kernel(self, main_kernel: tuple[int, int]) -> tuple[int, int]:
+        """The branch kernel size for a main kernel size."""
+        raise NotImplementedError  # pragma: no cover - every registered subclass defines it
+
+    def reason(self, main: ConvGeometry, *, crop: bool = True) -> str | None:
+        try:
+            conv_layout(main, self.branch_kernel(main.kernel_size), crop=crop, name=self.name)
+        except AlignmentError as exc:
+            return str(exc)
+        return None
+
+    def build(
+        self,
+        main: ConvGeometry,
+        *,
+        eps: float,
+        momentum: float | None,
+        factory: Mapping[str, Any],
+        generator: torch.Generator | None,
+        crop: bool,
+        options: Mapping[str, Any],
+    ) -> nn.Module:
+        geo, window, offset = conv_layout(main, self.branch_kernel(main.kernel_size), crop=crop, name=self.name)
+        conv = geo.make_conv(bias=False, **factory)
         _kaiming_(conv.weight, generator)
-        branch: nn.Module = ConvBNBranch(kind, conv, _new_bn(o, eps, momentum, fk), check_alignment(main, geo))
-    elif kind == "1x1_kxk":
+        bn = _new_bn(main.out_channels, eps, momentum, dict(factory))
+        return ConvBNBranch(self.name, conv, bn, offset, window, main.padding_mode)
+
+    def macs(self, geometry: Any, in_hw: tuple[int, int], out_hw: tuple[int, int], options: Mapping[str, Any]) -> int:
+        kh, kw = self.branch_kernel(_kernel_pair(geometry))
+        return out_hw[0] * out_hw[1] * int(geometry.out_channels) * (int(geometry.in_channels) // int(geometry.groups)) * kh * kw
+
+
+class OneByOneKind(CentredConvKind):
+    """``1x1``."""
+
+    name = "1x1"
+    order = 10
+    in_default = True
+    in_first_plan = True
+
+    def branch_kernel(self, main_kernel: tuple[int, int]) -> tuple[int, int]:
+        return (1, 1)
+
+
+class OneByKKind(CentredConvKind):
+    """``1xk``: ``(1, K_w)``."""
+
+    name = "1xk"
+    order = 40
+
+    def branch_kernel(self, main_kernel: tuple[int, int]) -> tuple[int, int]:
+        return (1, main_kernel[1])
+
+
+class KByOneKind(CentredConvKind):
+    """``kx1``: ``(K_h, 1)``."""
+
+    name = "kx1"
+    order = 50
+
+    def branch_kernel(self, main_kernel: tuple[int, int]) -> tuple[int, int]:
+        return (main_kernel[0], 1)
+
+
+class OneByOneKxKKind(BranchKind):
+    """``1x1_kxk``: options ``internal`` (width ``D``) and ``identity_init``."""
+
+    name = "1x1_kxk"
+    order = 20
+    in_default = True
+    in_depthwise_default = True
+    in_first_plan = True
+    options = frozenset({"internal", "identity_init"})
+    nested_conv = "conv2"
+    nested_norm = "bn2"
+    # the second stage already reads the value-padded intermediate (padding 0): its nested block
+    # keeps the classic rule and gets only {kxk, 1x1_kxk, 1x1_avg}, whose merges need no window of
+    # the padded copy (the outer block's own centred kinds reach the same functions)
+    nested_crop = False
+
+    def reason(self, main: ConvGeometry, *, crop: bool = True) -> str | None:
+        return None
+
+    def build(
+        self,
+        main: ConvGeometry,
+        *,
+        eps: float,
+        momentum: float | None,
+        factory: Mapping[str, Any],
+        generator: torch.Generator | None,
+        crop: bool,
+        options: Mapping[str, Any],
+    ) -> nn.Module:
+        c, o, g = main.in_channels, main.out_channels, main.groups
+        fk = dict(factory)
+        internal = options.get("internal")
         d = (2 * c if main.is_depthwise else c) if internal is None else int(internal)
         if d <= 0 or d % g:
             raise ReparamError(f"internal must be a positive multiple of groups={g}, got {internal!r}")
+        identity_init = options.get("identity_init")
         use_id = (d == c) if identity_init is None else bool(identity_init)
         if use_id and d != c:
             raise ReparamError(f"identity_init needs internal == in_channels ({c}), got {d}")
@@ -813,32 +1046,118 @@ def make_branch(
             **fk,
         )
         _kaiming_(conv2.weight, generator)
-        branch = OneByOneKxKBranch(
+        return OneByOneKxKBranch(
             conv1, _new_bn(d, eps, momentum, fk), conv2, _new_bn(o, eps, momentum, fk), main.padding, main.padding_mode
         )
-    elif kind == "1x1_avg":
+
+    def options_of(self, branch: nn.Module) -> dict[str, Any]:
+        return {"internal": int(branch.internal), "identity_init": isinstance(branch.conv1, IdentityBasedConv1x1)}  # type: ignore[attr-defined]
+
+    def macs(self, geometry: Any, in_hw: tuple[int, int], out_hw: tuple[int, int], options: Mapping[str, Any]) -> int:
+        g = int(geometry.groups)
+        internal = options.get("internal")
+        d = _default_internal(geometry) if internal is None else int(internal)
+        if d <= 0 or d % g:
+            raise ReparamError(f"internal must be a positive multiple of groups={g}, got {internal!r}")
+        kh, kw = _kernel_pair(geometry)
+        cin_g = int(geometry.in_channels) // g
+        return in_hw[0] * in_hw[1] * d * cin_g + out_hw[0] * out_hw[1] * int(geometry.out_channels) * (d // g) * kh * kw
+
+    def nested_input_hw(self, geometry: Any, in_hw: tuple[int, int]) -> tuple[int, int]:
+        # the second stage sees the intermediate value-padded by P
+        pad = geometry.padding if not isinstance(geometry.padding, str) else (0, 0)
+        ph, pw = (pad, pad) if isinstance(pad, int) else (int(pad[0]), int(pad[1]))
+        return (in_hw[0] + 2 * ph, in_hw[1] + 2 * pw)
+
+
+class AvgKind(BranchKind):
+    """``1x1_avg``: option ``path`` (``"dense"`` or ``"depthwise"``)."""
+
+    name = "1x1_avg"
+    order = 30
+    in_default = True
+    in_depthwise_default = True
+    in_first_plan = True
+    options = frozenset({"path"})
+    broadcast_merge = True
+
+    def reason(self, main: ConvGeometry, *, crop: bool = True) -> str | None:
+        return _avg_reason(main)
+
+    def build(
+        self,
+        main: ConvGeometry,
+        *,
+        eps: float,
+        momentum: float | None,
+        factory: Mapping[str, Any],
+        generator: torch.Generator | None,
+        crop: bool,
+        options: Mapping[str, Any],
+    ) -> nn.Module:
+        c, o, g = main.in_channels, main.out_channels, main.groups
+        fk = dict(factory)
+        avg_path = options.get("path")
         path = avg_path or ("depthwise" if main.is_depthwise else "dense")
         if path == "depthwise" and not main.is_depthwise:
             raise ReparamError("avg_path='depthwise' needs a depthwise conv (groups == in == out)")
         if path == "dense":
             conv = nn.Conv2d(in_channels=c, out_channels=o, kernel_size=1, groups=g, bias=False, **fk)
             _kaiming_(conv.weight, generator)
-            branch = AvgBranch(
+            return AvgBranch(
                 "dense", main.kernel_size, main.stride, main.padding, main.padding_mode,
                 _new_bn(o, eps, momentum, fk), conv, _new_bn(o, eps, momentum, fk),
             )
-        elif path == "depthwise":
-            branch = AvgBranch(
+        if path == "depthwise":
+            return AvgBranch(
                 "depthwise", main.kernel_size, main.stride, main.padding, main.padding_mode,
                 _new_bn(o, eps, momentum, fk),
             )
-        else:
-            raise ReparamError(f"avg_path must be 'dense' or 'depthwise', got {avg_path!r}")
-    else:  # identity
-        branch = IdentityBranch(_new_bn(c, eps, momentum, fk))
-    if zero_last:
-        last = branch.last_bn  # type: ignore[attr-defined]
-        with torch.no_grad():
-            last.weight.zero_()
-            last.bias.zero_()
-    return branch
+        raise ReparamError(f"avg_path must be 'dense' or 'depthwise', got {avg_path!r}")
+
+    def options_of(self, branch: nn.Module) -> dict[str, Any]:
+        return {"path": branch.path}  # type: ignore[attr-defined]
+
+    def macs(self, geometry: Any, in_hw: tuple[int, int], out_hw: tuple[int, int], options: Mapping[str, Any]) -> int:
+        c, o, g = int(geometry.in_channels), int(geometry.out_channels), int(geometry.groups)
+        path = options.get("path") or ("depthwise" if (g > 1 and g == c == o) else "dense")
+        # the pool counts 0; the dense path's 1x1 stage runs at input resolution
+        return 0 if path == "depthwise" else in_hw[0] * in_hw[1] * o * (c // g)
+
+
+class IdentityKind(BranchKind):
+    """``identity``: a BN on the input (on its centre-tap window when the conv changes the size)."""
+
+    name = "identity"
+    order = 60
+    in_default = True
+    in_depthwise_default = True
+
+    def reason(self, main: ConvGeometry, *, crop: bool = True) -> str | None:
+        try:
+            _identity_window(main, crop)
+        except AlignmentError as exc:
+            return f"identity: {exc}"
+        return None
+
+    def build(
+        self,
+        main: ConvGeometry,
+        *,
+        eps: float,
+        momentum: float | None,
+        factory: Mapping[str, Any],
+        generator: torch.Generator | None,
+        crop: bool,
+        options: Mapping[str, Any],
+    ) -> nn.Module:
+        window = _identity_window(main, crop)
+        return IdentityBranch(_new_bn(main.in_channels, eps, momentum, dict(factory)), window, main.padding_mode)
+
+    def macs(self, geometry: Any, in_hw: tuple[int, int], out_hw: tuple[int, int], options: Mapping[str, Any]) -> int:
+        return 0
+
+
+for _kind in (AnchorKind(), OneByOneKind(), OneByOneKxKKind(), AvgKind(), OneByKKind(), KByOneKind(), IdentityKind()):
+    _register_builtin(_kind)
+assert kind_names() == KINDS

@@ -31,7 +31,8 @@ from torch import nn
 
 from .errors import ReparamError
 from .changes import StructureChange, apply_to_optimizer
-from .flops import BRANCH_KINDS, block_macs, branch_macs, measure, model_macs
+from .flops import block_macs, branch_macs, conv_output_hw, measure, model_macs
+from .kinds import get_kind, is_kind, kind_names
 
 __all__ = [
     "DEFAULT_SET",
@@ -45,9 +46,15 @@ __all__ = [
 ]
 
 ANCHOR = "kxk"
+#: the built-in phase-1 set of :func:`plan_bottom_up` (the registry flag ``in_first_plan``)
 DEFAULT_SET: tuple[str, ...] = ("kxk", "1x1", "1x1_kxk", "1x1_avg")
-_DEFAULT_FILL: tuple[str, ...] = ("1x1", "1xk", "kx1", "identity", "1x1_avg", "1x1_kxk")
 _INITS = ("zero_gamma", "random_resolve")
+_GROW_MODES = ("block", "nested")
+
+
+def _flagged(flag: str) -> tuple[str, ...]:
+    """Registered kinds (forward order) whose ``flag`` is set."""
+    return tuple(n for n in kind_names() if getattr(get_kind(n), flag))
 
 Key = tuple[str, str]
 
@@ -76,9 +83,9 @@ def _check_kinds(kinds: Iterable[str], arg: str) -> tuple[str, ...]:
     if isinstance(kinds, str):
         raise TypeError(f"{arg} must be a sequence of branch kinds, not a string")
     out = tuple(kinds)
-    bad = [k for k in out if k not in BRANCH_KINDS]
+    bad = [k for k in out if not is_kind(k)]
     if bad:
-        raise ReparamError(f"{arg} contains unknown branch kinds {bad}; accepted: {BRANCH_KINDS}")
+        raise ReparamError(f"{arg} contains unknown branch kinds {bad}; accepted: {kind_names()}")
     return out
 
 
@@ -114,7 +121,7 @@ def applicable_kinds(geometry: Any) -> tuple[str, ...]:
     if max(geometry.kernel_size) <= 1:
         return ()
     reasons = applicability(geometry)
-    return tuple(k for k in BRANCH_KINDS if reasons.get(k) is None)
+    return tuple(k for k in kind_names() if reasons.get(k) is None)
 
 
 def _block_applicable(block: nn.Module) -> tuple[str, ...]:
@@ -137,7 +144,7 @@ def _expandable_convs(
     has a bias or is paired with a following BatchNorm (``reparam.find_conv_bn_pairs``).
     Also returns the model's forward MACs per sample (measured in the same pass).
     """
-    from .convert import find_conv_bn_pairs
+    from .pairs import find_conv_bn_pairs
 
     cls = _block_cls()
     inside_block: set[str] = set()
@@ -206,8 +213,8 @@ def plan_bottom_up(
     budget_macs: float,
     input_shape: Sequence[int],
     *,
-    candidate_set: Iterable[str] = DEFAULT_SET,
-    fill: Iterable[str] = _DEFAULT_FILL,
+    candidate_set: Iterable[str] | None = None,
+    fill: Iterable[str] | None = None,
     include: Iterable[str] | None = None,
     exclude: Iterable[str] | None = None,
     free_branches: str = "expanded_only",
@@ -218,8 +225,10 @@ def plan_bottom_up(
         model: the plain model (convs not yet expanded; existing blocks are left out of the plan).
         budget_macs: absolute forward MACs per sample allowed for the expanded model.
         input_shape: ``(C, H, W)`` of one sample.
-        candidate_set: the full set each conv gets in phase 1 (filtered by applicability).
-        fill: branch kinds allowed in phase 2.
+        candidate_set: the full set each conv gets in phase 1 (filtered by applicability);
+            default: the registered kinds flagged ``in_first_plan`` (``DEFAULT_SET`` for the
+            built-ins); on depthwise convs only those also in the depthwise default set.
+        fill: branch kinds allowed in phase 2; default: the registered kinds flagged ``in_fill``.
         include / exclude: module-path globs restricting which convs may be expanded.
         free_branches: zero-MAC branches (``identity``, depthwise ``1x1_avg``) are added only to
             convs that the plan expands anyway (``"expanded_only"``, default, so a budget equal to the
@@ -240,8 +249,8 @@ def plan_bottom_up(
     the plain model fits; an empty plan otherwise.
     """
     budget = _check_budget(budget_macs)
-    cand = _check_kinds(candidate_set, "candidate_set")
-    fill_kinds = _check_kinds(fill, "fill")
+    cand = _check_kinds(_flagged("in_first_plan") if candidate_set is None else candidate_set, "candidate_set")
+    fill_kinds = _check_kinds(_flagged("in_fill") if fill is None else fill, "fill")
     if free_branches not in ("expanded_only", "always", "never"):
         raise ReparamError(
             f"free_branches must be 'expanded_only', 'always' or 'never', got {free_branches!r}"
@@ -271,8 +280,9 @@ def plan_bottom_up(
     # phase 1: full set, bottom up, while it fits
     for path, conv, _hw in convs:
         kinds = [k for k in cand if k != ANCHOR and k in applic[path]]
-        if conv.groups == conv.in_channels == conv.out_channels and conv.groups > 1 and "1x1" in kinds:
-            kinds.remove("1x1")  # depthwise default set omits the (mergeable) 1x1 branch
+        if conv.groups == conv.in_channels == conv.out_channels and conv.groups > 1:
+            # the depthwise default set omits the (mergeable) 1x1 branch
+            kinds = [k for k in kinds if get_kind(k).in_depthwise_default]
         kinds = [k for k in kinds if cost[(path, k)] > 0 or free_ok]
         total = sum(cost[(path, k)] for k in kinds)
         if not kinds:
@@ -288,8 +298,9 @@ def plan_bottom_up(
     # spec's "cheapest branches that fit") and largest first (first-fit decreasing, which packs a
     # large leftover better) — and the one that uses more of the budget wins (ties: cheapest first).
     index = {path: i for i, (path, _, _) in enumerate(convs)}
+    position = {k: i for i, k in enumerate(kind_names())}
     options = [
-        (cost[(path, k)], index[path], BRANCH_KINDS.index(k), path, k)
+        (cost[(path, k)], index[path], position[k], path, k)
         for path, _, _ in convs
         for k in fill_kinds
         if k != ANCHOR and k in applic[path] and k not in plan.get(path, ())
@@ -315,7 +326,7 @@ def plan_bottom_up(
                 plan.setdefault(path, set()).add(k)
 
     return {
-        path: tuple([ANCHOR] + [k for k in BRANCH_KINDS if k != ANCHOR and k in kinds])
+        path: tuple([ANCHOR] + [k for k in kind_names() if k != ANCHOR and k in kinds])
         for path, kinds in sorted(plan.items(), key=lambda kv: index[kv[0]])
     }
 
@@ -509,6 +520,40 @@ class _Tracker:
         change.extend(block.add_branch(kind, init=init))
         self.macs += self.cost(path) - before
 
+    def nested_site(self, path: str, name: str) -> tuple[str, Any, tuple[int, int]] | None:
+        """``(nested block path, conv geometry, conv input size)`` of branch ``name``'s K×K conv
+        when nested growth may add to it, else ``None``."""
+        from .geometry import ConvGeometry
+
+        block = self.blocks[path]
+        k = get_kind(name)
+        if k.nested_conv is None or path not in self.sizes:
+            return None
+        inner = block.nested_block(name)
+        if inner is None and name not in block.nestable():
+            return None
+        geo = inner.geometry if inner is not None else ConvGeometry.from_conv(getattr(block.branches[name], k.nested_conv))
+        return f"{path}.branches.{name}.{k.nested_conv}", geo, k.nested_input_hw(block.geometry, self.sizes[path])
+
+    def nested_cost(self, path: str, name: str, kind: str) -> int | None:
+        site = self.nested_site(path, name)
+        if site is None:
+            return None
+        _, geo, hw = site
+        return int(get_kind(kind).macs(geo, hw, conv_output_hw(geo, hw), {}))
+
+    def grow_nested(self, path: str, name: str, kind: str, init: str, change: StructureChange) -> None:
+        site = self.nested_site(path, name)
+        assert site is not None
+        block = self.blocks[path]
+        before = self.cost(path)
+        change.extend(block.add_nested_branch(name, kind, init=init))
+        self.macs += self.cost(path) - before
+        inner = block.nested_block(name)
+        if inner is not None:  # later folds and growth see the nested block like any other
+            self.blocks[site[0]] = inner
+            self.sizes[site[0]] = site[2]
+
     def measure(self) -> int:
         self.macs = int(model_macs(self.model, self.input_shape))
         return self.macs
@@ -524,6 +569,25 @@ def _score_order(keys: Iterable[Key], s_local: Mapping[Key, float], use_abs: boo
         return (1, f(float(s_local[k])), k)
 
     return sorted(keys, key=sort_key)
+
+
+def _nested_applicability(block: nn.Module) -> dict[str, dict[str, str | None]]:
+    """Per nestable (or nested) branch of ``block``: applicability of every kind to its K×K conv
+    under its nested input-window policy (the anchor kind reported as absent)."""
+    from .branches import applicability
+    from .geometry import ConvGeometry
+
+    out: dict[str, dict[str, str | None]] = {}
+    nestable = set(block.nestable())
+    for name in _names(block):
+        inner = block.nested_block(name)
+        attr = get_kind(name).nested_conv
+        if attr is None or (inner is None and name not in nestable):
+            continue
+        geo = inner.geometry if inner is not None else ConvGeometry.from_conv(getattr(block.branches[name], attr))
+        reasons = applicability(geo, crop=block.nested_crop(name))
+        out[name] = {k: ("anchor" if get_kind(k).anchor else r) for k, r in reasons.items()}
+    return out
 
 
 def _non_anchor(model: nn.Module) -> list[Key]:
@@ -573,8 +637,9 @@ def dymm(
     large_q: float = 0.7,
     max_new_per_round: int | None = None,
     init: str = "zero_gamma",
-    pool: Iterable[str] = BRANCH_KINDS,
+    pool: Iterable[str] | None = None,
     regrow_folded: bool = False,
+    grow_mode: str = "block",
 ) -> DymmReport:
     """Dynamic model modulation (DynamicFL Eq. 6), in place: fold redundant branches, grow
     important ones, stay within the MAC budget.
@@ -590,8 +655,12 @@ def dymm(
         max_new_per_round: cap on the number of branches grown (``None``: no cap).
         init: new-branch initialisation, ``"zero_gamma"`` (exact in train and eval mode) or
             ``"random_resolve"`` (paper-literal Eq. 16, exact in eval mode only).
-        pool: branch kinds growth may add (filtered by each block's applicability).
+        pool: branch kinds growth may add (filtered by each block's applicability); default: the
+            registered kinds flagged ``growable``.
         regrow_folded: allow growth to re-add a kind folded from the same block in this call.
+        grow_mode: ``"block"`` grows kinds of the important branch's block; ``"nested"`` then also
+            grows kinds inside that block's ``K×K`` convs (the anchor's conv, ``1x1_kxk``'s second
+            stage; :meth:`~reparam.DiverseBranchBlock.add_nested_branch`), each only if it fits.
 
     Steps: (1) classify the non-anchor branches (:func:`classify_branches`); (2) fold every
     redundant branch into its block's anchor; (3) if the model exceeds the budget, fold branches in
@@ -613,7 +682,9 @@ def dymm(
         isinstance(max_new_per_round, bool) or not isinstance(max_new_per_round, int) or max_new_per_round < 0
     ):
         raise ReparamError(f"max_new_per_round must be None or an int >= 0, got {max_new_per_round!r}")
-    pool = _check_kinds(pool, "pool")
+    pool = _check_kinds(_flagged("growable") if pool is None else pool, "pool")
+    if grow_mode not in _GROW_MODES:
+        raise ReparamError(f"grow_mode must be one of {_GROW_MODES}, got {grow_mode!r}")
 
     tracker = _Tracker(model, input_shape)
     change = StructureChange()
@@ -648,7 +719,7 @@ def dymm(
             block = tracker.blocks[path]
             present = set(_names(block))
             applicable = _block_applicable(block)
-            for kind in BRANCH_KINDS:
+            for kind in kind_names():
                 if added >= cap:
                     break
                 if kind == ANCHOR or kind in present or kind not in applicable or kind not in pool:
@@ -660,6 +731,26 @@ def dymm(
                 tracker.grow(path, kind, init, change)
                 report.grown.append((path, kind))
                 added += 1
+            if grow_mode != "nested":
+                continue
+            applicability = _nested_applicability(block)
+            for name in _names(block):
+                for kind in kind_names():
+                    if added >= cap:
+                        break
+                    if kind not in pool or applicability.get(name, {}).get(kind, "absent") is not None:
+                        continue
+                    inner = block.nested_block(name)
+                    if inner is not None and kind in _names(inner):
+                        continue
+                    cost = tracker.nested_cost(path, name, kind)
+                    if cost is None or tracker.macs + cost > budget:
+                        continue
+                    site = tracker.nested_site(path, name)
+                    assert site is not None
+                    tracker.grow_nested(path, name, kind, init, change)
+                    report.grown.append((site[0], kind))  # (nested block path, kind)
+                    added += 1
 
     report.macs_after = tracker.measure()
     if report.macs_after > budget:  # only if closed form and measurement ever disagree

@@ -23,6 +23,10 @@ Per-branch costs of a Diverse Branch Block on a host conv ``C → O`` with input
 ``identity``  ``0``
 ============  ===============================================================
 
+Each formula is the :meth:`~reparam.kinds.BranchKind.macs` of its kind in the branch-kind registry
+(a registered custom kind brings its own). Branches that read an input window (a crop of an
+unpadded conv's input) run at the host output resolution, so the formulas hold for them unchanged.
+
 All functions are pure Python arithmetic except :func:`input_sizes` and :func:`model_macs`, which
 run one eval-mode, ``no_grad`` forward pass of a batch of one sample with forward hooks (the model's
 train/eval flags are restored afterwards).
@@ -52,6 +56,7 @@ __all__ = [
     "plan_macs",
 ]
 
+#: the built-in kinds (every registered kind: :func:`reparam.kinds.kind_names`)
 BRANCH_KINDS: tuple[str, ...] = ("kxk", "1x1", "1x1_kxk", "1x1_avg", "1xk", "kx1", "identity")
 
 
@@ -150,43 +155,35 @@ def default_internal(geometry: Any) -> int:
     return 2 * g.in_channels if _is_depthwise(g) else g.in_channels
 
 
-def branch_macs(kind: str, geometry: Any, in_hw: Any, internal: int | None = None) -> int:
+def _kind(name: str) -> Any:
+    from .kinds import get_kind, is_kind, kind_names
+
+    if not is_kind(name):
+        raise ReparamError(f"kind must be one of {kind_names()}, got {name!r}")
+    return get_kind(name)
+
+
+def branch_macs(kind: str, geometry: Any, in_hw: Any, internal: int | None = None, **options: Any) -> int:
     """Forward MACs per sample of one DBB branch on a host conv with ``geometry`` and input ``in_hw``.
 
     Args:
-        kind: one of ``"kxk", "1x1", "1x1_kxk", "1x1_avg", "1xk", "kx1", "identity"``.
+        kind: a registered kind (built in: ``"kxk", "1x1", "1x1_kxk", "1x1_avg", "1xk", "kx1",
+            "identity"``).
         geometry: the host (main) conv geometry (``ConvGeometry`` or ``nn.Conv2d``).
         in_hw: input ``(H, W)`` of the host conv (an int means square).
         internal: internal width ``D`` of ``1x1_kxk`` (default: ``2C`` depthwise, else ``C``).
+        options: further build options of the kind (e.g. ``path`` of ``1x1_avg``).
 
     The value does not check applicability (whether the branch can exist on this geometry, see
     :func:`reparam.branches.applicability`); it is the cost the branch would have if it exists.
     """
-    if kind not in BRANCH_KINDS:
-        raise ReparamError(f"kind must be one of {BRANCH_KINDS}, got {kind!r}")
+    k = _kind(kind)
     g = _geo(geometry)
     h, w = _hw(in_hw)
-    ho, wo = conv_output_hw(g, (h, w))
-    cin_g = g.in_channels // g.groups
-    kh, kw = g.kernel_size
-    o = g.out_channels
-    if kind == "kxk":
-        return ho * wo * o * cin_g * kh * kw
-    if kind == "1x1":
-        return ho * wo * o * cin_g
-    if kind == "1xk":
-        return ho * wo * o * cin_g * kw
-    if kind == "kx1":
-        return ho * wo * o * cin_g * kh
-    if kind == "identity":
-        return 0
-    if kind == "1x1_avg":
-        return 0 if _is_depthwise(g) else h * w * o * cin_g
-    # 1x1_kxk
-    d = default_internal(g) if internal is None else int(internal)
-    if d <= 0 or d % g.groups:
-        raise ReparamError(f"internal must be a positive multiple of groups={g.groups}, got {internal!r}")
-    return h * w * d * cin_g + ho * wo * o * (d // g.groups) * kh * kw
+    out_hw = conv_output_hw(g, (h, w))
+    if internal is not None:
+        options["internal"] = internal
+    return int(k.macs(g, (h, w), out_hw, options))
 
 
 # --------------------------------------------------------------------------------------------
@@ -221,22 +218,6 @@ def _nested_blocks(module: nn.Module) -> list[nn.Module]:
     return found
 
 
-def _branch_internal(block: nn.Module, geometry: _Geo) -> int:
-    """Internal width of a present ``1x1_kxk`` branch (from its stage-2 conv when visible)."""
-    branch = block.branches["1x1_kxk"]
-    for attr in ("internal_channels", "internal", "mid_channels"):
-        v = getattr(branch, attr, None)
-        if isinstance(v, int) and v > 0:
-            return v
-    # stage 2 is the only conv of the branch with the main kernel size
-    for m in branch.modules():
-        if isinstance(m, nn.Conv2d) and tuple(m.kernel_size) == geometry.kernel_size and (
-            m.out_channels == geometry.out_channels
-        ) and geometry.kernel_size != (1, 1):
-            return int(m.in_channels)
-    return default_internal(geometry)
-
-
 def block_macs(block: nn.Module, in_hw: Any) -> int:
     """Forward MACs per sample of a ``DiverseBranchBlock`` (sum over its present branches).
 
@@ -257,23 +238,18 @@ def block_macs(block: nn.Module, in_hw: Any) -> int:
                 return conv_macs(m, (h, w))
         return 0
     total = 0
+    out_hw = conv_output_hw(g, (h, w))
     for name in names:
-        internal = _branch_internal(block, g) if name == "1x1_kxk" else None
-        cost = branch_macs(name, g, (h, w), internal)
-        nested = _nested_blocks(block.branches[name])
+        kind = _kind(name)
+        branch = block.branches[name]
+        cost = int(kind.module_macs(branch, g, (h, w), out_hw))
+        nested = _nested_blocks(branch)
+        if nested and kind.nested_conv is None:
+            raise ReparamError(f"nested block inside branch {name!r}, whose kind has no nestable conv")
         for nb in nested:
-            ng = _geo(nb.geometry)
-            if name == "kxk":
-                nb_hw = (h, w)
-                replaced = conv_macs(ng, nb_hw)
-            elif name == "1x1_kxk":
-                # stage 2 sees the value-padded intermediate at input resolution
-                pad = g.padding if not isinstance(g.padding, str) else (0, 0)
-                nb_hw = (h + 2 * pad[0], w + 2 * pad[1])
-                replaced = conv_macs(ng, nb_hw)
-            else:  # pragma: no cover - nesting is only defined for kxk convs
-                raise ReparamError(f"nested block inside branch {name!r} is not supported")
-            cost += block_macs(nb, nb_hw) - replaced
+            # the nested block replaces the branch's K×K conv: its input size is the kind's
+            nb_hw = kind.nested_input_hw(g, (h, w))
+            cost += block_macs(nb, nb_hw) - conv_macs(_geo(nb.geometry), nb_hw)
         total += cost
     return total
 

@@ -27,6 +27,9 @@ This module evaluates the same function with fewer of them:
   the 1×1 conv, so the block input is pooled and the conv runs at the output resolution (4× fewer
   positions at stride 2).
 
+Branches that read an input window (``1x1`` or ``identity`` on an unpadded conv, see
+:mod:`reparam.branches`) are folded the same way, with the moments of their window.
+
 Everything is differentiable with ordinary autograd (the Gram matrix has a custom backward that
 writes one gradient tensor), exact in real arithmetic, and equal to the per-branch forward to
 rounding (tests: float64 relative error ≤ 1e-10 of outputs, input and parameter gradients and
@@ -51,7 +54,7 @@ from torch.nn.modules import module as _mod
 
 from .branches import AvgBranch, ConvBNBranch, IdentityBasedConv1x1, IdentityBranch, OneByOneKxKBranch
 from .branches import _pad_value
-from .transforms import avg_kernel, merge_1x1_kxk, value_pad
+from .transforms import Window, avg_kernel, merge_1x1_kxk, value_pad, window_input
 
 __all__ = [
     "fused_training",
@@ -135,18 +138,29 @@ def channel_moments(x: Tensor) -> tuple[Tensor, Tensor]:
 
 
 class _Moments:
-    """Lazily computed channel moments of the block input (and of its strided sub-grid)."""
+    """Lazily computed channel moments of the block input (and of its strided sub-grid, and of the
+    input window a branch reads)."""
 
     def __init__(self, x: Tensor) -> None:
         self.x = x
-        self._cache: dict[tuple[int, int], tuple[Tensor, Tensor, int]] = {}
+        self._cache: dict[tuple[Any, ...], tuple[Tensor, Tensor, int]] = {}
 
-    def get(self, stride: tuple[int, int] = (1, 1)) -> tuple[Tensor, Tensor, int]:
-        if stride not in self._cache:
-            x = self.x if stride == (1, 1) else self.x[:, :, :: stride[0], :: stride[1]]
+    def get(
+        self, stride: tuple[int, int] = (1, 1), window: Window | None = None, padding_mode: str = "zeros"
+    ) -> tuple[Tensor, Tensor, int]:
+        key = (stride, window, padding_mode if window is not None else "")
+        if key not in self._cache:
+            x = self.x if window is None else window_input(self.x, window, padding_mode)
+            x = x if stride == (1, 1) else x[:, :, :: stride[0], :: stride[1]]
             mean, cov = channel_moments(x)
-            self._cache[stride] = (mean, cov, x.shape[0] * x.shape[2] * x.shape[3])
-        return self._cache[stride]
+            self._cache[key] = (mean, cov, x.shape[0] * x.shape[2] * x.shape[3])
+        return self._cache[key]
+
+
+def _windowed(x: Tensor, branch: Any) -> Tensor:
+    """The input a branch reads: ``x`` or its input window."""
+    window = getattr(branch, "window", None)
+    return x if window is None else window_input(x, window, branch.padding_mode)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -404,44 +418,48 @@ def block_forward(block: Any, x: Tensor) -> Tensor:
     parts: list[Tensor] = []
     lin_w: Tensor | None = None  # folded 1x1 (+ identity) as one grouped 1x1 conv
     lin_b: Tensor | None = None
-    lin_geo: tuple[tuple[int, int], int] | None = None  # (stride, groups)
-    identity_bn = None
+    lin_geo: tuple[tuple[int, int], int, Window | None] | None = None  # (stride, groups, input window)
+    lin_x = x  # the input (window) the folded 1x1 conv reads
+    identity: IdentityBranch | None = None
     for name in block._order:
         br = block.branches[name]
+        xin = _windowed(x, br)
+        hin, win = xin.shape[-2:]
         if (
             fold_ok
             and name != "kxk"  # the anchor runs as is: a zero-γ expansion stays bit-exact in training
             and isinstance(br, ConvBNBranch)
             and _is_1x1(br.conv)
             and _batch_bn(br.bn)
-            and n * ((h - 1) // br.conv.stride[0] + 1) * ((w - 1) // br.conv.stride[1] + 1) > 1
+            and n * ((hin - 1) // br.conv.stride[0] + 1) * ((win - 1) // br.conv.stride[1] + 1) > 1
         ):
-            stride = tuple(int(s) for s in br.conv.stride)
-            a, shift = _fold(br.bn, br.conv.weight, br.conv.groups, moments.get(stride))  # type: ignore[union-attr]
+            stride = (int(br.conv.stride[0]), int(br.conv.stride[1]))
+            mom = moments.get(stride, br.window, br.padding_mode)  # type: ignore[union-attr]
+            a, shift = _fold(br.bn, br.conv.weight, br.conv.groups, mom)
             if lin_w is None:
-                lin_w, lin_b, lin_geo = a, shift, (stride, br.conv.groups)
+                lin_w, lin_b, lin_geo, lin_x = a, shift, (stride, br.conv.groups, br.window), xin
             else:
-                parts.append(F.conv2d(x, a, shift, stride, 0, 1, br.conv.groups))
-        elif isinstance(br, IdentityBranch) and fold_ok and _batch_bn(br.bn):
-            identity_bn = br.bn
+                parts.append(F.conv2d(xin, a, shift, stride, 0, 1, br.conv.groups))
+        elif isinstance(br, IdentityBranch) and fold_ok and _batch_bn(br.bn) and n * hin * win > 1:
+            identity = br
         elif isinstance(br, OneByOneKxKBranch):
             parts.append(one_by_one_kxk(br, x, moments))
         elif isinstance(br, AvgBranch):
             parts.append(avg(br, x, moments))
         else:
             parts.append(br(x))
-    if identity_bn is not None:
-        t, shift = _fold_identity(identity_bn, moments.get())  # type: ignore[union-attr]
-        if lin_w is not None and lin_geo is not None and lin_geo[0] == (1, 1):
+    if identity is not None:
+        t, shift = _fold_identity(identity.bn, moments.get((1, 1), identity.window, identity.padding_mode))  # type: ignore[union-attr, arg-type]
+        if lin_w is not None and lin_geo is not None and lin_geo[0] == (1, 1) and lin_geo[2] == identity.window:
             cpg = lin_w.shape[1]
             idx = torch.arange(c, device=x.device)
             eye = torch.zeros_like(lin_w).index_put_((idx, idx % cpg, idx.new_zeros(c), idx.new_zeros(c)), t)
             lin_w = lin_w + eye
             lin_b = lin_b + shift  # type: ignore[operator]
         else:
-            parts.append(torch.addcmul(shift.view(1, -1, 1, 1), x, t.view(1, -1, 1, 1)))
+            parts.append(torch.addcmul(shift.view(1, -1, 1, 1), _windowed(x, identity), t.view(1, -1, 1, 1)))
     if lin_w is not None and lin_geo is not None:
-        parts.append(F.conv2d(x, lin_w, lin_b, lin_geo[0], 0, 1, lin_geo[1]))
+        parts.append(F.conv2d(lin_x, lin_w, lin_b, lin_geo[0], 0, 1, lin_geo[1]))
     out = parts[0] + parts[1] if len(parts) > 1 else parts[0]
     for p in parts[2:]:
         out = out.add_(p)

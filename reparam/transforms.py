@@ -11,6 +11,8 @@ One side-effect-free function per transform of the Diverse Branch Block paper:
 ``avg_kernel``           T-V: average pooling as a grouped conv kernel
 ``embed_kernel``         T-VI: embed a smaller kernel into the main kernel size (per-axis offsets)
 ``check_alignment``      the alignment rule of T-VI (which branch geometries can be embedded)
+``branch_window``        the input window (crop or extra padding) that aligns a smaller kernel
+``window_input``         apply such a window to an input
 ``identity_kernel``      identity as a K×K kernel (any groups)
 ``merge_kxk_kxk_valid``  K×K → K×K, exact only for the pad-once ("valid") composition
 ``value_pad``            pad an intermediate with a per-channel value (the value-padding rule)
@@ -46,6 +48,9 @@ __all__ = [
     "avg_kernel",
     "embed_kernel",
     "check_alignment",
+    "Window",
+    "branch_window",
+    "window_input",
     "identity_kernel",
     "check_identity",
     "merge_kxk_kxk_valid",
@@ -430,6 +435,59 @@ def check_alignment(main: ConvGeometry, branch: ConvGeometry) -> tuple[int, int]
             f"padding_mode differs: main {main.padding_mode!r}, branch {branch.padding_mode!r}"
         )
     return (offsets[0], offsets[1])
+
+
+# ---------------------------------------------------------------------------------------------
+# input windows: smaller kernels on convs whose padding is too small to centre them
+
+#: signed padding ``((top, bottom), (left, right))`` of an input: positive values pad, negative
+#: values crop
+Window = tuple[tuple[int, int], tuple[int, int]]
+
+
+def branch_window(main: ConvGeometry, kernel_size: int | Sequence[int], offset: Sequence[int]) -> Window:
+    """The input window that makes a ``k_h × k_w`` conv equal to its embedding in the main conv.
+
+    A branch kernel placed at ``offset = (j0_h, j0_w)`` inside the main ``K_h × K_w`` kernel reads,
+    for output ``i`` on one axis, the input positions ``s·i − P_lo + d·(j0 + j)``, ``j < k``. A
+    ``k``-tap conv with the main stride ``s``, padding 0 and dilation ``d`` (1 when ``k == 1``) reads
+    exactly these positions when its input is the main input padded by ``P_lo − d·j0`` at the start
+    and ``P_hi − d·(K − k − j0)`` at the end, a negative amount meaning a crop. Its output length is
+    then the main one for every input length, so ``conv(window_input(x, W), K_b)`` equals
+    ``conv(x, embed_kernel(K_b, K, offset))`` with the main geometry, with any stride, padding
+    (zero, asymmetric or larger than centred) and dilation.
+
+    Returns:
+        ``((top, bottom), (left, right))`` signed padding for :func:`window_input`.
+
+    Raises:
+        AlignmentError: the kernel does not fit the main kernel at ``offset``.
+    """
+    kh, kw = (kernel_size, kernel_size) if isinstance(kernel_size, int) else (int(kernel_size[0]), int(kernel_size[1]))
+    out = []
+    for axis, k, j0 in ((0, kh, int(offset[0])), (1, kw, int(offset[1]))):
+        big_k, p, d = main.kernel_size[axis], main.padding[axis], main.dilation[axis]
+        if k < 1 or j0 < 0 or j0 + k > big_k:
+            raise AlignmentError(
+                f"a size-{k} kernel at offset {j0} does not fit the size-{big_k} main kernel on the "
+                f"{'height' if axis == 0 else 'width'} axis"
+            )
+        out.append((p - d * j0, p - d * (big_k - k - j0)))
+    return (out[0], out[1])
+
+
+def window_input(x: Tensor, window: Window, padding_mode: str = "zeros") -> Tensor:
+    """``x`` padded (positive amounts, with ``padding_mode``) and cropped (negative amounts) by
+    ``window = ((top, bottom), (left, right))``. Padding is applied to the uncropped input, so a
+    reflect/replicate/circular border is the one the main conv sees. Cropped results are views."""
+    (top, bottom), (left, right) = window
+    pads = (max(left, 0), max(right, 0), max(top, 0), max(bottom, 0))
+    if any(pads):
+        mode = "constant" if padding_mode == "zeros" else padding_mode
+        x = F.pad(x, pads, mode=mode)
+    if top < 0 or bottom < 0 or left < 0 or right < 0:
+        x = x[..., max(-top, 0) : (bottom if bottom < 0 else None), max(-left, 0) : (right if right < 0 else None)]
+    return x
 
 
 # ---------------------------------------------------------------------------------------------

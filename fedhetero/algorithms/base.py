@@ -59,6 +59,10 @@ class ClientInfo:
     num_samples: int
     round: int
     budget_after_change: float | None = None  # dynamic scenarios: budget from local epoch 3 on
+    lr: float | None = None  # local learning rate sent by the server (None: the configured schedule)
+    # an exchange that runs before round ``round`` proper (e.g. DynInit's gradient round at a
+    # session start): the client state it writes is what the round's own tasks see
+    prelude: bool = False
 
 
 @dataclass
@@ -206,6 +210,15 @@ class Algorithm:
         self.server_update(ctx)
         return results
 
+    def session_start(self, ctx: "Context", session: int) -> None:
+        """Called before the first round of every session (0-based ``session``) when the run has
+        sessions (``sessions.count``); the default keeps the global model as it is."""
+
+    def skip_round(self, ctx: "Context", rnd: int) -> bool:
+        """True to run no clients in round ``rnd`` (its metrics row says ``skipped``); default
+        False."""
+        return False
+
     # ------------------------------------------------------------------ client half
     def client_update(self, ctx: "ClientContext", task: ClientTask, state: dict[str, Any] | None) -> ClientResult:
         """The client half: build the model from the task, train it, return the upload.
@@ -216,6 +229,22 @@ class Algorithm:
         model = self.client_model(ctx, task, state)
         result = self.local_train(ctx, task, model)
         return self.upload(ctx, task, model, result)
+
+    def client_update_many(
+        self, ctx: "ClientContext", tasks: list[ClientTask], states: list[dict[str, Any] | None]
+    ) -> list[ClientResult] | None:
+        """The client halves of several tasks of one round at once (vectorised, see
+        :mod:`fedhetero.cohort`), or None when this algorithm or set-up cannot: the back end then
+        runs :meth:`client_update` task by task. The default covers algorithms that keep the
+        default client hooks (FedAvg)."""
+        cls = type(self)
+        hooks = ("client_update", "client_model", "local_train", "upload")
+        if any(getattr(cls, h) is not getattr(Algorithm, h) for h in hooks):
+            return None
+        from fedhetero.cohort import plain_results, train_cohort
+
+        done = train_cohort(self, ctx, tasks)
+        return None if done is None else plain_results(ctx, tasks, *done)
 
     def client_model(self, ctx: "ClientContext", task: ClientTask, state: dict[str, Any] | None = None) -> nn.Module:
         """The model this client trains (default: the configured model, at ``payload["width"]``

@@ -19,6 +19,11 @@ Dynamic budgets: when the engine announces a changed budget (after the second lo
 client adapts on the spot — folding the lowest-saliency branches to shrink, adding branches to
 grow — both function-preserving in eval mode.
 
+Budget planning (the first-round plan and the knapsack fills) lives in :mod:`reparam.planning`.
+With ``grow_mode: nested`` the planners and DYMM may also grow branches inside a branch's K×K conv
+(nested blocks), exact like every other growth, so high tiers use their budget once the flat
+branch set is exhausted.
+
 Clients with a budget below the plain model (``r < 1``) train a structurally pruned sub-model
 chosen by HRank ranks or filter magnitude; their update is scattered back by channel index and
 averaged per element with the clients that trained each weight.
@@ -30,13 +35,10 @@ import copy
 from dataclasses import dataclass
 from typing import Any, Literal
 
-import numpy as np
 import torch
 from torch import nn
 
 import reparam
-from reparam.geometry import ConvGeometry
-from reparam.dymm import applicable_kinds
 from fedhetero.algorithms.base import (
     Algorithm,
     ClientInfo,
@@ -47,11 +49,13 @@ from fedhetero.algorithms.base import (
     weighted_average,
 )
 from reparam.changes import apply_to_optimizer
-from reparam.dymm import dymm, plan_bottom_up, shrink_to_budget
+from reparam.dymm import dymm, shrink_to_budget
+from reparam.planning import best_additions, expandable_convs, fill_to_budget, first_plan, grow_to_budget
 from reparam.saliency import SaliencyMeter
 from reparam.testing import rel_err
 
-__all__ = ["DynamicFL", "DynamicFLOptions", "grow_to_budget"]
+# the planners moved to reparam.planning; these names stay importable from here
+__all__ = ["DynamicFL", "DynamicFLOptions", "grow_to_budget", "fill_to_budget", "first_plan", "best_additions"]
 
 
 @dataclass(frozen=True)
@@ -72,6 +76,9 @@ class DynamicFLOptions:
     first_plan: Literal["bottom_up", "saliency"] = "bottom_up"
     sub_model_criterion: Literal["hrank", "magnitude"] = "hrank"
     fill_budget: bool = True  # after DYMM / in the first plan, grow branches into unused budget
+    # "nested": planners and DYMM may also grow branches inside a branch's K×K conv (exact), so a
+    # tier whose flat branch set is exhausted (LeNet-5 at 3×) still uses its budget
+    grow_mode: Literal["block", "nested"] = "block"
     verify: bool = False  # record the lossless-transfer errors per client (costs two forwards)
 
     def __post_init__(self) -> None:
@@ -91,15 +98,6 @@ class DynamicFLOptions:
             bad("max_new_per_round", "must be >= 0 or null")
 
 
-def _expandable(model: nn.Module) -> list[tuple[str, nn.Conv2d]]:
-    """Convs of a plain model that a first-round plan may expand (1 < max(K) ≤ 5)."""
-    return [
-        (path, m)
-        for path, m in model.named_modules()
-        if isinstance(m, nn.Conv2d) and 1 < max(m.kernel_size) <= 5
-    ]
-
-
 def _skey(key: tuple[str, str]) -> str:
     return f"{key[0]}|{key[1]}"
 
@@ -107,148 +105,6 @@ def _skey(key: tuple[str, str]) -> str:
 def _unskey(key: str) -> tuple[str, str]:
     path, name = key.rsplit("|", 1)
     return path, name
-
-
-def best_additions(items: list[tuple[Any, int]], capacity: float, resolution: int = 4000) -> list[Any]:
-    """0/1 knapsack: the subset of ``(key, cost)`` items with the largest total cost ≤ ``capacity``.
-
-    Costs are scaled to ``resolution`` units of the capacity and rounded **up**, so the chosen set
-    always fits exactly; the optimum is within one unit per item of the true one. Ties keep the
-    earlier items (the input order expresses preference).
-    """
-    if capacity <= 0 or not items:
-        return []
-    unit = capacity / resolution
-    cap = resolution
-    w = [max(1, int(-(-c // unit))) if c > 0 else 0 for _, c in items]
-    best = np.full(cap + 1, -1, dtype=np.int64)
-    best[0] = 0
-    take = np.zeros((len(items), cap + 1), dtype=bool)
-    for i, ((_, c), wi) in enumerate(zip(items, w)):
-        if wi > cap:
-            continue
-        cand = np.full(cap + 1, -1, dtype=np.int64)
-        cand[wi:] = np.where(best[:-wi or None] >= 0, best[:-wi or None] + int(c), -1) if wi > 0 else best + int(c)
-        better = cand > best
-        take[i] = better
-        best = np.where(better, cand, best)
-    j = int(np.argmax(best))
-    chosen = []
-    for i in range(len(items) - 1, -1, -1):
-        if take[i, j]:
-            chosen.append(items[i][0])
-            j -= w[i]
-    return chosen[::-1]
-
-
-def _candidate_costs(
-    model: nn.Module, input_shape: tuple[int, ...], blocks_only: bool, sizes: dict | None = None
-) -> list[tuple[tuple[str, str], int]]:
-    """(conv or block path, kind) → forward MACs of adding that branch, in forward order.
-
-    ``sizes`` (conv input sizes by path, :func:`reparam.flops.input_sizes`) may be passed in: they
-    depend on the architecture only, not on the branches a block carries."""
-    sizes = sizes if sizes is not None else reparam.flops.input_sizes(model, input_shape)
-    items: list[tuple[tuple[str, str], int]] = []
-    if blocks_only:
-        for path, block in reparam.iter_blocks(model):
-            for kind in block.applicable():
-                if kind not in block.branch_names:
-                    items.append(((path, kind), int(reparam.flops.branch_macs(kind, block.geometry, sizes[path]))))
-        return items
-    for path, conv in _expandable(model):
-        geo = ConvGeometry.from_conv(conv)
-        for kind in applicable_kinds(geo):
-            if kind != "kxk":
-                items.append(((path, kind), int(reparam.flops.branch_macs(kind, geo, sizes[path]))))
-    return items
-
-
-def first_plan(plain: nn.Module, budget_macs: float, input_shape: tuple[int, ...], fill: bool = True) -> dict[str, tuple[str, ...]]:
-    """Eq. 2's first-round plan: every expandable conv gets its anchor; branches are added
-    "bottom to up" (``reparam.dymm.plan_bottom_up``). When that greedy walk leaves more than 5 % of
-    the reachable budget unused (discrete branch costs can block it), the plan is replaced by the
-    knapsack-best set of branches, so a client trains as much of its budget as the branch set allows.
-    """
-    from reparam.flops import model_macs
-
-    base = model_macs(plain, input_shape)
-    plan = {path: ("kxk",) for path, _ in _expandable(plain)}
-    greedy = plan_bottom_up(plain, budget_macs, input_shape)
-    plan.update({p: tuple(k) for p, k in greedy.items()})
-    if not fill:
-        return plan
-    items = _candidate_costs(plain, input_shape, blocks_only=False)
-    extra = {key: c for key, c in items}
-    used = sum(extra.get((p, k), 0) for p, kinds in plan.items() for k in kinds if k != "kxk")
-    reachable = min(budget_macs - base, sum(extra.values()))
-    if reachable <= 0 or used >= 0.95 * reachable:
-        return plan
-    chosen = best_additions(items, budget_macs - base)
-    if sum(extra[k] for k in chosen) <= used:
-        return plan
-    plan = {path: ("kxk",) for path, _ in _expandable(plain)}
-    for path, kind in chosen:
-        plan[path] = plan[path] + (kind,)
-    return plan
-
-
-def fill_to_budget(
-    model: nn.Module,
-    budget_macs: float,
-    input_shape: tuple[int, ...],
-    *,
-    init: str = "zero_gamma",
-    sizes: dict | None = None,
-    current_macs: int | None = None,
-) -> reparam.StructureChange:
-    """Grow missing branches (exact zero-γ growth) so the model uses as much of ``budget_macs`` as
-    the branch set allows (knapsack over the missing branches of every block)."""
-    from reparam.flops import model_macs
-
-    change = reparam.StructureChange([], [], [], [])
-    current = model_macs(model, input_shape) if current_macs is None else current_macs
-    room = budget_macs - current
-    items = _candidate_costs(model, input_shape, blocks_only=True, sizes=sizes)
-    blocks = dict(reparam.iter_blocks(model))
-    for path, kind in best_additions(items, room):
-        change.extend(blocks[path].add_branch(kind, init=init))
-    return change
-
-
-def grow_to_budget(
-    model: nn.Module,
-    scores: dict[tuple[str, str], float],
-    budget_macs: float,
-    input_shape: tuple[int, ...],
-    *,
-    init: str = "zero_gamma",
-) -> reparam.StructureChange:
-    """Grow after a budget increase: blocks are visited by the largest |score| of their present
-    branches; each takes its missing kinds, cheapest first, while the model fits; then the rest of
-    the budget is filled (:func:`fill_to_budget`)."""
-    from reparam.flops import model_macs
-
-    change = reparam.StructureChange([], [], [], [])
-    blocks = dict(reparam.iter_blocks(model))
-    if not blocks:
-        return change
-    sizes = reparam.flops.input_sizes(model, input_shape)
-
-    def block_score(path: str) -> float:
-        vals = [abs(v) for (p, _), v in scores.items() if p == path]
-        return max(vals) if vals else 0.0
-
-    current = model_macs(model, input_shape)
-    for path in sorted(blocks, key=block_score, reverse=True):
-        block = blocks[path]
-        missing = [k for k in block.applicable() if k not in block.branch_names]
-        costs = {k: reparam.flops.branch_macs(k, block.geometry, sizes[path]) for k in missing}
-        for kind in sorted(missing, key=lambda k: costs[k]):
-            if current + costs[kind] <= budget_macs:
-                change.extend(block.add_branch(kind, init=init))
-                current += costs[kind]
-    return change.extend(fill_to_budget(model, budget_macs, input_shape, init=init))
 
 
 def _plain_architecture(ctx) -> nn.Module:
@@ -312,6 +168,13 @@ class DynamicFL(Algorithm):
                 anchor_norm=self.options.anchor_norm,
                 calibration_input=calib,
             )
+        if self.options.fill_budget and self.options.grow_mode == "nested":
+            # a plan cannot hold nested blocks: grow them into what the flat plan left unused
+            with ctx.timer("rep"):
+                fill_to_budget(
+                    model, client.budget_macs, ctx.input_shape, init="zero_gamma",
+                    sizes=_input_sizes(ctx, self._plain), grow_mode="nested",
+                )
         return model
 
     def _restore(self, ctx, stored: dict[str, Any]) -> nn.Module:
@@ -335,7 +198,7 @@ class DynamicFL(Algorithm):
             )
             sub = submodel_from(self._plain, self._spec)
         calib = self._calibration_batch(ctx, client) if self.options.anchor_norm == "calibrated" else None
-        plan = {path: ("kxk",) for path, _ in _expandable(sub)}
+        plan = {path: ("kxk",) for path, _ in expandable_convs(sub)}
         with ctx.timer("rep"):
             return reparam.expand(sub, plan=plan, inplace=True, anchor_norm=self.options.anchor_norm, calibration_input=calib)
 
@@ -398,7 +261,7 @@ class DynamicFL(Algorithm):
             spec = plan_for_budget(plain, ctx.input_shape, budget, criterion="magnitude")
             sub = submodel_from(plain, spec)
         self._spec = spec if self._spec is None else self._spec.compose(spec)
-        plan = {path: ("kxk",) for path, _ in _expandable(sub)}
+        plan = {path: ("kxk",) for path, _ in expandable_convs(sub)}
         calib = self._calibration_batch(ctx, client) if self.options.anchor_norm == "calibrated" else None
         with ctx.timer("rep"):
             new = reparam.expand(sub, plan=plan, inplace=True, anchor_norm=self.options.anchor_norm, calibration_input=calib)
@@ -425,7 +288,9 @@ class DynamicFL(Algorithm):
                 rep = shrink_to_budget(model, scores, new_budget, ctx.input_shape)
                 change = rep.change if hasattr(rep, "change") else rep
             else:
-                change = grow_to_budget(model, scores, new_budget, ctx.input_shape, init=self.options.init)
+                change = grow_to_budget(
+                    model, scores, new_budget, ctx.input_shape, init=self.options.init, grow_mode=self.options.grow_mode
+                )
             model.train()
         apply_to_optimizer(opt, change)
         return model, opt
@@ -478,12 +343,14 @@ class DynamicFL(Algorithm):
                     large_q=self.options.large_q,
                     max_new_per_round=self.options.max_new_per_round,
                     init=self.options.init,
+                    grow_mode=self.options.grow_mode,
                 )
                 change = rep.change
                 if self.options.fill_budget:
                     filled = fill_to_budget(
                         m, client.budget_macs, ctx.input_shape, init=self.options.init,
                         sizes=_input_sizes(ctx, self._plain), current_macs=rep.macs_after,
+                        grow_mode=self.options.grow_mode,
                     )
                     change = change.extend(filled)
                     report["filled"] = len(filled.added)

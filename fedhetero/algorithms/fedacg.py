@@ -106,3 +106,10 @@ class FedACG(Algorithm):
                     p.grad.add_(p.detach() - p0, alpha=beta)
 
         return ctx.train(model, task, ctx.cfg.train.local_epochs, after_backward=regularise)
+
+    def client_update_many(self, ctx, tasks, states):
+        from fedhetero.cohort import plain_results, proximal_hook, train_cohort
+
+        # the regulariser's anchor θ₀ is the state the task carries, where every client starts
+        done = train_cohort(self, ctx, tasks, hook=proximal_hook(float(self.options.beta)))
+        return None if done is None else plain_results(ctx, tasks, *done)

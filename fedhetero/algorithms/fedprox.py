@@ -46,3 +46,9 @@ class FedProx(Algorithm):
                         p.grad.add_(p - anchor, alpha=mu)
 
         return ctx.train(model, task, ctx.cfg.train.local_epochs, after_backward=proximal)
+
+    def client_update_many(self, ctx, tasks, states):
+        from fedhetero.cohort import plain_results, proximal_hook, train_cohort
+
+        done = train_cohort(self, ctx, tasks, hook=proximal_hook(float(self.options.mu)))
+        return None if done is None else plain_results(ctx, tasks, *done)

@@ -127,3 +127,41 @@ class Moon(Algorithm):
         if con_sum:
             report["contrastive_loss"] = float(torch.stack(con_sum).mean())
         return report
+
+    def client_update_many(self, ctx, tasks, states):
+        """Vectorised MOON for models whose representation is their logits (see the module
+        docstring); None (one by one) for models with hidden layers."""
+        from fedhetero.cohort import plain_results, train_cohort
+
+        if has_hidden_layers(self.client_model(ctx, tasks[0]), ctx.num_classes):
+            return None
+        sent = tasks[0].payload.get("state")
+        if any(t.payload.get("state") is not sent for t in tasks):
+            return None  # one global model per round
+        mu, tau = float(self.options.mu), float(self.options.tau)
+
+        def extra(co):
+            glob = ctx.reusable(("moon", "global"), ctx.build_model)
+            glob.load_state_dict(sent)
+            glob.eval()
+            prev = co.stacked([s if s else sent for s in states])
+            has_prev = torch.tensor([1.0 if s else 0.0 for s in states], dtype=ctx.dtype, device=ctx.device)
+
+            def term(out, x, mask):
+                z_glob = co.shared_forward(glob, x)
+                with torch.no_grad():
+                    z_prev = co.forward(prev, x)
+                pos = F.cosine_similarity(out, z_glob, dim=-1)
+                neg = F.cosine_similarity(out, z_prev, dim=-1)
+                con = -torch.log_softmax(torch.stack([pos, neg], dim=-1) / tau, dim=-1)[..., 0]
+                return mu * has_prev * (con * mask).sum(1) / mask.sum(1).clamp_min(1.0)
+
+            return term
+
+        done = train_cohort(self, ctx, tasks, extra_loss=extra)
+        if done is None:
+            return None
+        results = plain_results(ctx, tasks, *done)
+        for r in results:
+            r.client_state = dict(r.state)
+        return results

@@ -149,3 +149,52 @@ class Scaffold(Algorithm):
             metrics=dict(report),
             client_state={"c_i": new_c_i},
         )
+
+    def client_update_many(self, ctx, tasks, states):
+        from fedhetero.cohort import train_cohort
+
+        standard = self.options.variant == "standard"
+        keep: dict[str, Any] = {}
+
+        def hook(co):
+            zeros = {n: torch.zeros_like(co.start[n][0], device="cpu") for n in co.names}
+            keep["c_i"] = [dict(s["c_i"]) if s and "c_i" in s else dict(zeros) for s in states]
+            corr = {
+                n: torch.stack([(t.payload["c"][n] - ci[n]).to(co.start[n]) for t, ci in zip(tasks, keep["c_i"])])
+                for n in co.names
+            }
+
+            def add(_params, grads):
+                if standard:
+                    for n in co.names:
+                        grads[n].add_(corr[n])
+
+            return add
+
+        done = train_cohort(self, ctx, tasks, hook=hook)
+        if done is None:
+            return None
+        co, reports = done
+        lr = ctx.lr_at()
+        macs = ctx.macs(co.model)
+        out = []
+        for i, task in enumerate(tasks):
+            trained = co.state(i)
+            steps = int(reports[i]["steps"])
+            c, c_i = task.payload["c"], keep["c_i"][i]
+            delta_c, new_c_i = {}, {}
+            for n in co.names:
+                if steps > 0:
+                    drift = (task.payload["state"][n] - trained[n]).to("cpu", torch.float64) / (steps * lr)
+                    dc = (drift - c[n].to(torch.float64)).to(c_i[n].dtype)
+                else:
+                    dc = torch.zeros_like(c_i[n])
+                delta_c[n] = dc
+                new_c_i[n] = c_i[n] + dc
+            out.append(ClientResult(
+                cid=task.cid, num_samples=task.num_samples, state=trained, payload={"delta_c": delta_c},
+                macs=macs, budget_macs=task.budget_macs,
+                bytes_up=state_bytes(trained) + state_bytes(delta_c), bytes_down=payload_bytes(task.payload),
+                tier=task.tier, metrics=dict(reports[i]), client_state={"c_i": new_c_i},
+            ))
+        return out

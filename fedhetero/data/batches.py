@@ -17,7 +17,7 @@ from torch import Tensor
 from .datasets import ArrayDataset
 from .errors import DataConfigError
 
-__all__ = ["iterate_batches", "random_crop_flip", "num_batches"]
+__all__ = ["epoch_order", "iterate_batches", "random_crop_flip", "num_batches"]
 
 
 def random_crop_flip(
@@ -71,6 +71,31 @@ def num_batches(n: int, batch_size: int, drop_last: bool = False) -> int:
     return n // batch_size if drop_last else -(-n // batch_size)
 
 
+def epoch_order(
+    dataset: ArrayDataset,
+    indices: np.ndarray | Sequence[int] | Tensor | None,
+    generator: torch.Generator | None = None,
+    shuffle: bool = True,
+) -> Tensor:
+    """The rows of ``dataset`` in the order one epoch of :func:`iterate_batches` visits them
+    (batch ``k`` is ``[k·B, (k+1)·B)`` of it)."""
+    src_dev = dataset.images.device
+    if indices is None:
+        idx = torch.arange(len(dataset), device=src_dev)
+    elif isinstance(indices, Tensor):
+        idx = indices.to(device=src_dev, dtype=torch.long).reshape(-1)
+    else:
+        idx = torch.from_numpy(np.asarray(indices, dtype=np.int64).reshape(-1)).to(src_dev)
+    n = int(idx.numel())
+    if n and (int(idx.min()) < 0 or int(idx.max()) >= len(dataset)):
+        raise DataConfigError(f"indices must lie in [0, {len(dataset)}) for this dataset")
+    if shuffle and n > 1:
+        gen_dev = generator.device if generator is not None else torch.device("cpu")
+        perm = torch.randperm(n, generator=generator, device=gen_dev).to(src_dev)
+        idx = idx[perm]
+    return idx
+
+
 def iterate_batches(
     dataset: ArrayDataset,
     indices: np.ndarray | Sequence[int] | Tensor | None,
@@ -94,20 +119,8 @@ def iterate_batches(
     if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
         raise DataConfigError(f"batch_size must be a positive int, got {batch_size!r}")
     batch_size = int(batch_size)
-    src_dev = dataset.images.device
-    if indices is None:
-        idx = torch.arange(len(dataset), device=src_dev)
-    elif isinstance(indices, Tensor):
-        idx = indices.to(device=src_dev, dtype=torch.long).reshape(-1)
-    else:
-        idx = torch.from_numpy(np.asarray(indices, dtype=np.int64).reshape(-1)).to(src_dev)
+    idx = epoch_order(dataset, indices, generator, shuffle)
     n = int(idx.numel())
-    if n and (int(idx.min()) < 0 or int(idx.max()) >= len(dataset)):
-        raise DataConfigError(f"indices must lie in [0, {len(dataset)}) for this dataset")
-    if shuffle and n > 1:
-        gen_dev = generator.device if generator is not None else torch.device("cpu")
-        perm = torch.randperm(n, generator=generator, device=gen_dev).to(src_dev)
-        idx = idx[perm]
     fill = dataset.pixel_fill() if augment else None
     stop = n - n % batch_size if drop_last else n
     for start in range(0, stop, batch_size):

@@ -31,7 +31,8 @@ Datasets
     (``split_mode="pooled"``, the DynaComm authors' construction) every writer's samples from both
     folders are pooled and split at random (``test_fraction`` 0.2, ``split_seed`` 0);
     ``split_mode="leaf"`` keeps LEAF's own train/test files. Normalised with the training split's
-    statistics.
+    statistics. Both splits record each sample's writer (:attr:`ArrayDataset.writers`, ids shared
+    by the two splits), which the ``natural`` partition turns into one client per writer.
 ``synthetic``
     Seeded class-conditional Gaussian images of any shape and class count, for tests.
 
@@ -75,7 +76,7 @@ __all__ = [
 ]
 
 DATASETS: tuple[str, ...] = (
-    "digits", "cifar10", "cifar100", "dermamnist", "mnist", "fashion_mnist", "femnist", "synthetic",
+    "digits", "cifar10", "cifar100", "dermamnist", "mnist", "fashion_mnist", "femnist", "svhn", "synthetic",
 )
 SPLITS: tuple[str, ...] = ("train", "test")
 DATA_DIR_ENV = "FEDHETERO_DATA_DIR"
@@ -133,6 +134,11 @@ class ArrayDataset:
         optional human-readable class names.
     default_augment:
         whether training on this dataset uses crop+flip augmentation by default (CIFAR: True).
+    writers:
+        the natural client of each sample (LEAF FEMNIST: its writer) as an int64 array of length
+        ``N`` indexing ``writer_names``, or ``None`` for datasets without writers.
+    writer_names:
+        the writers' names (LEAF user ids), sorted; ``None`` without writers.
     """
 
     images: Tensor
@@ -144,6 +150,8 @@ class ArrayDataset:
     std: tuple[float, ...] | None = None
     class_names: tuple[str, ...] | None = None
     default_augment: bool = False
+    writers: np.ndarray | None = field(default=None, repr=False)
+    writer_names: tuple[str, ...] | None = field(default=None, repr=False)
     _labels_np: np.ndarray | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -172,6 +180,22 @@ class ArrayDataset:
                 f"labels must lie in [0, {self.num_classes}), got range "
                 f"[{int(self.labels.min())}, {int(self.labels.max())}]"
             )
+        if self.writers is not None:
+            w = np.asarray(self.writers)
+            if w.ndim != 1 or len(w) != len(self.labels) or (w.size and not np.issubdtype(w.dtype, np.integer)):
+                raise DataConfigError(
+                    f"writers must be a 1-D integer array with one entry per sample ({len(self.labels)}), "
+                    f"got shape {w.shape} and dtype {w.dtype}"
+                )
+            w = w.astype(np.int64, copy=True)
+            w.setflags(write=False)
+            self.writers = w
+            if w.size and int(w.min()) < 0:
+                raise DataConfigError("writers must be >= 0")
+            if self.writer_names is not None and w.size and int(w.max()) >= len(self.writer_names):
+                raise DataConfigError(
+                    f"writer id {int(w.max())} has no name: writer_names lists {len(self.writer_names)}"
+                )
 
     def __len__(self) -> int:
         return int(self.labels.shape[0])
@@ -216,8 +240,10 @@ class ArrayDataset:
 
     def subset(self, indices: np.ndarray | Sequence[int] | Tensor) -> "ArrayDataset":
         """A new dataset holding only ``indices`` (copies the selected rows)."""
-        idx = torch.as_tensor(np.asarray(indices, dtype=np.int64), device=self.images.device)
-        return replace(self, images=self.images[idx], labels=self.labels[idx])
+        rows = np.asarray(indices, dtype=np.int64)
+        idx = torch.as_tensor(rows, device=self.images.device)
+        writers = None if self.writers is None else self.writers[rows]
+        return replace(self, images=self.images[idx], labels=self.labels[idx], writers=writers)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -747,6 +773,75 @@ def _load_idx_set(
 
 
 # --------------------------------------------------------------------------------------------------
+# SVHN (the cropped-digits .mat files)
+# --------------------------------------------------------------------------------------------------
+
+SVHN_MEAN = (0.4377, 0.4438, 0.4728)
+SVHN_STD = (0.1980, 0.2010, 0.1970)
+_SVHN_FILES = {"train": "train_32x32.mat", "test": "test_32x32.mat"}
+_SVHN_URL = "http://ufldl.stanford.edu/housenumbers/ (format 2: cropped digits)"
+
+
+def _load_svhn(root: Path, split: str, download: bool, normalize: bool, options: Mapping[str, Any]) -> ArrayDataset:
+    """SVHN's cropped digits from ``train_32x32.mat`` / ``test_32x32.mat`` (MATLAB v5 files with
+    ``X``: 32×32×3×N uint8 and ``y``: N×1 labels 1…10, where 10 is the digit 0)."""
+    _check_options("svhn", options, {})
+    fname = _SVHN_FILES[split]
+    candidates = [root / fname, root / "svhn" / fname, root / "SVHN" / fname]
+    path = next((p for p in candidates if p.is_file()), None)
+    note = ""
+    if path is None and download:
+        try:
+            from fedhetero._compat import import_torchvision
+
+            tv = import_torchvision()
+            tv.datasets.SVHN(str(root), split=split, download=True)
+            err = None
+        except Exception as exc:  # noqa: BLE001 - any failure becomes part of one clear error
+            err = f"{type(exc).__name__}: {exc}"
+        path = root / fname if (root / fname).is_file() else None
+        note = "" if path is not None else f"\nDownload failed ({err or 'file not created'})."
+    if path is None:
+        raise DatasetNotFoundError(
+            f"SVHN not found: missing {fname} in {root}.\n"
+            f"Put {', '.join(_SVHN_FILES.values())} directly under {root} (or in {root / 'svhn'}), or point "
+            f"the loader at the directory that contains them with --set data.data_dir=DIR "
+            f"(config: data.data_dir).\nDownload them from {_SVHN_URL}, or add --set data.download=true "
+            f"(config: data.download) on a machine with network access." + note
+        )
+    try:
+        from scipy.io import loadmat
+
+        mat = loadmat(str(path))
+    except Exception as exc:  # a truncated or non-MATLAB file
+        raise DatasetFormatError(f"{path} cannot be read as a MATLAB file ({type(exc).__name__}: {exc})") from None
+    if "X" not in mat or "y" not in mat:
+        raise DatasetFormatError(f"{path} lacks X and y; found {sorted(k for k in mat if not k.startswith('__'))}")
+    images, labels = np.asarray(mat["X"]), np.asarray(mat["y"]).reshape(-1)
+    if images.dtype != np.uint8 or images.ndim != 4 or images.shape[:3] != (32, 32, 3):
+        raise DatasetFormatError(f"{path}: X must be uint8 32×32×3×N, got {images.dtype} {images.shape}")
+    if images.shape[3] != labels.shape[0]:
+        raise DatasetFormatError(f"{path}: {images.shape[3]} images but {labels.shape[0]} labels")
+    if labels.size and (labels.min() < 1 or labels.max() > 10):
+        raise DatasetFormatError(f"{path}: labels must be 1..10 (10 is the digit 0), got {labels.min()}..{labels.max()}")
+    labels = np.where(labels == 10, 0, labels).astype(np.int64)
+    x = torch.from_numpy(np.ascontiguousarray(images.transpose(3, 2, 0, 1))).to(torch.float32).div_(255.0)
+    if normalize:
+        _normalize_(x, SVHN_MEAN, SVHN_STD)
+    return ArrayDataset(
+        images=x,
+        labels=torch.from_numpy(labels),
+        num_classes=10,
+        name="svhn",
+        split=split,
+        mean=SVHN_MEAN if normalize else None,
+        std=SVHN_STD if normalize else None,
+        class_names=tuple(str(i) for i in range(10)),
+        default_augment=False,
+    )
+
+
+# --------------------------------------------------------------------------------------------------
 # FEMNIST (LEAF JSON files)
 # --------------------------------------------------------------------------------------------------
 
@@ -828,9 +923,9 @@ def read_leaf_json(path: str | os.PathLike[str], num_classes: int = FEMNIST_NUM_
     return users, xs, ys
 
 
-def _read_leaf_folder(folder: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Images (float32 ``N×784``), labels and writer ids (index into the sorted writer names) of
-    every ``*.json`` file in ``folder``, files in name order, users in file order."""
+def _read_leaf_folder(folder: Path) -> tuple[np.ndarray, np.ndarray, list[str]]:
+    """Images (float32 ``N×784``), labels and the writer (LEAF user name) of every row of every
+    ``*.json`` file in ``folder``, files in name order, users in file order."""
     xs: list[np.ndarray] = []
     ys: list[np.ndarray] = []
     names: list[str] = []
@@ -841,9 +936,8 @@ def _read_leaf_folder(folder: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray]
             ys.append(y)
             names.extend([user] * len(y))
     if not xs:
-        return np.zeros((0, _FEMNIST_PIXELS), np.float32), np.zeros(0, np.int64), np.zeros(0, np.int64)
-    _, writers = np.unique(np.asarray(names), return_inverse=True)
-    return np.concatenate(xs), np.concatenate(ys), writers.astype(np.int64)
+        return np.zeros((0, _FEMNIST_PIXELS), np.float32), np.zeros(0, np.int64), []
+    return np.concatenate(xs), np.concatenate(ys), names
 
 
 def _load_femnist(
@@ -872,9 +966,16 @@ def _load_femnist(
             + note
         )
     parts = {s: _read_leaf_folder(folder / s) for s in SPLITS}
+    # writer ids index the sorted names of every writer in either folder, so both splits share them
+    writer_names, w_all = np.unique(
+        np.asarray(parts["train"][2] + parts["test"][2], dtype=str), return_inverse=True
+    )
+    w_all = w_all.astype(np.int64).reshape(-1)
+    n_train_rows = len(parts["train"][2])
     if mode == "leaf":
         train_x = parts["train"][0]
         x_np, y_np = parts[split][0], parts[split][1]
+        w_np = w_all[:n_train_rows] if split == "train" else w_all[n_train_rows:]
     else:
         x_all = np.concatenate([parts[s][0] for s in SPLITS])
         y_all = np.concatenate([parts[s][1] for s in SPLITS])
@@ -882,7 +983,7 @@ def _load_femnist(
         n_test = int(round(len(y_all) * frac))
         rows = {"test": np.sort(perm[:n_test]), "train": np.sort(perm[n_test:])}
         train_x = x_all[rows["train"]]
-        x_np, y_np = x_all[rows[split]], y_all[rows[split]]
+        x_np, y_np, w_np = x_all[rows[split]], y_all[rows[split]], w_all[rows[split]]
     if len(train_x) == 0 or len(y_np) == 0:
         raise DatasetFormatError(f"{folder}: the FEMNIST {split} split is empty")
 
@@ -903,6 +1004,8 @@ def _load_femnist(
         std=std if normalize else None,
         class_names=FEMNIST_CLASSES,
         default_augment=False,
+        writers=w_np,
+        writer_names=tuple(str(n) for n in writer_names),
     )
 
 
@@ -983,7 +1086,7 @@ def load_dataset(
     name:
         one of :data:`DATASETS`.
     data_dir:
-        directory holding the files (CIFAR, DermaMNIST, MNIST, Fashion-MNIST, FEMNIST); default ``$FEDHETERO_DATA_DIR`` or
+        directory holding the files (CIFAR, DermaMNIST, MNIST, Fashion-MNIST, FEMNIST, SVHN); default ``$FEDHETERO_DATA_DIR`` or
         ``./data``. Ignored by ``digits`` and ``synthetic``.
     split:
         ``"train"`` or ``"test"``.
@@ -1025,6 +1128,7 @@ def load_dataset(
         "mnist": lambda: _load_idx_set("mnist", resolve_data_dir(data_dir), split, download, normalize, options),
         "fashion_mnist": lambda: _load_idx_set("fashion_mnist", resolve_data_dir(data_dir), split, download, normalize, options),
         "femnist": lambda: _load_femnist(resolve_data_dir(data_dir), split, download, normalize, options),
+        "svhn": lambda: _load_svhn(resolve_data_dir(data_dir), split, download, normalize, options),
         "synthetic": lambda: _load_synthetic(split, normalize, options),
     }
     return loaders[name]()

@@ -224,6 +224,7 @@ def build_federated_data(
     max_retries: int = 100,
     self_balancing: bool = False,
     server_balance: str = "equal",
+    group_overlap: float = 0.0,
     device_pool: float | int | None = None,
     public_source: str | None = None,
     download: bool = False,
@@ -243,7 +244,11 @@ def build_federated_data(
     partition:
         one of :data:`~fedhetero.data.partition.PARTITIONS`; ``alpha`` (Dirichlet),
         ``shards`` (shards per client; also ``kshards``' K), ``classes_per_client`` (pathological), ``min_size``,
-        ``max_retries`` and ``self_balancing`` (Dirichlet) configure it.
+        ``max_retries`` and ``self_balancing`` (Dirichlet) configure it; ``group_overlap`` is the
+        label overlap of ``session_groups``' two device groups. ``natural`` makes one client per
+        writer of the client pool and needs a dataset that records writers
+        (:attr:`ArrayDataset.writers`: ``femnist``); with fewer clients than writers it draws
+        ``num_clients`` writers at random and leaves the others' samples unused.
     server_fraction:
         server set size: a fraction of the whole training set (float in ``[0, 1)``) or a count
         (int); ``0`` means no server data. (FedDUMAP's ``n_0 = p·40000`` is a count.)
@@ -285,6 +290,11 @@ def build_federated_data(
         )
     n = len(train)
     labels = train.labels_np
+    if partition == "natural" and train.writers is None:
+        raise DataConfigError(
+            f"partition 'natural' makes one client per writer, but the {train.name or 'given'} dataset "
+            f"records no writers; use a dataset with writers (femnist) or another partition"
+        )
     info: dict[str, Any] = {
         "partition": partition,
         "num_clients": int(num_clients) if isinstance(num_clients, (int, np.integer)) else num_clients,
@@ -336,6 +346,8 @@ def build_federated_data(
         partition, labels[device_rows], num_clients, gen,
         alpha=alpha, shards_per_client=shards, classes_per_client=classes_per_client,
         min_size=min_size, max_retries=max_retries, self_balancing=self_balancing, report=report,
+        overlap=group_overlap,
+        writers=None if train.writers is None else train.writers[device_rows],
     )
     client_indices = [device_rows[p] for p in parts]
     if partition == "dirichlet":
@@ -345,6 +357,15 @@ def build_federated_data(
         info["shards_per_client"] = int(shards)
     elif partition == "pathological":
         info["classes_per_client"] = int(classes_per_client)
+    elif partition == "natural":
+        names = train.writer_names
+        info.update({
+            "writers_available": report.get("writers_available"),
+            "unused_samples": report.get("unused_samples"),
+            "client_writers": [names[w] if names is not None else int(w) for w in report.get("writers", [])],
+        })
+    elif partition == "session_groups":
+        info.update({"alpha": float(alpha), "group_overlap": float(group_overlap)})
     return FederatedData(
         train=train,
         test=test,

@@ -29,6 +29,11 @@ Partitioners
 ``pathological``
     exactly ``classes_per_client`` distinct classes per client (HeteroFL's "non-iid-n"); each
     class is split evenly among the clients that hold it.
+``natural``
+    one client per writer, from a per-sample writer id (LEAF FEMNIST's ``users``): all writers in
+    ascending id order when ``num_clients`` equals their number, otherwise ``num_clients`` writers
+    drawn at random (the other writers' samples then belong to no client, so this partitioner
+    alone may be incomplete).
 """
 
 from __future__ import annotations
@@ -47,6 +52,7 @@ __all__ = [
     "shards",
     "kshards",
     "pathological",
+    "natural",
     "make_partition",
     "label_histograms",
     "partition_stats",
@@ -55,7 +61,7 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-PARTITIONS: tuple[str, ...] = ("iid", "dirichlet", "shards", "kshards", "pathological")
+PARTITIONS: tuple[str, ...] = ("iid", "dirichlet", "shards", "kshards", "pathological", "natural", "session_groups")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -358,6 +364,55 @@ def pathological(
     return _from_owner(owner, num_clients)
 
 
+def natural(
+    writers: Any,
+    num_clients: int,
+    rng: np.random.Generator,
+    *,
+    report: dict[str, Any] | None = None,
+) -> list[np.ndarray]:
+    """One client per writer: client ``k`` holds every sample of the ``k``-th chosen writer.
+
+    ``writers`` gives each sample's writer as a non-negative int (e.g. the index of its LEAF user
+    name). With ``W`` distinct writers, ``num_clients == W`` takes them all in ascending id order
+    (``rng`` is not used); ``num_clients < W`` draws ``num_clients`` writers uniformly without
+    replacement and orders them by id, and the samples of the writers left out belong to no
+    client. ``report`` (optional dict) receives ``writers`` (the chosen writer ids, client order),
+    ``writers_available`` (``W``) and ``unused_samples``.
+
+    Raises
+    ------
+    DataConfigError
+        ``num_clients`` exceeds the number of writers (a writer cannot be split into clients).
+    """
+    w = np.asarray(writers)
+    if w.ndim != 1 or (w.size and not np.issubdtype(w.dtype, np.integer)):
+        raise DataConfigError(f"writers must be a 1-D array of integer writer ids, got shape {w.shape}, dtype {w.dtype}")
+    w = w.astype(np.int64, copy=False)
+    if w.size and w.min() < 0:
+        raise DataConfigError("writer ids must be >= 0")
+    num_clients = _count("num_clients", num_clients)
+    rng = _rng(rng)
+    present = np.unique(w)
+    if num_clients > len(present):
+        raise DataConfigError(
+            f"num_clients={num_clients} exceeds the {len(present)} writers in the pool; the natural "
+            f"partition makes one client per writer, so set num_clients to at most {len(present)}"
+        )
+    chosen = present if num_clients == len(present) else np.sort(rng.choice(present, size=num_clients, replace=False))
+    order = np.argsort(w, kind="stable")  # stable: indices stay ascending within a writer
+    starts = np.searchsorted(w[order], chosen, side="left")
+    ends = np.searchsorted(w[order], chosen, side="right")
+    parts = [order[a:b].astype(np.int64) for a, b in zip(starts, ends)]
+    if report is not None:
+        report.update({
+            "writers": [int(v) for v in chosen],
+            "writers_available": int(len(present)),
+            "unused_samples": int(len(w) - sum(len(p) for p in parts)),
+        })
+    return parts
+
+
 def make_partition(
     name: str,
     labels: Any,
@@ -371,10 +426,22 @@ def make_partition(
     max_retries: int = 100,
     self_balancing: bool = False,
     report: dict[str, Any] | None = None,
+    writers: Any = None,
+    overlap: float = 0.0,
 ) -> list[np.ndarray]:
-    """Dispatch to one of :data:`PARTITIONS` by name, passing only the arguments it uses."""
+    """Dispatch to one of :data:`PARTITIONS` by name, passing only the arguments it uses.
+
+    ``writers`` (one writer id per entry of ``labels``) is what ``natural`` partitions by; it is
+    required there and ignored by the others."""
     if name == "iid":
         return iid(labels, num_clients, rng)
+    if name == "session_groups":  # two device groups for sessions (fedhetero.sessions); uses overlap
+        from fedhetero.sessions import session_groups
+
+        try:
+            return session_groups(labels, num_clients, overlap, alpha, rng)
+        except ValueError as exc:
+            raise DataConfigError(str(exc)) from None
     if name == "dirichlet":
         return dirichlet(
             labels, num_clients, alpha, rng, min_size, max_retries,
@@ -386,6 +453,15 @@ def make_partition(
         return kshards(labels, num_clients, shards_per_client, rng)
     if name == "pathological":
         return pathological(labels, num_clients, classes_per_client, rng)
+    if name == "natural":
+        if writers is None:
+            raise DataConfigError(
+                "the natural partition makes one client per writer and needs each sample's writer "
+                "(writers=...); this pool has none"
+            )
+        if len(np.asarray(writers)) != len(_labels(labels)):
+            raise DataConfigError("writers must give one writer per label")
+        return natural(writers, num_clients, rng, report=report)
     raise DataConfigError(f"unknown partition {name!r}; accepted: {', '.join(PARTITIONS)}")
 
 

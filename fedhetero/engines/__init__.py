@@ -117,6 +117,42 @@ def run_task(
         return Outcome(task, None, f"{type(exc).__name__}: {exc}", time.perf_counter() - t0, traceback.format_exc())
 
 
+def run_together(
+    make_algorithm: Callable[[], "Algorithm"],
+    ctx: "ClientContext",
+    tasks: "list[ClientTask]",
+    states: dict[int, dict[str, Any] | None],
+) -> list[Outcome] | None:
+    """The tasks of one exchange as one vectorised cohort (``engine.vectorize``; see
+    :mod:`fedhetero.cohort`), or None to run them one by one: when vectorising is off, faults are
+    injected or time-outs enforced (both are per client), the algorithm does not offer it, or it
+    fails (the one-by-one run then reports which client failed)."""
+    e = ctx.cfg.engine
+    if not e.vectorize or e.inject_faults.rate > 0 or e.client_timeout_s is not None or len(tasks) < 2:
+        return None
+    ordered = sorted(tasks, key=lambda t: t.cid)
+    t0 = time.perf_counter()
+    try:
+        algorithm = make_algorithm()
+        ctx.timers = {}
+        private = []
+        for t in ordered:
+            state, buffers = split_optimizer_state(states.get(t.cid))
+            if buffers:
+                return None
+            private.append(state)
+        with ctx.client_scope(ordered[0]):
+            results = algorithm.client_update_many(ctx, ordered, private)
+    except Exception:  # run one by one, which attributes the failure to its client
+        return None
+    if results is None:
+        return None
+    share = (time.perf_counter() - t0) / len(ordered)
+    for r in results:
+        r.timers = {}
+    return [Outcome(t, r, None, share) for t, r in zip(ordered, results)]
+
+
 def _finite(value: Any) -> bool:
     if isinstance(value, torch.Tensor):
         return not torch.is_floating_point(value) or bool(torch.isfinite(value).all())
@@ -192,6 +228,12 @@ class LocalBackend(Backend):
 
     def run(self, algorithm, tasks, states, on_done=None):  # type: ignore[no-untyped-def]
         cls, options = type(algorithm), algorithm.options
+        together = run_together(lambda: cls(options), self.ctx, tasks, states)
+        if together is not None:
+            if on_done is not None:
+                for o in together:
+                    on_done(o.task.cid)
+            return together
         out = []
         for task in sorted(tasks, key=lambda t: t.cid):
             out.append(run_task(lambda: cls(options), self.ctx, task, states.get(task.cid)))

@@ -23,7 +23,7 @@ def test_defaults_are_the_embedded_job():
         ({"train": {"sample_rate": 0}}, "train.sample_rate"),
         ({"train": {"sample_rate": 1.5}}, "train.sample_rate"),
         ({"data": {"alpha": -1}}, "data.alpha"),
-        ({"data": {"dataset": "svhn"}}, "data.dataset"),
+        ({"data": {"dataset": "imagenet21k"}}, "data.dataset"),
         ({"data": {"num_clients": 0}}, "data.num_clients"),
         ({"train": {"lr": 0}}, "train.lr"),
         ({"deterministic": "yes"}, "deterministic"),

@@ -109,7 +109,7 @@ def test_synthetic_configurable_and_seeded():
 
 def test_bad_names_and_options():
     with pytest.raises(DataConfigError, match="unknown dataset"):
-        load_dataset("svhn")
+        load_dataset("imagenet21k")
     with pytest.raises(DataConfigError, match="split"):
         load_dataset("digits", split="val")
     with pytest.raises(DataConfigError, match="unknown option"):

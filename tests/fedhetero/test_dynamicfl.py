@@ -99,3 +99,30 @@ def test_mixed_tiers_below_and_above_the_plain_model(tmp_path):
             assert c["macs"] >= 0.8 * c["budget_macs"], c  # the pruned sub-model uses its budget
     assert res.summary["all_fit_budget"]
     assert 0.0 <= res.summary["final_accuracy"] <= 1.0
+
+
+@pytest.mark.parametrize("model, scenario", [("lenet5", "static"), ("lenet5", "increasing"), ("cnn", "static")])
+def test_nested_growth_uses_the_high_tiers_budgets_and_stays_lossless(tmp_path, model, scenario):
+    """grow_mode: nested — LeNet-5's flat branch set stops near 2.4x the plain model; nesting lets the
+    3x tier use its budget. The lossless checks stay on: download and upload exact in float64."""
+    Engine(_cfg(model=model, rounds=3, scenario=scenario, grow_mode="nested"), tmp_path, progress=False).run()
+    clients = _clients(tmp_path)
+    assert {"first", "dymm"} <= {c["mode"] for c in clients}
+    assert any(c["tier"] == "large" for c in clients)
+    for c in clients:
+        assert c.get("lossless_in", 0.0) <= 1e-10, c
+        assert c["lossless_out"] <= 1e-10, c
+        assert c["macs"] <= c["budget_macs"] * (1 + 1e-12), c
+        if c["tier"] != "small" and scenario == "static":
+            assert c["macs"] >= 0.9 * c["budget_macs"], c
+
+
+def test_grow_mode_option_is_validated_and_planners_stay_importable(tmp_path):
+    from fedhetero.algorithms import dynamicfl
+    from fedhetero.config import ConfigError
+    from reparam import planning
+
+    assert dynamicfl.first_plan is planning.first_plan and dynamicfl.grow_to_budget is planning.grow_to_budget
+    assert dynamicfl.fill_to_budget is planning.fill_to_budget and dynamicfl.best_additions is planning.best_additions
+    with pytest.raises(ConfigError, match="grow_mode"):
+        Engine(_cfg(rounds=1, grow_mode="deep"), tmp_path, progress=False).run()

@@ -102,22 +102,26 @@ def _versions(state: RecordDict, cid: int) -> list[int]:
     return sorted(int(k[len(prefix):]) for k in state.config_records if k.startswith(prefix))
 
 
-def load_client_state(state: RecordDict, cid: int, before_round: int, device: torch.device | None = None) -> dict[str, Any] | None:
+def load_client_state(state: RecordDict, cid: int, before_round: int, device: torch.device | None = None,
+                      prelude: bool = False) -> dict[str, Any] | None:
     """The newest private state of client ``cid`` kept on this node and written before
-    ``before_round`` (None if there is none)."""
-    rounds = [r for r in _versions(state, cid) if r < before_round]
-    if not rounds:
+    ``before_round`` (``prelude``: before that round's prelude exchange; None if there is none).
+    Versions are kept by tick: ``2r`` for round ``r``, ``2r − 1`` for the prelude of round ``r``."""
+    tick = 2 * int(before_round) - (1 if prelude else 0)
+    ticks = [r for r in _versions(state, cid) if r < tick]
+    if not ticks:
         return None
-    key = f"{_STATE_PREFIX}{cid}.{rounds[-1]}"
+    key = f"{_STATE_PREFIX}{cid}.{ticks[-1]}"
     arrays = state.array_records.get(f"{key}.arrays", ArrayRecord())
     return decode_value(str(state.config_records[key]["doc"]), arrays, device)
 
 
-def store_client_state(state: RecordDict, cid: int, rnd: int, value: dict[str, Any]) -> None:
-    """Keep ``value`` as client ``cid``'s state written in round ``rnd``, dropping the versions no
-    later task can read (all but the newest one before ``rnd``)."""
+def store_client_state(state: RecordDict, cid: int, rnd: int, value: dict[str, Any], prelude: bool = False) -> None:
+    """Keep ``value`` as client ``cid``'s state written in round ``rnd`` (or its prelude),
+    dropping the versions no later task can read (all but the newest one before it)."""
     text, arrays = encode_value(value, f"client_state[cid={cid}]")
     versions = _versions(state, cid)
+    rnd = 2 * int(rnd) - (1 if prelude else 0)
     keep = [r for r in versions if r < rnd][-1:]
     for r in versions:
         if r not in keep:
@@ -167,12 +171,12 @@ def train(msg: Message, context: Context) -> Message:
     side = _client_side(config_json, config_hash, context)
     task, state, _, _ = decode_task(msg.content, side.ctx.device)
     if state is None:
-        state = load_client_state(context.state, task.cid, task.round, side.ctx.device)
+        state = load_client_state(context.state, task.cid, task.round, side.ctx.device, prelude=task.prelude)
     cls, options = side.cls, side.options
     outcome: Outcome = run_task(lambda: cls(options), side.ctx, task, state)
     res = outcome.result
     if res is not None and res.client_state is not None:
         private, res.client_state = res.client_state, None  # stays on this node
         if check_result(outcome, side.cfg.engine.client_timeout_s) is None:
-            store_client_state(context.state, task.cid, task.round, private)
+            store_client_state(context.state, task.cid, task.round, private, prelude=task.prelude)
     return Message(encode_outcome(outcome), reply_to=msg)

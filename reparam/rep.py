@@ -1,0 +1,178 @@
+"""DynamicFL's ``REP(ω_g, ζ)``: make a local (expanded) model equal a global plain model.
+
+:func:`rep_to_local` re-solves every block's anchor so that, in eval mode, the block equals the
+global model's conv at the same path, keeping the local branches and their statistics.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping, cast
+
+import torch
+from torch import Tensor, nn
+
+from ._tree import _info, _is_bn_like, _is_plain_conv, iter_blocks
+from .block import DiverseBranchBlock
+from .changes import StructureChange
+from .errors import ReparamError
+from .spec import _identity_pair, detect_form, strip_prefixes
+from .transforms import BNStats, bn_stats
+
+__all__ = ["rep_to_local"]
+
+# ---------------------------------------------------------------------------------------------
+# REP(global, local)
+
+
+def rep_to_local(
+    global_model_or_state: nn.Module | Mapping[str, Tensor],
+    local_model: nn.Module,
+    anchor_stats: str = "keep",
+    *,
+    strict: bool = True,
+) -> StructureChange:
+    """DynamicFL ``REP(ω_g, ζ)``: make ``local_model`` equal the global model in eval mode while
+    keeping its structure and non-anchor branches.
+
+    For every outermost block of ``local_model`` the anchor is re-solved (:meth:`DiverseBranchBlock.load_plain`)
+    so that the block equals the global model's conv at the same path: a deploy-form conv (weight +
+    bias, BN slot empty), or a host-form conv followed by the BN at the block's ``bn_path``
+    (``anchor_stats="adopt"`` then takes that BN's statistics). Every other parameter and buffer of
+    the local model is copied from the global state; a local conv+BN pair whose global counterpart
+    is a folded (deploy) conv is solved into the local pair keeping the local BN statistics.
+
+    Returns:
+        StructureChange listing every overwritten parameter (no parameter is added or removed).
+
+    Raises:
+        ReparamError: the global state is a train-form state, or keys/shapes do not match (``strict``).
+    """
+    if isinstance(global_model_or_state, nn.Module):
+        gsd = strip_prefixes(global_model_or_state.state_dict())
+    elif isinstance(global_model_or_state, Mapping):
+        gsd = strip_prefixes(global_model_or_state)
+    else:
+        raise TypeError("global_model_or_state must be an nn.Module or a state dict")
+    if detect_form(gsd) == "train":
+        raise ReparamError("the global state holds branch keys (train form); merge it first (reparam.merge)")
+    change = StructureChange()
+    used: set[str] = set()
+    handled_local: set[str] = set()
+    info = _info(local_model)
+    # BN-only identity branches of the local model that the global (deploy) model has folded into
+    # a conv: the local BN stays, and its identity part is taken out of that conv's target
+    identity_into: dict[str, list[nn.Module]] = {}
+    for b, rec in dict(info.get("identity_bns", {})).items():
+        if f"{b}.running_mean" in gsd:
+            continue  # the global model keeps the BN: copied like any other module below
+        try:
+            bn = local_model.get_submodule(b)
+        except AttributeError:
+            continue
+        if not _is_bn_like(bn):
+            continue
+        identity_into.setdefault(str(rec["into"]), []).append(bn)
+        handled_local.update(f"{b}.{k}" for k in bn.state_dict())
+
+    def target(path: str, weight: Tensor, bias: Tensor | None) -> tuple[Tensor, Tensor | None]:
+        with torch.no_grad():
+            for bn in identity_into.get(path, []):
+                s = bn_stats(bn)
+                stats = BNStats(s.mean.detach(), s.var.detach(), None if s.gamma is None else s.gamma.detach(),
+                                None if s.beta is None else s.beta.detach(), s.eps)
+                weight, bias = _identity_pair(weight, bias, stats, sign=-1.0)
+        return weight, bias
+
+    blocks = list(iter_blocks(local_model))
+    for path, blk in blocks:
+        wk, bk = f"{path}.weight", f"{path}.bias"
+        if wk not in gsd:
+            dk = f"{path}.reparam_conv.weight"
+            if dk in gsd:
+                wk, bk = dk, f"{path}.reparam_conv.bias"
+            else:
+                raise ReparamError(f"{path}: the global state has no conv weight at {wk!r}")
+        target_bn = None
+        used.update({wk, bk})
+        if blk.bn_path and f"{blk.bn_path}.running_mean" in gsd:
+            bsd = {k[len(blk.bn_path) + 1:]: v for k, v in gsd.items() if k.startswith(blk.bn_path + ".")}
+            used.update(f"{blk.bn_path}.{k}" for k in bsd)
+            eps = float(getattr(blk.anchor.bn, "eps", 1e-5)) if not blk.is_merged else 1e-5
+            target_bn = BNStats(bsd["running_mean"], bsd["running_var"], bsd.get("weight"), bsd.get("bias"), eps)
+        mode = anchor_stats
+        if mode == "adopt" and target_bn is None:
+            mode = "keep"
+        change.extend(blk.load_plain(*target(path, gsd[wk], gsd.get(bk)), anchor_stats=mode, target_bn=target_bn))
+        for k, _ in blk.named_parameters():
+            handled_local.add(f"{path}.{k}")
+        for k, _ in blk.named_buffers():
+            handled_local.add(f"{path}.{k}")
+    # local conv+BN pairs whose global counterpart is folded
+    for c, b in info["pairs"].items():
+        try:
+            conv, bn = local_model.get_submodule(c), local_model.get_submodule(b)
+        except AttributeError:
+            continue
+        if not (_is_plain_conv(conv) and _is_bn_like(bn)):
+            continue
+        if f"{b}.running_mean" in gsd or f"{c}.weight" not in gsd:
+            continue  # global has the same layout: plain copy below
+        w_t, b_t = target(c, gsd[f"{c}.weight"].to(torch.float64), gsd.get(f"{c}.bias"))
+        b_t = torch.zeros(w_t.shape[0], dtype=torch.float64) if b_t is None else b_t.to(torch.float64)
+        tmp = DiverseBranchBlock.from_conv(conv, bn, [])  # type: ignore[arg-type]
+        change.extend(tmp.load_plain(w_t, b_t, anchor_stats="keep"))
+        used.update({f"{c}.weight", f"{c}.bias"})
+        for k, _ in conv.named_parameters():
+            handled_local.add(f"{c}.{k}")
+        for k, _ in bn.named_parameters():
+            handled_local.add(f"{b}.{k}")
+        for k, _ in bn.named_buffers():
+            handled_local.add(f"{b}.{k}")
+    # plain local convs (neither block nor pair) that a folded identity branch feeds into
+    block_paths = {p for p, _ in blocks}
+    for c in identity_into:
+        if c in block_paths or f"{c}.weight" in handled_local or f"{c}.weight" not in gsd:
+            continue
+        conv = local_model.get_submodule(c)
+        if not _is_plain_conv(conv) or not isinstance(conv, nn.Conv2d):
+            continue
+        w_t, b_t = target(c, gsd[f"{c}.weight"], gsd.get(f"{c}.bias"))
+        with torch.no_grad():
+            if conv.bias is None:
+                if b_t is not None and bool(b_t.ne(0).any()):
+                    raise ReparamError(
+                        f"{c}: the global conv carries the bias of the folded identity branch but the local conv "
+                        "has no bias to hold it"
+                    )
+            else:
+                assert b_t is not None  # a global conv for a biased local conv carries a bias
+                conv.bias.copy_(b_t.to(conv.bias.dtype))
+                change.overwritten.append(cast(nn.Parameter, conv.bias))
+            conv.weight.copy_(w_t.to(conv.weight.dtype))
+            change.overwritten.append(cast(nn.Parameter, conv.weight))
+        used.update({f"{c}.weight", f"{c}.bias"})
+        handled_local.update(f"{c}.{k}" for k, _ in conv.named_parameters())
+    params = dict(local_model.named_parameters())
+    missing = []
+    with torch.no_grad():
+        for k, t in local_model.state_dict(keep_vars=True).items():
+            if k in handled_local:
+                continue
+            if k not in gsd:
+                missing.append(k)
+                continue
+            g = gsd[k]
+            if tuple(g.shape) != tuple(t.shape):
+                raise ReparamError(f"{k}: global shape {tuple(g.shape)} != local shape {tuple(t.shape)}")
+            t.copy_(g.to(t.dtype))
+            used.add(k)
+            p = params.get(k)
+            if p is not None:
+                change.overwritten.append(p)
+    if strict:
+        if missing:
+            raise ReparamError(f"local keys absent from the global state: {missing[:8]}{' ...' if len(missing) > 8 else ''}")
+        unused = [k for k in gsd if k not in used]
+        if unused:
+            raise ReparamError(f"global keys with no place in the local model: {unused[:8]}{' ...' if len(unused) > 8 else ''}")
+    return change
