@@ -99,6 +99,10 @@ def comparison_rows(results: dict[str, list[dict[str, Any] | None]], tiers: list
         if all(k is not None for k in kappas):  # communication cost of methods that report it (DynaComm)
             row["kappa_code_mean"] = float(np.mean(kappas))
             row["kappa_paper_mean"] = float(np.mean([s.get("kappa_paper", np.nan) for s in summaries]))
+        keys = sorted(k for k in summaries[0] if k.startswith("transition_") and k.endswith("_accuracy"))
+        for k in keys:  # runs with sessions (DynInit): accuracy after each transition
+            m, sd = _mean_std([s.get(k) for s in summaries])
+            row[f"{k}_mean"], row[f"{k}_std"] = m, sd
         ttt = [s.get("time_to_target") for s in summaries]
         row["time_to_target_mean"] = None if any(t is None for t in ttt) else float(np.mean(ttt))
         row["reached_target"] = sum(t is not None for t in ttt)

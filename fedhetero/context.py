@@ -114,6 +114,7 @@ def build_data(cfg: RunConfig) -> Any:
         num_clients=d.num_clients,
         partition=d.partition,
         alpha=d.alpha,
+        group_overlap=d.group_overlap,
         shards=d.shards_per_client,
         server_fraction=d.server_fraction,
         server_classes=None if d.server_classes >= 1.0 else d.server_classes,

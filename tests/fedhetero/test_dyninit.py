@@ -484,3 +484,23 @@ def test_dyninit_table_command(tmp_path):
     stamp = (tmp_path / "t" / runs[(0.0, 0.5, "fedavg", "dyninit", 1)] / "summary.json").stat().st_mtime
     assert main(args) == 0  # everything reused
     assert (tmp_path / "t" / runs[(0.0, 0.5, "fedavg", "dyninit", 1)] / "summary.json").stat().st_mtime == stamp
+
+
+@pytest.mark.parametrize("overlap, b_labels", [(0.0, {5, 6, 7, 8, 9}), (0.2, {4, 5, 6, 7, 8})])
+def test_config_overlap_reaches_the_partition(overlap, b_labels):
+    from fedhetero.context import build_data
+
+    data = build_data(_cfg(**{"data.group_overlap": overlap}))
+    labels = data.train.labels_np
+    assert set(np.unique(labels[np.concatenate(data.client_indices[10:])]).tolist()) == b_labels
+    assert set(np.unique(labels[np.concatenate(data.client_indices[:10])]).tolist()) == {0, 1, 2, 3, 4}
+
+
+def test_compare_rows_carry_transition_accuracy():
+    from fedhetero.compare import comparison_rows
+
+    base = {"final_accuracy": 0.5, "mean_last5_accuracy": 0.5, "mean_client_macs": 1.0, "sim_time_s": 1.0,
+            "bytes_total": 1, "wall_s": 1.0, "all_fit_budget": True, "tiers": {}}
+    rows = comparison_rows({"dyninit": [{**base, "transition_2_accuracy": 0.8}, {**base, "transition_2_accuracy": 0.6}]}, [])
+    assert rows[0]["transition_2_accuracy_mean"] == pytest.approx(0.7)
+    assert rows[0]["transition_2_accuracy_std"] == pytest.approx(0.1)
