@@ -5,11 +5,13 @@ inputs) and its classifier removed (512 pooled features) → Linear(512→512)�
 (the projection head, whose output MOON uses as the representation) → Linear(256→classes). At 10
 classes: 11,573,066 parameters. The study starts from ImageNet weights: without network access put
 a ``resnet18`` state dict in a file and name it with ``model.weights`` (loaded into the backbone).
-``width`` and ``norm`` are accepted for the common interface; only ``width = 1`` and BatchNorm are
-supported.
+``width`` scales every channel and head unit (1: timm's resnet18 exactly, whose weights then load);
+``norm`` is BatchNorm (default), GroupNorm(1, C) or none.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 from torch import nn
@@ -17,6 +19,13 @@ from torch import nn
 from ._common import resolve_options
 
 __all__ = ["ResNet18Proj"]
+
+
+class _GroupNorm1(nn.GroupNorm):
+    """GroupNorm(1, C) with the norm-layer signature timm calls (channels first)."""
+
+    def __init__(self, num_channels: int, **kw: Any) -> None:
+        super().__init__(1, num_channels, **kw)
 
 
 class ResNet18Proj(nn.Module):
@@ -40,15 +49,23 @@ class ResNet18Proj(nn.Module):
             input_size=input_size, conv_bias=conv_bias, track_running_stats=track_running_stats,
             init=init,
         )
-        if o.width != 1.0 or norm != "bn":
-            raise ValueError("resnet18_proj supports width 1 and norm 'bn' only (it is timm's resnet18)")
         from fedhetero._compat import import_timm
 
         timm = import_timm()
-        self.num_classes, self.in_channels, self.width, self.input_size = num_classes, in_channels, 1.0, input_size
-        self.backbone = timm.create_model("resnet18", pretrained=False, num_classes=0, in_chans=in_channels)
-        self.head = nn.Sequential(nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 256))
-        self.classifier = nn.Linear(256, num_classes)
+        from timm.models.resnet import BasicBlock, ResNet
+
+        self.num_classes, self.in_channels, self.width, self.input_size = num_classes, in_channels, o.width, input_size
+        norm_layer: Any = {
+            "bn": nn.BatchNorm2d, "groupnorm1": _GroupNorm1, "none": nn.Identity,
+        }[norm]
+        channels = tuple(o.ch(c) for c in (64, 128, 256, 512))
+        # timm's resnet18 (the same module names, so its weights load), at the given width and norm
+        self.backbone = ResNet(BasicBlock, (2, 2, 2, 2), num_classes=0, in_chans=in_channels,  # type: ignore[arg-type]
+                               stem_width=o.ch(64), channels=channels, norm_layer=norm_layer)
+        assert timm is not None
+        h1, h2 = o.ch(512), o.ch(256)
+        self.head = nn.Sequential(nn.Linear(channels[-1], h1), nn.ReLU(), nn.Linear(h1, h2))
+        self.classifier = nn.Linear(h2, num_classes)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.classifier(self.head(self.backbone(x)))

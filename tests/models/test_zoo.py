@@ -27,7 +27,7 @@ def flopcounter_macs(model: nn.Module, shape: tuple[int, ...]) -> int:
 
 def test_list_models_and_unknown_name() -> None:
     # preact_resnet18 (pre-activation: no conv→norm pairs) is tested in test_groupnorm.py
-    assert list_models() == sorted(NAMES + ["preact_resnet18"])
+    assert list_models() == sorted(NAMES + ["preact_resnet18", "resnet18_proj", "svhn_cnn"])
     with pytest.raises(ValueError) as err:
         build_model("alexnet")
     for name in NAMES:
