@@ -504,3 +504,13 @@ def test_compare_rows_carry_transition_accuracy():
     rows = comparison_rows({"dyninit": [{**base, "transition_2_accuracy": 0.8}, {**base, "transition_2_accuracy": 0.6}]}, [])
     assert rows[0]["transition_2_accuracy_mean"] == pytest.approx(0.7)
     assert rows[0]["transition_2_accuracy_std"] == pytest.approx(0.1)
+
+
+def test_process_back_end_equals_local(tmp_path):
+    """Prelude exchanges (the gradient round, with its server-sent rate) and session hooks run the
+    same on worker processes: bit-identical to the local back end."""
+    over = {"algorithm.options.host": "scaffold", "train.rounds": 15, "sessions.count": 3}
+    _, a = _run(tmp_path, "local", **over)
+    _, b = _run(tmp_path, "proc", **over, **{"engine.backend": "process", "engine.workers": 2})
+    for k, v in _state(a).items():
+        assert torch.equal(v, _state(b)[k]), k
