@@ -424,13 +424,11 @@ class ClientContext:
 
     def client_batches(self, cid: int, epoch: int, batch_size: int | None = None):
         """The client's shuffled batches for one local epoch (order from (round, client, epoch))."""
-        prelude = self.current_client is not None and self.current_client.prelude
-        gen = self.torch_generator("prelude" if prelude else "data", self.round, cid, epoch)
         return iterate_batches(
             self.data.train,
             self.data.client_indices[cid],
             batch_size or self.cfg.train.batch_size,
-            generator=gen,
+            generator=self._epoch_generator(cid, epoch),
             shuffle=True,
             augment=self.cfg.data.augment,
         )
@@ -440,9 +438,13 @@ class ClientContext:
         (without augmentation); batch ``k`` is rows ``[k·B, (k+1)·B)``."""
         from fedhetero.data.batches import epoch_order
 
+        return epoch_order(self.data.train, self.data.client_indices[cid], generator=self._epoch_generator(cid, epoch))
+
+    def _epoch_generator(self, cid: int, epoch: int) -> torch.Generator:
+        """The generator of a local epoch's order: from (round, client, epoch), on a stream of its
+        own for prelude exchanges."""
         prelude = self.current_client is not None and self.current_client.prelude
-        gen = self.torch_generator("prelude" if prelude else "data", self.round, cid, epoch)
-        return epoch_order(self.data.train, self.data.client_indices[cid], generator=gen, shuffle=True)
+        return self.torch_generator("prelude" if prelude else "data", self.round, cid, epoch)
 
     def train(
         self,

@@ -342,11 +342,3 @@ def session_summary(history: Sequence[dict[str, Any]], window: int = 10) -> dict
             "best_accuracy": max(acc),
         })
     return {"sessions": out}
-
-
-def describe_schedule(schedule: Schedule) -> list[dict[str, Any]]:
-    """JSON-ready list of the sessions (first round, device count) for ``run.json``."""
-    return [
-        {"session": s + 1, "first_round": schedule.first_round(s), "devices": len(d)}
-        for s, d in enumerate(schedule.devices)
-    ]

@@ -36,6 +36,8 @@ classic rule that refuses these geometries.
 
 from __future__ import annotations
 
+import abc
+
 import math
 from typing import Any, Mapping
 
@@ -924,9 +926,9 @@ class CentredConvKind(BranchKind):
 
     in_fill = True
 
+    @abc.abstractmethod
     def branch_kernel(self, main_kernel: tuple[int, int]) -> tuple[int, int]:
         """The branch kernel size for a main kernel size."""
-        raise NotImplementedError  # pragma: no cover - every registered subclass defines it
 
     def reason(self, main: ConvGeometry, *, crop: bool = True) -> str | None:
         try:

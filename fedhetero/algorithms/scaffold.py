@@ -53,6 +53,29 @@ class ScaffoldOptions:
             raise ConfigError(f"algorithm.options.server_lr: must be > 0, got {self.server_lr}")
 
 
+def _control_update(
+    names: list[str],
+    sent: dict[str, torch.Tensor],
+    trained: dict[str, torch.Tensor],
+    c: dict[str, torch.Tensor],
+    c_i: dict[str, torch.Tensor],
+    steps: int,
+    lr: float,
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """Option II: ``Δc_i = (x − y_i)/(K·η) − c`` (zero when no step was taken) and ``c_i + Δc_i``."""
+    delta_c: dict[str, torch.Tensor] = {}
+    new_c_i: dict[str, torch.Tensor] = {}
+    for n in names:
+        if steps > 0:
+            drift = (sent[n] - trained[n]).to("cpu", torch.float64) / (steps * lr)
+            dc = (drift - c[n].to(torch.float64)).to(c_i[n].dtype)
+        else:
+            dc = torch.zeros_like(c_i[n])
+        delta_c[n] = dc
+        new_c_i[n] = c_i[n] + dc
+    return delta_c, new_c_i
+
+
 class Scaffold(Algorithm):
     """SCAFFOLD with option-II control variates (see the module docstring)."""
 
@@ -126,16 +149,7 @@ class Scaffold(Algorithm):
         report = ctx.train(model, task, ctx.cfg.train.local_epochs, after_backward=after_backward)
         steps = int(report["steps"])
         trained = {k: v.detach().clone() for k, v in model.state_dict().items()}
-        delta_c: dict[str, torch.Tensor] = {}
-        new_c_i: dict[str, torch.Tensor] = {}
-        for n in names:
-            if steps > 0:
-                drift = (sent[n] - trained[n]).to("cpu", torch.float64) / (steps * lr)
-                dc = (drift - c[n].to(torch.float64)).to(c_i[n].dtype)
-            else:
-                dc = torch.zeros_like(c_i[n])
-            delta_c[n] = dc
-            new_c_i[n] = c_i[n] + dc
+        delta_c, new_c_i = _control_update(names, sent, trained, c, c_i, steps, lr)
         return ClientResult(
             cid=task.cid,
             num_samples=task.num_samples,
@@ -181,16 +195,9 @@ class Scaffold(Algorithm):
         for i, task in enumerate(tasks):
             trained = co.state(i)
             steps = int(reports[i]["steps"])
-            c, c_i = task.payload["c"], keep["c_i"][i]
-            delta_c, new_c_i = {}, {}
-            for n in co.names:
-                if steps > 0:
-                    drift = (task.payload["state"][n] - trained[n]).to("cpu", torch.float64) / (steps * lr)
-                    dc = (drift - c[n].to(torch.float64)).to(c_i[n].dtype)
-                else:
-                    dc = torch.zeros_like(c_i[n])
-                delta_c[n] = dc
-                new_c_i[n] = c_i[n] + dc
+            delta_c, new_c_i = _control_update(
+                co.names, task.payload["state"], trained, task.payload["c"], keep["c_i"][i], steps, lr
+            )
             out.append(ClientResult(
                 cid=task.cid, num_samples=task.num_samples, state=trained, payload={"delta_c": delta_c},
                 macs=macs, budget_macs=task.budget_macs,
