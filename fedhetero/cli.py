@@ -207,6 +207,27 @@ def _dyninit_table(args: argparse.Namespace) -> int:
     return table_main(list(args.rest))
 
 
+def _ablation(args: argparse.Namespace) -> int:
+    from fedhetero.ablation import main as ablation_main
+
+    return ablation_main(list(args.rest))
+
+
+#: commands with their own argument parser: name -> (function, help, description)
+_OWN_PARSER: dict[str, tuple[Any, str, str]] = {
+    "dyninit-table": (
+        _dyninit_table,
+        "the DynInit transition table: overlap x alpha x host x method x seed, run in parallel",
+        "Run (or reuse) the DynInit study's grid and print the transition and time-to-accuracy tables",
+    ),
+    "dynamicfl-ablation": (
+        _ablation,
+        "DynamicFL vs FedAvg and the width baselines, and each DynamicFL choice, run in parallel",
+        "Run (or reuse) the DynamicFL ablation grid and print its tables",
+    ),
+}
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="fedhetero",
@@ -254,15 +275,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("rest", nargs=argparse.REMAINDER, help="options of the benchmark")
     p.set_defaults(func=_bench)
 
-    p = sub.add_parser(
-        "dyninit-table",
-        help="the DynInit transition table: overlap x alpha x host x method x seed, run in parallel",
-        description="Run (or reuse) the DynInit study's grid and print the transition and time-to-accuracy "
-        "tables; pass --help after the name for its options.",
-        add_help=False,
-    )
-    p.add_argument("rest", nargs=argparse.REMAINDER, help="options of the table (see `fedhetero dyninit-table --help`)")
-    p.set_defaults(func=_dyninit_table)
+    for name, (func, help_text, description) in _OWN_PARSER.items():
+        p = sub.add_parser(name, help=help_text, description=description + "; pass --help after the name for its options.",
+                           add_help=False)
+        p.add_argument("rest", nargs=argparse.REMAINDER, help=f"options (see `fedhetero {name} --help`)")
+        p.set_defaults(func=func)
 
     from fedhetero.integrations.flower.cli import add_parser as add_flower_parser
 
@@ -276,8 +293,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     raw = list(sys.argv[1:] if argv is None else argv)
-    if raw[:1] == ["dyninit-table"]:  # its own parser: every option (--help too) goes to it
-        args = argparse.Namespace(command="dyninit-table", func=_dyninit_table, rest=raw[1:])
+    if raw[:1] and raw[0] in _OWN_PARSER:  # its own parser: every option (--help too) goes to it
+        args = argparse.Namespace(command=raw[0], func=_OWN_PARSER[raw[0]][0], rest=raw[1:])
     else:
         args = parser.parse_args(raw)
     if args.command is None:

@@ -62,6 +62,7 @@ class DataConfig:
     server_fraction: float = 0.0  # labelled server data (FedDU, data sharing)
     server_classes: float = 1.0  # fraction of classes the server data covers
     public_fraction: float = 0.0  # unlabelled public split (KD baselines)
+    val_fraction: float = 0.0  # validation hold-out (stratified), evaluated as val_accuracy
     augment: bool = False
     synthetic_size: int = 600  # only for dataset "synthetic"
 
@@ -209,6 +210,8 @@ def _type_name(tp: Any) -> str:
         return " or ".join(_type_name(a) for a in typing.get_args(tp))
     if tp is type(None):
         return "null"
+    if origin is tuple:
+        return "list"
     return getattr(tp, "__name__", str(tp))
 
 
@@ -329,10 +332,11 @@ def validate(cfg: RunConfig) -> None:
     _check(0 <= d.server_fraction < 1, "data.server_fraction", f"must be in [0, 1), got {d.server_fraction}")
     _check(0 < d.server_classes <= 1, "data.server_classes", f"must be in (0, 1], got {d.server_classes}")
     _check(0 <= d.public_fraction < 1, "data.public_fraction", f"must be in [0, 1), got {d.public_fraction}")
+    _check(0 <= d.val_fraction <= 0.5, "data.val_fraction", f"must be in [0, 0.5], got {d.val_fraction}")
     _check(
-        d.server_fraction + d.public_fraction < 0.9,
-        "data.public_fraction",
-        "server_fraction + public_fraction leave too little data for the clients",
+        d.server_fraction + d.public_fraction + d.val_fraction < 0.9,
+        "data.public_fraction" if d.val_fraction == 0 else "data.val_fraction",
+        "server_fraction + public_fraction + val_fraction leave too little data for the clients",
     )
     _check(d.synthetic_size >= 10, "data.synthetic_size", "must be at least 10")
     _check(cfg.model.width > 0, "model.width", f"must be > 0, got {cfg.model.width}")
@@ -556,6 +560,8 @@ def config_hash(cfg: RunConfig) -> str:
         data.pop("sessions", None)
     if cfg.data.group_overlap == 0.0:
         data["data"].pop("group_overlap", None)
+    if cfg.data.val_fraction == 0.0:
+        data["data"].pop("val_fraction", None)
     if not cfg.engine.vectorize:
         data["engine"].pop("vectorize", None)
     if cfg.model.weights is None:

@@ -119,6 +119,7 @@ def build_data(cfg: RunConfig) -> Any:
         server_fraction=d.server_fraction,
         server_classes=None if d.server_classes >= 1.0 else d.server_classes,
         public_fraction=d.public_fraction,
+        val_fraction=d.val_fraction,
         rng=np.random.default_rng(seq),
         min_size=d.min_partition_size,
         dataset_options=options,

@@ -24,12 +24,13 @@ import argparse
 import json
 import math
 import os
-import time
-from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from fedhetero.grid import run_grid
+from fedhetero.rundir import finite_json
 
 __all__ = ["PAPER_FMNIST", "build_table", "main", "plan_runs"]
 
@@ -99,22 +100,6 @@ def plan_runs(overlaps: list[float], alphas: list[float], hosts: list[str], meth
                         who = f"lr{_lr(h)[0]:g}" if m == "continuous" else h
                         out[(o, a, h, m, s)] = f"o{o:g}-a{a:g}/{who}-{m}/s{s}"
     return out
-
-
-def _run_one(base: str, overrides: list[str], out_dir: str) -> tuple[str, float, str | None]:
-    import torch
-
-    from fedhetero.config import load_config
-    from fedhetero.engine import Engine
-
-    torch.set_num_threads(1)
-    t0 = time.perf_counter()
-    try:
-        cfg = load_config(base, overrides=overrides)
-        Engine(cfg, out_dir, progress=False, overwrite=True).run()
-    except Exception as exc:  # reported in the table, the others go on
-        return out_dir, time.perf_counter() - t0, f"{type(exc).__name__}: {exc}"
-    return out_dir, time.perf_counter() - t0, None
 
 
 def _load(out_dir: Path) -> dict[str, Any] | None:
@@ -191,14 +176,26 @@ def build_table(out: Path, runs: dict[tuple[float, float, str, str, int], str], 
             for m in methods:
                 if not tta[m]:
                     continue
-                r = float(np.mean(tta[m]))
-                lat = r * energy["latency_s"] if energy else math.nan
-                en = r * energy["energy_j"] / 1000 if energy else math.nan
-                speed = "–" if m == "dyninit" else f"{r / base:.1f}×"
-                charged = "–" if m == "dyninit" else f"{r / (base + grad_rounds):.1f}×"
+                # a seed that never reaches the target within the session is shown as such; the
+                # other columns average the seeds that reach it
+                reached = [v for v in tta[m] if math.isfinite(v)]
+                never = len(tta[m]) - len(reached)
+                rr = float(np.mean(reached)) if reached else math.inf
+                lat = rr * energy["latency_s"] if energy else math.nan
+                en = rr * energy["energy_j"] / 1000 if energy else math.nan
+                speed = "–" if m == "dyninit" else f"{rr / base:.1f}×"
+                charged = "–" if m == "dyninit" else f"{rr / (base + grad_rounds):.1f}×"
                 g = "–" if m == "dyninit" else f"{np.mean(gain[m]):+.1f}"
-                tta_lines.append(f"| {o:g} | {a:g} | {h} | {k} | {LABEL[m]} | {r:.1f} | {speed} | {charged} | {g} | {lat:.2f} | {en:.4f} |")
-                tnum.setdefault(m, {}).update({"rounds_to_target": r, "accumulated_gain_of_dyninit": float(np.mean(gain[m]))})
+                rounds = f"{rr:.1f}" + (f" ({never} of {len(tta[m])} seeds never)" if never and reached else "")
+                if not reached:
+                    rounds, speed, charged = "never", "–", "–"
+                tta_lines.append(f"| {o:g} | {a:g} | {h} | {k} | {LABEL[m]} | {rounds} | {speed} | {charged} | {g} | "
+                                 + (f"{lat:.2f} | {en:.4f} |" if reached else "– | – |"))
+                tnum.setdefault(m, {}).update({
+                    "rounds_to_target": rr if reached else None,  # over the seeds that reach it
+                    "seeds_never_reaching_target": never,
+                    "accumulated_gain_of_dyninit": float(np.mean(gain[m])),
+                })
             cell["transitions"][k] = tnum
         numbers["cells"].append(cell)
     (out / "table_transitions.md").write_text("\n".join(lines) + "\n")
@@ -206,7 +203,7 @@ def build_table(out: Path, runs: dict[tuple[float, float, str, str, int], str], 
     failed = [name for key, name in runs.items() if summaries.get(key) is None]
     numbers["missing_runs"] = failed
     numbers["energy_per_round"] = energy
-    (out / "results.json").write_text(json.dumps(numbers, indent=2))
+    (out / "results.json").write_text(json.dumps(finite_json(numbers), indent=2))
     return {"transitions": "\n".join(lines), "tta": "\n".join(tta_lines), "numbers": numbers}
 
 
@@ -271,20 +268,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     seeds = [int(s) for s in args.seeds.split(",")]
     runs = plan_runs(fl, al, hosts, methods, seeds)
-    todo: dict[str, list[str]] = {}
+    grid: dict[str, list[str]] = {}
     for key, name in runs.items():
-        if name not in todo and not (out / name / "summary.json").is_file():
-            todo[name] = list(args.set) + cell_overrides(key[0], key[1], key[2], key[3], key[4])
-    t0 = time.perf_counter()
-    if todo and not args.no_run:
-        console.print(f"{len(todo)} runs to do ({len(set(runs.values())) - len(todo)} reused), {args.jobs} at a time")
-        with ProcessPoolExecutor(max_workers=args.jobs) as pool:
-            futs = [pool.submit(_run_one, args.config, ov, str(out / name)) for name, ov in todo.items()]
-            for i, fut in enumerate(as_completed(futs), 1):
-                d, secs, err = fut.result()
-                status = f"[red]failed: {err}[/red]" if err else f"{secs:.1f} s"
-                console.print(f"[{i}/{len(futs)}] {Path(d).relative_to(out)}: {status}", highlight=False)
-    wall = time.perf_counter() - t0
+        grid.setdefault(name, list(args.set) + cell_overrides(key[0], key[1], key[2], key[3], key[4]))
+    wall = 0.0
+    if not args.no_run:
+        done = run_grid(args.config, grid, out, args.jobs, report=lambda line: console.print(line, markup=False, highlight=False))
+        wall = done["wall_s"]
     devices = len(base.sessions.devices[0]) if base.sessions.devices else base.data.num_clients // 2
     from fedhetero.context import client_context
 

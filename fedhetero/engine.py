@@ -250,6 +250,10 @@ class Engine:
         models = self.algorithm.eval_models(self.ctx)
         res = self.ctx.evaluate(models["global"])
         out: dict[str, Any] = {"accuracy": res["accuracy"], "loss": res["loss"], "tier_accuracy": {}}
+        if self.data.val_indices is not None:
+            # the validation hold-out (part of the training set no client sees): choose settings on it
+            val = self.ctx.evaluate(models["global"], dataset=self.data.train, indices=self.data.val_indices)
+            out["val_accuracy"], out["val_loss"] = val["accuracy"], val["loss"]
         if self.ctx.schedule is not None:
             # accuracy on the classes of the session's devices, and on the full test set
             session = self.ctx.schedule.session_of(self.ctx.round)
@@ -275,6 +279,7 @@ class Engine:
             "ratios": list(self.schedule.state()),
             "best_accuracy": self._best,
         }
+        self.store.flush(rnd)  # every client state the checkpoint can need is on disk before it
         atomic_save(state, self.out_dir / "checkpoint.pt")
         self.store.compact(rnd)
 
@@ -552,6 +557,7 @@ def summarize(cfg: RunConfig, history: list[dict[str, Any]], plain_macs: int, wa
         "final_accuracy": accs[-1] if accs else None,
         "best_accuracy": max(accs) if accs else None,
         "mean_last5_accuracy": float(np.mean(accs[-k:])) if accs else None,
+        **_val_summary(evals),
         "plain_macs": plain_macs,
         "tiers": tiers,
         "smoothed_final_accuracy": smoothed,
@@ -568,6 +574,16 @@ def summarize(cfg: RunConfig, history: list[dict[str, Any]], plain_macs: int, wa
         "wall_s": round(wall, 3),
         **(session_summary(history, cfg.sessions.transition_window) if cfg.sessions.count else {}),
     }
+
+
+def _val_summary(evals: list[dict[str, Any]]) -> dict[str, Any]:
+    """Validation accuracy (final, best, mean of the last 5 evaluations) when the run has a
+    validation hold-out."""
+    vals = [r["val_accuracy"] for r in evals if "val_accuracy" in r]
+    if not vals:
+        return {}
+    return {"final_val_accuracy": vals[-1], "best_val_accuracy": max(vals),
+            "mean_last5_val_accuracy": float(np.mean(vals[-min(5, len(vals)):]))}
 
 
 class _Progress:

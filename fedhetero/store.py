@@ -10,6 +10,12 @@ resumed from the checkpoint of round ``k`` sees exactly the state that existed a
 Files are written atomically (temporary file, then rename) and read with
 ``torch.load(weights_only=True)``: a state is a nested structure of tensors, numbers, strings,
 lists and dicts, never arbitrary objects.
+
+Writes are held in memory (up to ``memory_bytes``) and reach the disk at :meth:`flush`, which the
+engine calls before every checkpoint: a resumed run restarts from a checkpoint, and every version
+it can need was flushed before that checkpoint was written, so nothing a resume reads is lost by
+waiting. Small states written every round (SCAFFOLD's control variates, MOON's previous model of
+100 clients) would otherwise cost one file per client and round.
 """
 
 from __future__ import annotations
@@ -38,25 +44,43 @@ def atomic_save(obj: Any, path: Path) -> None:
 class ClientStateStore:
     """Disk-backed store: ``put(cid, state, round)`` / ``get(cid, before_round)``."""
 
-    def __init__(self, root: str | Path) -> None:
+    def __init__(self, root: str | Path, memory_bytes: int = 256 * 2**20) -> None:
         self.root = Path(root)  # created on the first put, so an aborted set-up leaves nothing
         self._touched: set[int] | None = None  # clients written since the last compaction (None: all)
+        self.memory_bytes = int(memory_bytes)
+        self._pending_by_cid: dict[int, dict[int, tuple[dict[str, Any], Path]]] = {}  # cid -> {tick: (state, file)}
+        self._pending_bytes = 0
+        self._disk: dict[int, dict[int, Path]] = {}  # cid -> {tick: file}, read once per client
 
     def _dir(self, cid: int) -> Path:
         return self.root / f"client_{int(cid):06d}"
 
+    def _on_disk(self, cid: int) -> dict[int, Path]:
+        """{tick: file} of the versions on disk (the run directory is locked: only this store
+        writes there, so the folder is listed once)."""
+        cid = int(cid)
+        if cid not in self._disk:
+            found: dict[int, Path] = {}
+            d = self._dir(cid)
+            if d.is_dir():
+                for p in d.iterdir():
+                    m = _NAME.match(p.name)
+                    if m:
+                        # tick 2r: written in round r; tick 2r+1 ("rNb.pt"): written between
+                        # round r and round r+1 (a prelude exchange round r+1's tasks must see)
+                        found[2 * int(m.group(1)) + (1 if m.group(2) else 0)] = p
+            self._disk[cid] = found
+        return self._disk[cid]
+
     def _versions(self, cid: int) -> list[tuple[int, Path]]:
-        d = self._dir(cid)
-        if not d.is_dir():
-            return []
-        out = []
-        for p in d.iterdir():
-            m = _NAME.match(p.name)
-            if m:
-                # tick 2r: written in round r; tick 2r+1 ("rNb.pt"): written between round r and
-                # round r+1 (a prelude exchange that round r+1's own tasks must see)
-                out.append((2 * int(m.group(1)) + (1 if m.group(2) else 0), p))
-        return sorted(out)
+        """(tick, file) of every version, on disk or still in memory, oldest first."""
+        found = dict(self._on_disk(cid))
+        for tick, (_, path) in self._held(cid).items():
+            found[tick] = path
+        return sorted(found.items())
+
+    def _held(self, cid: int) -> dict[int, tuple[dict[str, Any], Path]]:
+        return self._pending_by_cid.get(int(cid), {})
 
     @staticmethod
     def _tick(round: int, prelude: bool) -> int:
@@ -67,9 +91,36 @@ class ClientStateStore:
         runs before round ``round`` proper, whose state that round's tasks see); older versions
         are kept until :meth:`compact` (a checkpoint may still need them)."""
         name = f"r{int(round) - 1:06d}b.pt" if prelude else f"r{int(round):06d}.pt"
-        atomic_save(state, self._dir(cid) / name)
+        held = self._pending_by_cid.setdefault(int(cid), {})
+        tick = self._tick(round, prelude)
+        old = held.pop(tick, None)
+        if old is not None:
+            self._pending_bytes -= _nbytes(old[0])
+        copy = _clone(state)  # a snapshot, as a file would be
+        held[tick] = (copy, self._dir(cid) / name)
+        self._pending_bytes += _nbytes(copy)
         if self._touched is not None:
             self._touched.add(int(cid))
+        if self._pending_bytes > self.memory_bytes:
+            self.flush()
+
+    def flush(self, upto_round: int | None = None) -> None:
+        """Write the states held in memory to their files. With ``upto_round`` (the engine passes
+        the round it is about to checkpoint), of a client's versions at or before that round only
+        the newest is written: the older ones would be deleted by :meth:`compact` right after the
+        checkpoint, a run going forward reads only the newest, and a resumed run rolls back to a
+        checkpoint whose versions were all flushed before it."""
+        for cid, held in sorted(self._pending_by_cid.items()):
+            ticks = sorted(held)
+            if upto_round is not None:
+                old = [t for t in ticks if t <= 2 * int(upto_round)]
+                ticks = old[-1:] + [t for t in ticks if t > 2 * int(upto_round)]
+            for tick in ticks:
+                state, path = held[tick]
+                atomic_save(state, path)
+                self._on_disk(cid)[tick] = path
+        self._pending_by_cid.clear()
+        self._pending_bytes = 0
 
     def _before(self, cid: int, before_round: int | None, prelude: bool) -> list[tuple[int, Path]]:
         versions = self._versions(cid)
@@ -84,17 +135,28 @@ class ClientStateStore:
         versions = self._before(cid, before_round, prelude)
         if not versions:
             return None
-        return torch.load(versions[-1][1], weights_only=True, map_location="cpu")
+        tick, path = versions[-1]
+        held = self._held(cid).get(tick)
+        if held is not None:
+            return _clone(held[0])
+        return torch.load(path, weights_only=True, map_location="cpu")
 
     def has(self, cid: int, before_round: int | None = None, prelude: bool = False) -> bool:
         return bool(self._before(cid, before_round, prelude))
 
     def clients(self) -> list[int]:
-        if not self.root.is_dir():
-            return []
-        return sorted(
-            int(p.name.split("_")[1]) for p in self.root.iterdir() if p.name.startswith("client_")
-        )
+        found = {c for c, held in self._pending_by_cid.items() if held}
+        if self.root.is_dir():
+            found.update(int(p.name.split("_")[1]) for p in self.root.iterdir() if p.name.startswith("client_"))
+        return sorted(found)
+
+    def _drop(self, cid: int, tick: int, path: Path) -> None:
+        held = self._held(cid).pop(tick, None)
+        if held is not None:
+            self._pending_bytes -= _nbytes(held[0])
+        else:
+            path.unlink(missing_ok=True)
+            self._on_disk(cid).pop(tick, None)
 
     def compact(self, upto_round: int) -> None:
         """Keep, per client, only the newest version at or before ``upto_round`` and anything newer.
@@ -105,8 +167,8 @@ class ClientStateStore:
         for cid in cids:
             versions = self._versions(cid)
             old = [v for v in versions if v[0] <= 2 * upto_round]
-            for _, p in old[:-1]:
-                p.unlink(missing_ok=True)
+            for tick, p in old[:-1]:
+                self._drop(cid, tick, p)
         self._touched = set()
 
     def rollback(self, to_round: int) -> None:
@@ -114,9 +176,31 @@ class ClientStateStore:
         for cid in self.clients():
             for tick, p in self._versions(cid):
                 if tick > 2 * to_round:
-                    p.unlink(missing_ok=True)
+                    self._drop(cid, tick, p)
 
     def disk_bytes(self) -> int:
+        """Bytes of the state files on disk (call :meth:`flush` first to count everything)."""
         if not self.root.is_dir():
             return 0
         return sum(p.stat().st_size for p in self.root.rglob("*.pt"))
+
+
+def _clone(obj: Any) -> Any:
+    """A deep copy of a state's tensors (other leaves are immutable or copied as containers)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().clone()
+    if isinstance(obj, dict):
+        return {k: _clone(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_clone(v) for v in obj)
+    return obj
+
+
+def _nbytes(obj: Any) -> int:
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(_nbytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(_nbytes(v) for v in obj)
+    return 0

@@ -20,6 +20,9 @@ __all__ = ["LogReg"]
 class LogReg(nn.Module):
     """Multinomial logistic regression (see the module docstring); logits out, no softmax."""
 
+    #: the forward is ``fc(flatten(x))``: vectorised trainers may run it as one batched product
+    flat_linear = "fc"
+
     def __init__(
         self,
         *,

@@ -20,7 +20,7 @@ Every growth is zero-γ growth, bit-exact in train and eval mode; every plan fit
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Collection, Sequence
 
 import numpy as np
 from torch import nn
@@ -33,7 +33,7 @@ from .dymm import applicable_kinds, plan_bottom_up
 from .errors import ReparamError
 from .flops import conv_output_hw, input_sizes, model_macs
 from .geometry import ConvGeometry
-from .kinds import get_kind
+from .kinds import get_kind, kind_names
 
 __all__ = [
     "GROW_MODES",
@@ -100,28 +100,29 @@ def best_additions(items: Sequence[tuple[Any, int]], capacity: float, resolution
 
 
 def candidate_costs(
-    model: nn.Module, input_shape: Sequence[int], blocks_only: bool, sizes: dict[str, HW] | None = None
+    model: nn.Module, input_shape: Sequence[int], blocks_only: bool, sizes: dict[str, HW] | None = None,
+    kinds: Collection[str] | None = None,
 ) -> list[tuple[Key, int]]:
     """(conv or block path, kind) → forward MACs of adding that branch, in forward order.
 
     ``blocks_only``: the kinds each (outermost) block lacks; otherwise every applicable kind of
     every expandable plain conv. ``sizes`` (conv input sizes by path,
     :func:`reparam.flops.input_sizes`) may be passed in: they depend on the architecture only, not
-    on the branches a block carries."""
+    on the branches a block carries. ``kinds``: only these branch kinds (default: all)."""
     sizes = sizes if sizes is not None else input_sizes(model, input_shape)
     items: list[tuple[Key, int]] = []
     if blocks_only:
         for path, block in iter_blocks(model):
             out_hw = conv_output_hw(block.geometry, sizes[path])
             for kind in block.applicable():
-                if kind not in block.branch_names and get_kind(kind).in_fill:
+                if kind not in block.branch_names and get_kind(kind).in_fill and (kinds is None or kind in kinds):
                     items.append(((path, kind), int(get_kind(kind).macs(block.geometry, sizes[path], out_hw, {}))))
         return items
     for path, conv in expandable_convs(model):
         geo = ConvGeometry.from_conv(conv)
         out_hw = conv_output_hw(geo, sizes[path])
         for kind in applicable_kinds(geo):
-            if not get_kind(kind).anchor:
+            if not get_kind(kind).anchor and (kinds is None or kind in kinds):
                 items.append(((path, kind), int(get_kind(kind).macs(geo, sizes[path], out_hw, {}))))
     return items
 
@@ -148,10 +149,12 @@ def _nested_sites(model: nn.Module, sizes: dict[str, HW]) -> list[tuple[str, Div
     return sites
 
 
-def nested_candidates(model: nn.Module, sizes: dict[str, HW]) -> list[tuple[tuple[str, str, str], int]]:
+def nested_candidates(
+    model: nn.Module, sizes: dict[str, HW], kinds: Collection[str] | None = None
+) -> list[tuple[tuple[str, str, str], int]]:
     """((block path, branch, kind), MACs) of every branch nested growth could add, in forward order:
     kinds applicable to a nestable ``K×K`` conv (under its nested input-window policy) that its
-    nested block lacks. ``sizes``: input sizes of the outermost blocks."""
+    nested block lacks (of ``kinds`` when given). ``sizes``: input sizes of the outermost blocks."""
     items: list[tuple[tuple[str, str, str], int]] = []
     for path, block, name, geo, hw in _nested_sites(model, sizes):
         inner = block.nested_block(name)
@@ -159,27 +162,37 @@ def nested_candidates(model: nn.Module, sizes: dict[str, HW]) -> list[tuple[tupl
         out_hw = conv_output_hw(geo, hw)
         for kind, reason in applicability(geo, crop=block.nested_crop(name)).items():
             k = get_kind(kind)
-            if reason is None and not k.anchor and k.in_fill and kind not in present:
+            if reason is None and not k.anchor and k.in_fill and kind not in present and (kinds is None or kind in kinds):
                 items.append(((path, name, kind), int(k.macs(geo, hw, out_hw, {}))))
     return items
 
 
 def first_plan(
-    plain: nn.Module, budget_macs: float, input_shape: Sequence[int], fill: bool = True
+    plain: nn.Module, budget_macs: float, input_shape: Sequence[int], fill: bool = True,
+    kinds: Collection[str] | None = None,
 ) -> dict[str, tuple[str, ...]]:
     """Eq. 2's first-round plan: every expandable conv gets its anchor; branches are added
     "bottom to up" (:func:`reparam.dymm.plan_bottom_up`). When that greedy walk leaves more than 5 %
     of the reachable budget unused (discrete branch costs can block it), the plan is replaced by the
     knapsack-best set of branches, so a client trains as much of its budget as the branch set
     allows. (Nested growth cannot be written as a plan: follow with :func:`fill_to_budget`.)
+    ``kinds``: the branch kinds the plan may use (default: all).
     """
     base = model_macs(plain, tuple(input_shape))
     plan: dict[str, tuple[str, ...]] = {path: ("kxk",) for path, _ in expandable_convs(plain)}
-    greedy = plan_bottom_up(plain, budget_macs, input_shape)
+    if kinds is None:
+        greedy = plan_bottom_up(plain, budget_macs, input_shape)
+    else:
+        allowed = set(kinds) | {"kxk"}
+        greedy = plan_bottom_up(
+            plain, budget_macs, input_shape,
+            candidate_set=[k for k in kind_names() if get_kind(k).in_first_plan and k in allowed],
+            fill=[k for k in kind_names() if get_kind(k).in_fill and k in allowed],
+        )
     plan.update({p: tuple(k) for p, k in greedy.items()})
     if not fill:
         return plan
-    items = candidate_costs(plain, input_shape, blocks_only=False)
+    items = candidate_costs(plain, input_shape, blocks_only=False, kinds=kinds)
     extra = {key: c for key, c in items}
     used = sum(extra.get((p, k), 0) for p, kinds in plan.items() for k in kinds if k != "kxk")
     reachable = min(budget_macs - base, sum(extra.values()))
@@ -209,11 +222,13 @@ def fill_to_budget(
     sizes: dict[str, HW] | None = None,
     current_macs: int | None = None,
     grow_mode: str = "block",
+    kinds: Collection[str] | None = None,
 ) -> StructureChange:
     """Grow missing branches (exact zero-γ growth) so the model uses as much of ``budget_macs`` as
     the branch set allows: a knapsack over the missing branches of every block and, with
     ``grow_mode="nested"``, over the branches nested growth can add inside the blocks' ``K×K``
     convs (flat branches first on ties). A second pass fills room that a new ``1x1_kxk`` opened.
+    ``kinds``: only these branch kinds are grown (default: all).
     """
     _check_mode(grow_mode)
     change = StructureChange()
@@ -223,9 +238,9 @@ def fill_to_budget(
         room = budget_macs - current
         if room <= 0:
             break
-        items: list[tuple[Any, int]] = [(("flat", *key), c) for key, c in candidate_costs(model, input_shape, True, sizes)]
+        items: list[tuple[Any, int]] = [(("flat", *key), c) for key, c in candidate_costs(model, input_shape, True, sizes, kinds)]
         if grow_mode == "nested":
-            items += [(("nested", *key), c) for key, c in nested_candidates(model, sizes)]
+            items += [(("nested", *key), c) for key, c in nested_candidates(model, sizes, kinds)]
         costs = {key: c for key, c in items}
         blocks = dict(iter_blocks(model))
         chosen = best_additions(items, room)
@@ -248,10 +263,12 @@ def grow_to_budget(
     *,
     init: str = "zero_gamma",
     grow_mode: str = "block",
+    kinds: Collection[str] | None = None,
 ) -> StructureChange:
     """Grow after a budget increase: blocks are visited by the largest |score| of their present
-    branches; each takes its missing kinds, cheapest first, while the model fits; then the rest of
-    the budget is filled (:func:`fill_to_budget`, nested growth too with ``grow_mode="nested"``)."""
+    branches; each takes its missing kinds (of ``kinds`` when given), cheapest first, while the
+    model fits; then the rest of the budget is filled (:func:`fill_to_budget`, nested growth too
+    with ``grow_mode="nested"``)."""
     _check_mode(grow_mode)
     change = StructureChange()
     blocks = dict(iter_blocks(model))
@@ -266,7 +283,8 @@ def grow_to_budget(
     current = model_macs(model, tuple(input_shape))
     for path in sorted(blocks, key=block_score, reverse=True):
         block = blocks[path]
-        missing = [k for k in block.applicable() if k not in block.branch_names and get_kind(k).in_fill]
+        missing = [k for k in block.applicable()
+                   if k not in block.branch_names and get_kind(k).in_fill and (kinds is None or k in kinds)]
         out_hw = conv_output_hw(block.geometry, sizes[path])
         costs = {k: get_kind(k).macs(block.geometry, sizes[path], out_hw, {}) for k in missing}
         for kind in sorted(missing, key=lambda k: costs[k]):
@@ -274,5 +292,6 @@ def grow_to_budget(
                 change.extend(block.add_branch(kind, init=init))
                 current += costs[kind]
     return change.extend(
-        fill_to_budget(model, budget_macs, input_shape, init=init, sizes=sizes, current_macs=current, grow_mode=grow_mode)
+        fill_to_budget(model, budget_macs, input_shape, init=init, sizes=sizes, current_macs=current, grow_mode=grow_mode,
+                       kinds=kinds)
     )

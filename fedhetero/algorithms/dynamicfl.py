@@ -66,7 +66,12 @@ class DynamicFLOptions:
     # at the plain conv's scale) by 5–7 points at β = 0.1, 0.5 and 5; see CHANGELOG.
     anchor_norm: Literal["calibrated", "frozen_identity", "batchnorm"] = "batchnorm"
     calibration_batches: int = 4
-    saliency: Literal["synflow", "snip", "grad_norm"] = "synflow"
+    # a returning client's anchor BN: "private" keeps the BN statistics (and γ, β) it trained with
+    # in its private state and re-solves the anchor conv around them; "reset" starts the anchor BN
+    # from γ=1, β=0, μ=0, v=1−ε every round (as on a client's first round)
+    bn_stats: Literal["private", "reset"] = "private"
+    # "random": scores drawn at random (seeded per round and client): the structure without saliency
+    saliency: Literal["synflow", "snip", "grad_norm", "random"] = "synflow"
     saliency_params: Literal["all", "conv_weights"] = "all"
     use_abs: bool = True
     small_q: float = 0.3
@@ -77,8 +82,11 @@ class DynamicFLOptions:
     sub_model_criterion: Literal["hrank", "magnitude"] = "hrank"
     fill_budget: bool = True  # after DYMM / in the first plan, grow branches into unused budget
     # "nested": planners and DYMM may also grow branches inside a branch's K×K conv (exact), so a
-    # tier whose flat branch set is exhausted (LeNet-5 at 3×) still uses its budget
-    grow_mode: Literal["block", "nested"] = "block"
+    # tier whose flat branch set is exhausted (LeNet-5 at 3×) still uses its budget; "block": only
+    # the host convs' own branch kinds (LeNet-5's 3× tier then trains about 0.8 of its budget)
+    grow_mode: Literal["block", "nested"] = "nested"
+    # branch kinds the client models may use besides the anchor (null: every registered kind)
+    branches: tuple[str, ...] | None = None
     verify: bool = False  # record the lossless-transfer errors per client (costs two forwards)
 
     def __post_init__(self) -> None:
@@ -96,6 +104,16 @@ class DynamicFLOptions:
             bad("small_q", f"must not exceed large_q={self.large_q}")
         if self.max_new_per_round is not None and self.max_new_per_round < 0:
             bad("max_new_per_round", "must be >= 0 or null")
+        if self.branches is not None:
+            from reparam.kinds import get_kind, kind_names
+
+            if isinstance(self.branches, str) or not all(isinstance(k, str) for k in self.branches):
+                bad("branches", "must be a list of branch kinds")
+            unknown = [k for k in self.branches if k not in kind_names()]
+            if unknown:
+                bad("branches", f"unknown kinds {unknown}; known: {list(kind_names())}")
+            if not [k for k in self.branches if not get_kind(k).anchor]:
+                bad("branches", "must name at least one branch kind besides the anchor")
 
 
 def _skey(key: tuple[str, str]) -> str:
@@ -155,9 +173,10 @@ class DynamicFL(Algorithm):
 
     def _expand_first(self, ctx, client: ClientInfo) -> nn.Module:
         plain = copy.deepcopy(self._plain)
-        key = ("dynamicfl-plan", round(float(client.budget_macs), 3), self.options.fill_budget)
+        kinds = self.options.branches
+        key = ("dynamicfl-plan", round(float(client.budget_macs), 3), self.options.fill_budget, tuple(kinds or ()))
         if key not in ctx.cache:
-            ctx.cache[key] = first_plan(plain, client.budget_macs, ctx.input_shape, fill=self.options.fill_budget)
+            ctx.cache[key] = first_plan(plain, client.budget_macs, ctx.input_shape, fill=self.options.fill_budget, kinds=kinds)
         plan = ctx.cache[key]
         calib = self._calibration_batch(ctx, client) if self.options.anchor_norm == "calibrated" else None
         with ctx.timer("rep"):
@@ -173,7 +192,7 @@ class DynamicFL(Algorithm):
             with ctx.timer("rep"):
                 fill_to_budget(
                     model, client.budget_macs, ctx.input_shape, init="zero_gamma",
-                    sizes=_input_sizes(ctx, self._plain), grow_mode="nested",
+                    sizes=_input_sizes(ctx, self._plain), grow_mode="nested", kinds=kinds,
                 )
         return model
 
@@ -203,6 +222,7 @@ class DynamicFL(Algorithm):
             return reparam.expand(sub, plan=plan, inplace=True, anchor_norm=self.options.anchor_norm, calibration_input=calib)
 
     def client_model(self, ctx, client: ClientTask, state: dict[str, Any] | None = None) -> nn.Module:
+        self._ctx, self._round, self._cid = ctx, int(client.round), int(client.cid)
         self._plain = _plain_architecture(ctx)
         self._plain.load_state_dict(client.payload["state"])
         self._s_local: dict[tuple[str, str], float] = {}
@@ -228,7 +248,7 @@ class DynamicFL(Algorithm):
                 self._mode = "dymm"
             with ctx.timer("rep"):
                 model.eval()
-                reparam.rep_to_local(self._plain, model)
+                reparam.rep_to_local(self._plain, model, anchor_stats="keep" if self.options.bn_stats == "private" else "identity")
         model.train()
         if self.options.verify:
             self._verify_in = self._check(ctx, model, self._plain)
@@ -246,7 +266,11 @@ class DynamicFL(Algorithm):
         return float(err)
 
     def _meter(self, model: nn.Module) -> SaliencyMeter:
-        return SaliencyMeter(model, metric=self.options.saliency, params=self.options.saliency_params)
+        gen = None
+        if self.options.saliency == "random":
+            self._meters = getattr(self, "_meters", 0) + 1  # a fresh stream per meter of the task
+            gen = self._ctx.torch_generator("algorithm", self._round, self._cid, self._meters)
+        return SaliencyMeter(model, metric=self.options.saliency, params=self.options.saliency_params, generator=gen)
 
     def _to_pruned(self, ctx, client: ClientInfo, model: nn.Module, budget: float) -> nn.Module:
         """Switch mid-round to a pruned sub-model when the budget falls below the plain model:
@@ -289,7 +313,8 @@ class DynamicFL(Algorithm):
                 change = rep.change if hasattr(rep, "change") else rep
             else:
                 change = grow_to_budget(
-                    model, scores, new_budget, ctx.input_shape, init=self.options.init, grow_mode=self.options.grow_mode
+                    model, scores, new_budget, ctx.input_shape, init=self.options.init, grow_mode=self.options.grow_mode,
+                    kinds=self.options.branches,
                 )
             model.train()
         apply_to_optimizer(opt, change)
@@ -312,8 +337,11 @@ class DynamicFL(Algorithm):
             meter = state["meter"]
 
             def on_epoch_end(epoch: int, m: nn.Module, opt) -> None:
-                if epoch < E - 1:
-                    meter.reset()  # S_l is the saliency of the last epoch
+                # S_l is the saliency of the last epoch: start it afresh after the earlier ones, but
+                # never at the end of a segment, whose saliency the caller reads next (S_g after the
+                # global epoch; the scores a budget change folds or grows by)
+                if epoch < E - 1 and epoch < last - 1:
+                    meter.reset()
 
             res = ctx.train(
                 state["model"],
@@ -344,13 +372,14 @@ class DynamicFL(Algorithm):
                     max_new_per_round=self.options.max_new_per_round,
                     init=self.options.init,
                     grow_mode=self.options.grow_mode,
+                    pool=self.options.branches,
                 )
                 change = rep.change
                 if self.options.fill_budget:
                     filled = fill_to_budget(
                         m, client.budget_macs, ctx.input_shape, init=self.options.init,
                         sizes=_input_sizes(ctx, self._plain), current_macs=rep.macs_after,
-                        grow_mode=self.options.grow_mode,
+                        grow_mode=self.options.grow_mode, kinds=self.options.branches,
                     )
                     change = change.extend(filled)
                     report["filled"] = len(filled.added)

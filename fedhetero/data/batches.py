@@ -123,10 +123,17 @@ def iterate_batches(
     n = int(idx.numel())
     fill = dataset.pixel_fill() if augment else None
     stop = n - n % batch_size if drop_last else n
+    # indices in storage order (an evaluation of the whole set): batches are views, not copies
+    first = int(idx[0]) if n else 0
+    in_order = n > 0 and not shuffle and not augment and torch.equal(idx, torch.arange(first, first + n, device=idx.device))
     for start in range(0, stop, batch_size):
-        b = idx[start : start + batch_size]
-        x = dataset.images[b]
-        y = dataset.labels[b]
+        if in_order:
+            x = dataset.images[first + start : first + min(start + batch_size, n)]
+            y = dataset.labels[first + start : first + min(start + batch_size, n)]
+        else:
+            b = idx[start : start + batch_size]
+            x = dataset.images[b]
+            y = dataset.labels[b]
         if augment:
             x = random_crop_flip(x, padding=4, flip=True, fill=fill, generator=generator)
         if device is not None:

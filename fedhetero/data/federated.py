@@ -48,6 +48,9 @@ class FederatedData:
         rows of :attr:`public_dataset` forming the unlabelled public set (KD baselines), or ``None``.
     public_dataset:
         where the public images come from; ``None`` means ``train``.
+    val_indices:
+        rows of ``train`` held out as a validation set (no client or server sees them; choose
+        settings on it, never on the test set), or ``None``.
     info:
         JSON-ready description (partition name and arguments, server classes, sources, repair
         counts), for ``run.json``.
@@ -60,6 +63,7 @@ class FederatedData:
     public_indices: np.ndarray | None = None
     public_dataset: ArrayDataset | None = None
     info: dict[str, Any] = field(default_factory=dict)
+    val_indices: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         if self.train.num_classes != self.test.num_classes or self.train.input_shape != self.test.input_shape:
@@ -230,6 +234,7 @@ def build_federated_data(
     download: bool = False,
     normalize: bool = True,
     dataset_options: Mapping[str, Any] | None = None,
+    val_fraction: float = 0.0,
 ) -> FederatedData:
     """Load a dataset and split its training set among public, server and clients.
 
@@ -263,6 +268,10 @@ def build_federated_data(
     public_fraction:
         unlabelled hold-out of the training set (fraction or count) for KD baselines; removed before
         everything else. Ignored when ``public_source`` is given.
+    val_fraction:
+        validation hold-out: this fraction of the training set, stratified by class, removed after
+        the public split and before everything else (``0``: none; the generator draws nothing, so
+        the other splits are those of a run without it).
     public_source:
         another dataset name whose whole training split is the public set (e.g. ``"cifar100"`` for
         CIFAR-10, the usual pairing for distillation baselines); it must have the same input shape.
@@ -315,6 +324,21 @@ def build_federated_data(
         info["public_source"] = f"{train.name or 'train'}:holdout"
         if not len(public_idx):
             public_idx = None
+
+    # 1b. validation hold-out (stratified: every class in its share)
+    val_idx: np.ndarray | None = None
+    if val_fraction:
+        if not 0.0 < float(val_fraction) < 1.0:
+            raise DataConfigError(f"val_fraction must be in [0, 1), got {val_fraction!r}")
+        picked = []
+        for c in np.unique(labels[pool]):
+            rows = pool[labels[pool] == c]
+            k = int(round(float(val_fraction) * len(rows)))
+            if k:
+                picked.append(gen.choice(rows, size=k, replace=False))
+        val_idx = np.sort(np.concatenate(picked)) if picked else np.zeros(0, np.int64)
+        pool = np.setdiff1d(pool, val_idx, assume_unique=True)
+        info["val_samples"] = int(len(val_idx))
 
     # 2. server split
     dp = _device_pool(device_pool, n)
@@ -374,6 +398,7 @@ def build_federated_data(
         public_indices=public_idx,
         public_dataset=public_dataset,
         info=info,
+        val_indices=val_idx if val_idx is not None and len(val_idx) else None,
     )
 
 
@@ -395,6 +420,7 @@ def save_partition(data: FederatedData, path: str | os.PathLike[str]) -> None:
         label_hist=data.label_hists(),
         server_indices=empty if data.server_indices is None else np.asarray(data.server_indices, np.int64),
         public_indices=empty if data.public_indices is None else np.asarray(data.public_indices, np.int64),
+        val_indices=empty if data.val_indices is None else np.asarray(data.val_indices, np.int64),
     )
     os.replace(tmp, path)
 
@@ -410,5 +436,6 @@ def load_partition(path: str | os.PathLike[str]) -> dict[str, Any]:
             "label_hist": z["label_hist"].copy(),
             "server_indices": z["server_indices"].copy() if len(z["server_indices"]) else None,
             "public_indices": z["public_indices"].copy() if len(z["public_indices"]) else None,
+            "val_indices": z["val_indices"].copy() if "val_indices" in z.files and len(z["val_indices"]) else None,
         }
     return out

@@ -326,6 +326,33 @@ def test_cohort_equals_one_by_one_float64(tmp_path, host, init, options, extra):
         assert torch.allclose(v, ref, rtol=1e-10, atol=1e-10 * float(v.abs().max())), k
 
 
+@pytest.mark.parametrize("model_name", ["logreg", "lenet5"])
+def test_cohort_equals_one_by_one_other_models(tmp_path, model_name):
+    """The batched product of flat-linear models and the generic vmap path (a CNN without
+    BatchNorm) both give each client its own trajectory."""
+    over = {"dtype": "float64", "model.name": model_name, "model.norm": "none", "train.rounds": 6,
+            "sessions.count": 3, "sessions.rounds": 2, "algorithm.options.host": "fedprox",
+            "algorithm.options.host_options": {"mu": 0.5}}
+    _, a = _run(tmp_path, "one", **over)
+    _, b = _run(tmp_path, "all", **over, **{"engine.vectorize": True})
+    for k, v in _state(a).items():
+        ref = _state(b)[k]
+        assert torch.allclose(v, ref, rtol=1e-10, atol=1e-10 * float(v.abs().max())), k
+
+
+def test_stacked_linear_matches_autograd():
+    from fedhetero.cohort import _StackedLinear
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 5, 7, generator=g, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(3, 4, 7, generator=g, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(3, 4, generator=g, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(_StackedLinear.apply, (x, w, b))
+    out = _StackedLinear.apply(x, w, b)
+    ref = torch.stack([torch.nn.functional.linear(x[i], w[i], b[i]) for i in range(3)])
+    assert torch.allclose(out, ref, rtol=1e-12, atol=0)
+
+
 def test_cohort_is_used_and_falls_back(tmp_path, monkeypatch):
     from fedhetero import cohort
 
@@ -484,6 +511,30 @@ def test_dyninit_table_command(tmp_path):
     stamp = (tmp_path / "t" / runs[(0.0, 0.5, "fedavg", "dyninit", 1)] / "summary.json").stat().st_mtime
     assert main(args) == 0  # everything reused
     assert (tmp_path / "t" / runs[(0.0, 0.5, "fedavg", "dyninit", 1)] / "summary.json").stat().st_mtime == stamp
+
+
+def test_time_to_accuracy_table_shows_seeds_that_never_reach_the_target(tmp_path):
+    """A baseline that never reaches rho x DynInit's session peak in one seed is shown as such
+    (not as inf), and its other columns average the seeds that reach it."""
+    from fedhetero.dyninit_table import build_table
+
+    curves = {  # session 4 (after the 2nd transition) accuracy per round, two seeds
+        ("dyninit", 1): [0.90, 0.91, 0.92], ("dyninit", 2): [0.90, 0.90, 0.90],
+        ("previous", 1): [0.10, 0.50, 0.90], ("previous", 2): [0.10, 0.20, 0.30],
+    }
+    runs = {}
+    for (m, sd), acc in curves.items():
+        name = f"{m}-s{sd}"
+        runs[(0.0, 0.3, "fedavg", m, sd)] = name
+        d = tmp_path / name
+        d.mkdir()
+        (d / "summary.json").write_text(json.dumps({"transition_2_accuracy": float(np.mean(acc))}))
+        (d / "metrics.jsonl").write_text("\n".join(json.dumps({"session": 4, "accuracy": a}) for a in acc))
+    res = build_table(tmp_path, runs, transitions=(2,), rho=0.95)
+    row = next(line for line in res["tta"].splitlines() if "| Previous |" in line)
+    # seed 1 reaches 0.95 x 0.92 = 0.874 at round 3, seed 2 never reaches 0.855
+    assert "| 3.0 (1 of 2 seeds never) | 3.0× |" in row
+    assert "inf" not in res["tta"]
 
 
 @pytest.mark.parametrize("overlap, b_labels", [(0.0, {5, 6, 7, 8, 9}), (0.2, {4, 5, 6, 7, 8})])

@@ -1,0 +1,243 @@
+"""``fedhetero dynamicfl-ablation``: DynamicFL against FedAvg and the width baselines, and each of
+DynamicFL's design choices, on a data set you have (by default Fashion-MNIST with LeNet-5,
+``examples/configs/fmnist_dynamicfl.yaml``).
+
+Three groups of runs, each over the same seeds (every method of a seed sees the same partition,
+tiers, sampled clients and budgets):
+
+* **methods**: FedAvg, DynamicFL, HeteroFL, FedRolex, SplitMix at every Dirichlet β, tiers as in
+  the config (1 : 2 : 3 by default; the width methods' full model is the largest tier's budget);
+* **choices**: DynamicFL with one choice changed at a time (anchor BN set-up, BN statistics kept
+  or reset, saliency on/off, branch set, nested growth, budget fill) at one β, judged on the
+  validation hold-out (``data.val_fraction``), never on the test set;
+* **fedap**: FedAvg and FedAP (one-shot adaptive pruning) on the BN-free FedDUMAP CNN: the FLOPs
+  cut and the accuracy it costs.
+
+Writes ``table_methods.md``, ``table_tiers.md`` (accuracy of the model each tier deploys),
+``table_choices.md``, ``table_fedap.md`` and ``results.json`` in
+``--out`` and prints them. Finished runs are reused: an interrupted grid continues where it stopped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from fedhetero.grid import run_grid
+from fedhetero.rundir import finite_json
+
+__all__ = ["CHOICES", "METHODS", "build_tables", "main", "plan"]
+
+METHODS = ("fedavg", "dynamicfl", "heterofl", "fedrolex", "splitmix")
+
+#: DynamicFL variants: name -> (what changes, overrides). "default" is the shipped configuration.
+CHOICES: dict[str, tuple[str, list[str]]] = {
+    "default": ("as shipped", []),
+    "bn-reset": ("anchor BN statistics reset every round (not kept in the client's private state)",
+                 ["algorithm.options.bn_stats=reset"]),
+    "anchor-calibrated": ("anchor BN calibrated on client batches", ["algorithm.options.anchor_norm=calibrated"]),
+    "anchor-frozen": ("anchor BN frozen identity", ["algorithm.options.anchor_norm=frozen_identity"]),
+    "saliency-random": ("saliency off: branches folded / grown at random", ["algorithm.options.saliency=random"]),
+    "branches-1x1_kxk": ("branch set: 1x1_kxk only", ["algorithm.options.branches=[1x1_kxk]"]),
+    "grow-block": ("no nested growth (branches of the host convs only)", ["algorithm.options.grow_mode=block"]),
+    "no-fill": ("no budget fill", ["algorithm.options.fill_budget=false"]),
+}
+
+FEDAP = ["model.name=cnn", "model.norm=none", "budget.tiers=[{name: all, ratio: 1.0, share: 1.0}]"]
+
+
+def _fmt(x: float) -> str:
+    return f"{x:g}"
+
+
+def plan(betas: list[float], seeds: list[int], choice_beta: float, choices: list[str],
+         fedap: bool) -> dict[str, tuple[str, dict[str, Any], list[str]]]:
+    """Run name -> (group, facts, overrides)."""
+    runs: dict[str, tuple[str, dict[str, Any], list[str]]] = {}
+    for b in betas:
+        for m in METHODS:
+            for s in seeds:
+                name = f"methods/beta{_fmt(b)}/{m}/s{s}"
+                runs[name] = ("methods", {"beta": b, "method": m, "seed": s},
+                              [f"algorithm.name={m}", f"data.alpha={b}", f"seed={s}"])
+    for c in choices:
+        for s in seeds:
+            name = f"choices/beta{_fmt(choice_beta)}/{c}/s{s}"
+            if c == "default" and choice_beta in betas:
+                name = f"methods/beta{_fmt(choice_beta)}/dynamicfl/s{s}"  # the same run
+            facts = {"beta": choice_beta, "choice": c, "seed": s}
+            if name in runs:  # shared with the methods table
+                runs[name][1].update(choice=c)
+                continue
+            runs[name] = ("choices", facts,
+                          ["algorithm.name=dynamicfl", f"data.alpha={choice_beta}", f"seed={s}", *CHOICES[c][1]])
+    if fedap:
+        for m in ("fedavg", "fedap"):
+            for s in seeds:
+                name = f"fedap/beta{_fmt(choice_beta)}/{m}/s{s}"
+                extra = ["algorithm.options.prune_round=10"] if m == "fedap" else []
+                runs[name] = ("fedap", {"beta": choice_beta, "method": m, "seed": s},
+                              [f"algorithm.name={m}", f"data.alpha={choice_beta}", f"seed={s}", *FEDAP, *extra])
+    return runs
+
+
+def _summary(path: Path) -> dict[str, Any] | None:
+    f = path / "summary.json"
+    return json.loads(f.read_text()) if f.is_file() else None
+
+
+def _ms(vals: list[float]) -> str:
+    if not vals:
+        return "–"
+    return f"{np.mean(vals):.2f} ± {np.std(vals):.2f}"
+
+
+def _tier_use(s: dict[str, Any]) -> dict[str, float]:
+    """Trained MACs / budget per tier (mean over the tier's client rounds)."""
+    out = {}
+    for name, t in s.get("tiers", {}).items():
+        if t.get("macs") and t.get("budget_macs"):
+            out[name] = float(t["macs"]) / float(t["budget_macs"])
+    return out
+
+
+def _use_cell(uses: list[dict[str, float]]) -> str:
+    """Mean budget use per tier, tiers in config order (as summary.json lists them)."""
+    tiers = list(dict.fromkeys(t for u in uses for t in u))
+    return " / ".join(f"{np.mean([u[t] for u in uses if t in u]):.2f}" for t in tiers)
+
+
+def build_tables(out: Path, runs: dict[str, tuple[str, dict[str, Any], list[str]]]) -> dict[str, Any]:
+    """Read the finished runs; write and return the three tables and the numbers."""
+    got: dict[str, dict[str, Any]] = {}
+    for name in runs:
+        found = _summary(out / name)
+        if found is not None:
+            got[name] = found
+    numbers: dict[str, Any] = {"methods": {}, "choices": {}, "fedap": {}, "missing_runs": sorted(n for n in runs if n not in got)}
+    # ---- methods
+    betas = sorted({f["beta"] for g, f, _ in runs.values() if g == "methods"})
+    lines = ["| method | " + " | ".join(f"β = {_fmt(b)} test %" for b in betas) + " | "
+             + " | ".join(f"β = {_fmt(b)} val %" for b in betas) + " | tier use (small / medium / large) |",
+             "|---|" + "---:|" * (2 * len(betas)) + "---|"]
+    for m in METHODS:
+        test_cells: list[str] = []
+        val_cells: list[str] = []
+        uses: list[dict[str, float]] = []
+        for b in betas:
+            ss = [got[n] for n, (g, f, _) in runs.items() if g == "methods" and f["method"] == m and f["beta"] == b and n in got]
+            test = [100 * s["final_accuracy"] for s in ss]
+            val = [100 * s["final_val_accuracy"] for s in ss if s.get("final_val_accuracy") is not None]
+            test_cells.append(_ms(test))
+            val_cells.append(_ms(val))
+            uses.extend(_tier_use(s) for s in ss)
+            numbers["methods"].setdefault(m, {})[_fmt(b)] = {
+                "test": test, "val": val,
+                "mean_macs": {t: float(np.mean([s["tiers"][t]["macs"] for s in ss if s["tiers"][t].get("macs")]))
+                              for t in (ss[0]["tiers"] if ss else {})},
+            }
+        if not any(t != "–" for t in test_cells):
+            continue
+        use = _use_cell(uses)
+        lines.append(f"| {m} | " + " | ".join(test_cells) + " | " + " | ".join(val_cells) + f" | {use} |")
+    t_methods = "\n".join(lines)
+    # ---- accuracy of the model each tier deploys (width methods: a narrower sub-model below the top tier)
+    lines = ["| method | " + " | ".join(f"β = {_fmt(b)}: test % per tier" for b in betas) + " |",
+             "|---|" + "---|" * len(betas)]
+    for m in METHODS:
+        cells = []
+        for b in betas:
+            ss = [got[n] for n, (g, f, _) in runs.items() if g == "methods" and f["method"] == m and f["beta"] == b and n in got]
+            names = list(ss[0]["tiers"]) if ss else []
+            per = {t: [100 * s["tiers"][t]["accuracy"] for s in ss if s["tiers"][t].get("accuracy") is not None] for t in names}
+            cells.append(" / ".join(f"{np.mean(v):.2f}" for v in per.values() if v) or "–")
+            numbers["methods"].setdefault(m, {}).setdefault(_fmt(b), {})["tier_test"] = per
+        if any(c != "–" for c in cells):
+            lines.append(f"| {m} | " + " | ".join(cells) + " |")
+    t_tiers = "\n".join(lines)
+    # ---- choices
+    lines = ["| DynamicFL variant | change | val % | test % | tier use (small / medium / large) |",
+             "|---|---|---:|---:|---|"]
+    for c, (what, _) in CHOICES.items():
+        ss = [got[n] for n, (g, f, _) in runs.items() if f.get("choice") == c and n in got]
+        if not ss:
+            continue
+        val = [100 * s["final_val_accuracy"] for s in ss if s.get("final_val_accuracy") is not None]
+        test = [100 * s["final_accuracy"] for s in ss]
+        uses = [_tier_use(s) for s in ss]
+        use = _use_cell(uses)
+        tiers = [t for t in uses[0]] if uses else []
+        lines.append(f"| {c} | {what} | {_ms(val)} | {_ms(test)} | {use} |")
+        numbers["choices"][c] = {"val": val, "test": test, "tier_use": {t: float(np.mean([u[t] for u in uses if t in u])) for t in tiers}}
+    t_choices = "\n".join(lines)
+    # ---- fedap
+    lines = ["| method | test % | val % | client MMACs per sample | MACs vs FedAvg |", "|---|---:|---:|---:|---:|"]
+    base_macs = None
+    for m in ("fedavg", "fedap"):
+        ss = [got[n] for n, (g, f, _) in runs.items() if g == "fedap" and f["method"] == m and n in got]
+        if not ss:
+            continue
+        # the pruned model's MACs: the last round's clients (after the cut)
+        last = []
+        for n, (g, f, _) in runs.items():
+            if g == "fedap" and f["method"] == m and n in got:
+                rows = [json.loads(x) for x in (out / n / "metrics.jsonl").read_text().splitlines() if x.strip()]
+                last.append(float(np.mean([c["macs"] for c in rows[-1]["clients"]])))
+        macs = float(np.mean(last))
+        base_macs = macs if m == "fedavg" else base_macs
+        rel = f"{100 * (macs / base_macs - 1):+.1f} %" if base_macs else "–"
+        test = [100 * s["final_accuracy"] for s in ss]
+        val = [100 * s["final_val_accuracy"] for s in ss if s.get("final_val_accuracy") is not None]
+        lines.append(f"| {m} | {_ms(test)} | {_ms(val)} | {macs / 1e6:.3f} | {rel} |")
+        numbers["fedap"][m] = {"test": test, "val": val, "final_macs": macs}
+    t_fedap = "\n".join(lines)
+    for name, text in (("table_methods.md", t_methods), ("table_tiers.md", t_tiers), ("table_choices.md", t_choices),
+                       ("table_fedap.md", t_fedap)):
+        (out / name).write_text(text + "\n")
+    (out / "results.json").write_text(json.dumps(finite_json(numbers), indent=2))
+    return {"methods": t_methods, "tiers": t_tiers, "choices": t_choices, "fedap": t_fedap, "numbers": numbers}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="fedhetero dynamicfl-ablation", description=__doc__.split("\n\n")[0])
+    p.add_argument("--config", default="examples/configs/fmnist_dynamicfl.yaml", help="base config")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override for every run, e.g. data.data_dir=...")
+    p.add_argument("--out", default="runs/dynamicfl-ablation", help="folder for the runs and the tables")
+    p.add_argument("--betas", default="0.1,0.5,5", help="Dirichlet β of the methods table")
+    p.add_argument("--seeds", default="0,1,2")
+    p.add_argument("--choice-beta", type=float, default=0.5, help="β of the choices and FedAP runs")
+    p.add_argument("--choices", default=",".join(CHOICES), help=f"DynamicFL variants ({', '.join(CHOICES)})")
+    p.add_argument("--no-fedap", action="store_true", help="leave out the FedAP runs")
+    p.add_argument("--jobs", type=int, default=max(1, os.cpu_count() or 1), help="runs in parallel (one thread each)")
+    p.add_argument("--no-run", action="store_true", help="only build the tables from finished runs")
+    args = p.parse_args(argv)
+    from rich.console import Console
+
+    from fedhetero.config import load_config
+
+    console = Console()
+    load_config(args.config, overrides=args.set)  # one clear error for a bad base config
+    choices = [c.strip() for c in args.choices.split(",") if c.strip()]
+    bad = [c for c in choices if c not in CHOICES]
+    if bad:
+        console.print(f"unknown choice(s) {', '.join(bad)}; choose from {', '.join(CHOICES)}", markup=False)
+        return 2
+    runs = plan([float(b) for b in args.betas.split(",")], [int(s) for s in args.seeds.split(",")],
+                args.choice_beta, choices, not args.no_fedap)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    wall = 0.0
+    if not args.no_run:
+        done = run_grid(args.config, {n: list(args.set) + ov for n, (_, _, ov) in runs.items()}, out, args.jobs,
+                        report=lambda line: console.print(line, markup=False, highlight=False))
+        wall = done["wall_s"]
+    res = build_tables(out, runs)
+    for key in ("methods", "tiers", "choices", "fedap"):
+        console.print(res[key], markup=False, highlight=False, soft_wrap=True)
+    console.print(f"runs took {wall / 60:.1f} min; tables in {out}", highlight=False)
+    return 0 if not res["numbers"]["missing_runs"] else 1
