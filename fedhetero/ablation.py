@@ -8,7 +8,8 @@ tiers, sampled clients and budgets):
 * **methods**: FedAvg, DynamicFL, HeteroFL, FedRolex, SplitMix at every Dirichlet β, tiers as in
   the config (1 : 2 : 3 by default; the width methods' full model is the largest tier's budget);
 * **choices**: DynamicFL with one choice changed at a time (anchor BN set-up, BN statistics kept
-  or reset, saliency on/off, branch set, nested growth, budget fill) at one β, judged on the
+  or reset, saliency on/off, branch set, nested growth, budget fill) at each β of
+  ``--choice-betas``, judged on the
   validation hold-out (``data.val_fraction``), never on the test set;
 * **fedap**: FedAvg and FedAP (one-shot adaptive pruning) on the BN-free FedDUMAP CNN: the FLOPs
   cut and the accuracy it costs.
@@ -55,9 +56,10 @@ def _fmt(x: float) -> str:
     return f"{x:g}"
 
 
-def plan(betas: list[float], seeds: list[int], choice_beta: float, choices: list[str],
+def plan(betas: list[float], seeds: list[int], choice_betas: list[float], choices: list[str],
          fedap: bool) -> dict[str, tuple[str, dict[str, Any], list[str]]]:
-    """Run name -> (group, facts, overrides)."""
+    """Run name -> (group, facts, overrides). The choices run at every β of ``choice_betas``;
+    FedAP at the first."""
     runs: dict[str, tuple[str, dict[str, Any], list[str]]] = {}
     for b in betas:
         for m in METHODS:
@@ -65,24 +67,25 @@ def plan(betas: list[float], seeds: list[int], choice_beta: float, choices: list
                 name = f"methods/beta{_fmt(b)}/{m}/s{s}"
                 runs[name] = ("methods", {"beta": b, "method": m, "seed": s},
                               [f"algorithm.name={m}", f"data.alpha={b}", f"seed={s}"])
-    for c in choices:
-        for s in seeds:
-            name = f"choices/beta{_fmt(choice_beta)}/{c}/s{s}"
-            if c == "default" and choice_beta in betas:
-                name = f"methods/beta{_fmt(choice_beta)}/dynamicfl/s{s}"  # the same run
-            facts = {"beta": choice_beta, "choice": c, "seed": s}
-            if name in runs:  # shared with the methods table
-                runs[name][1].update(choice=c)
-                continue
-            runs[name] = ("choices", facts,
-                          ["algorithm.name=dynamicfl", f"data.alpha={choice_beta}", f"seed={s}", *CHOICES[c][1]])
-    if fedap:
+    for cb in choice_betas:
+        for c in choices:
+            for s in seeds:
+                name = f"choices/beta{_fmt(cb)}/{c}/s{s}"
+                if c == "default" and cb in betas:
+                    name = f"methods/beta{_fmt(cb)}/dynamicfl/s{s}"  # the same run
+                if name in runs:  # shared with the methods table
+                    runs[name][1].update(choice=c)
+                    continue
+                runs[name] = ("choices", {"beta": cb, "choice": c, "seed": s},
+                              ["algorithm.name=dynamicfl", f"data.alpha={cb}", f"seed={s}", *CHOICES[c][1]])
+    if fedap and choice_betas:
+        fb = choice_betas[0]
         for m in ("fedavg", "fedap"):
             for s in seeds:
-                name = f"fedap/beta{_fmt(choice_beta)}/{m}/s{s}"
+                name = f"fedap/beta{_fmt(fb)}/{m}/s{s}"
                 extra = ["algorithm.options.prune_round=10"] if m == "fedap" else []
-                runs[name] = ("fedap", {"beta": choice_beta, "method": m, "seed": s},
-                              [f"algorithm.name={m}", f"data.alpha={choice_beta}", f"seed={s}", *FEDAP, *extra])
+                runs[name] = ("fedap", {"beta": fb, "method": m, "seed": s},
+                              [f"algorithm.name={m}", f"data.alpha={fb}", f"seed={s}", *FEDAP, *extra])
     return runs
 
 
@@ -160,20 +163,25 @@ def build_tables(out: Path, runs: dict[str, tuple[str, dict[str, Any], list[str]
         if any(c != "–" for c in cells):
             lines.append(f"| {m} | " + " | ".join(cells) + " |")
     t_tiers = "\n".join(lines)
-    # ---- choices
-    lines = ["| DynamicFL variant | change | val % | test % | tier use (small / medium / large) |",
-             "|---|---|---:|---:|---|"]
+    # ---- choices (one column pair per β)
+    cbetas = sorted({f["beta"] for _, f, _ in runs.values() if "choice" in f})
+    lines = ["| DynamicFL variant | change | " + " | ".join(f"β = {_fmt(b)} val % | β = {_fmt(b)} test %" for b in cbetas)
+             + " | tier use (small / medium / large) |",
+             "|---|---|" + "---:|---:|" * len(cbetas) + "---|"]
     for c, (what, _) in CHOICES.items():
-        ss = [got[n] for n, (g, f, _) in runs.items() if f.get("choice") == c and n in got]
-        if not ss:
+        cells = []
+        uses = []
+        for b in cbetas:
+            ss = [got[n] for n, (g, f, _) in runs.items() if f.get("choice") == c and f["beta"] == b and n in got]
+            val = [100 * s["final_val_accuracy"] for s in ss if s.get("final_val_accuracy") is not None]
+            test = [100 * s["final_accuracy"] for s in ss]
+            cells += [_ms(val), _ms(test)]
+            uses += [_tier_use(s) for s in ss]
+            if ss:
+                numbers["choices"].setdefault(c, {})[_fmt(b)] = {"val": val, "test": test}
+        if not uses:
             continue
-        val = [100 * s["final_val_accuracy"] for s in ss if s.get("final_val_accuracy") is not None]
-        test = [100 * s["final_accuracy"] for s in ss]
-        uses = [_tier_use(s) for s in ss]
-        use = _use_cell(uses)
-        tiers = [t for t in uses[0]] if uses else []
-        lines.append(f"| {c} | {what} | {_ms(val)} | {_ms(test)} | {use} |")
-        numbers["choices"][c] = {"val": val, "test": test, "tier_use": {t: float(np.mean([u[t] for u in uses if t in u])) for t in tiers}}
+        lines.append(f"| {c} | {what} | " + " | ".join(cells) + f" | {_use_cell(uses)} |")
     t_choices = "\n".join(lines)
     # ---- fedap
     lines = ["| method | test % | val % | client MMACs per sample | MACs vs FedAvg |", "|---|---:|---:|---:|---:|"]
@@ -210,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="runs/dynamicfl-ablation", help="folder for the runs and the tables")
     p.add_argument("--betas", default="0.1,0.5,5", help="Dirichlet β of the methods table")
     p.add_argument("--seeds", default="0,1,2")
-    p.add_argument("--choice-beta", type=float, default=0.5, help="β of the choices and FedAP runs")
+    p.add_argument("--choice-betas", default="0.5", help="Dirichlet β of the choices runs (FedAP runs at the first)")
     p.add_argument("--choices", default=",".join(CHOICES), help=f"DynamicFL variants ({', '.join(CHOICES)})")
     p.add_argument("--no-fedap", action="store_true", help="leave out the FedAP runs")
     p.add_argument("--jobs", type=int, default=max(1, os.cpu_count() or 1), help="runs in parallel (one thread each)")
@@ -228,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
         console.print(f"unknown choice(s) {', '.join(bad)}; choose from {', '.join(CHOICES)}", markup=False)
         return 2
     runs = plan([float(b) for b in args.betas.split(",")], [int(s) for s in args.seeds.split(",")],
-                args.choice_beta, choices, not args.no_fedap)
+                [float(b) for b in args.choice_betas.split(",")], choices, not args.no_fedap)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     wall = 0.0

@@ -185,7 +185,7 @@ def test_bad_branch_set_is_one_clear_error(bad, match):
 
 # ---------------------------------------------------------------------------- the ablation command
 def test_plan_shares_the_default_runs_and_counts_the_grid():
-    runs = plan([0.1, 0.5], [0, 1], 0.5, list(CHOICES), fedap=True)
+    runs = plan([0.1, 0.5], [0, 1], [0.5], list(CHOICES), fedap=True)
     groups = [g for g, _, _ in runs.values()]
     assert groups.count("methods") == 5 * 2 * 2
     assert groups.count("choices") == (len(CHOICES) - 1) * 2  # "default" is the methods' DynamicFL run
@@ -193,7 +193,9 @@ def test_plan_shares_the_default_runs_and_counts_the_grid():
     shared = [f for g, f, _ in runs.values() if f.get("choice") == "default"]
     assert len(shared) == 2 and all(f["method"] == "dynamicfl" for f in shared)
     # a choice beta outside the methods grid gets its own default runs
-    assert sum(1 for _, f, _ in plan([0.1], [0], 5.0, ["default"], False).values() if f.get("choice") == "default") == 1
+    assert sum(1 for _, f, _ in plan([0.1], [0], [5.0], ["default"], False).values() if f.get("choice") == "default") == 1
+    both = plan([0.1, 0.5], [0], [0.1, 0.5], ["default", "bn-reset"], False)
+    assert sum(1 for g, _, _ in both.values() if g == "choices") == 2  # bn-reset at each beta
 
 
 def test_ablation_command_runs_reuses_and_tables(tmp_path, capsys):
@@ -209,7 +211,7 @@ def test_ablation_command_runs_reuses_and_tables(tmp_path, capsys):
     numbers = json.loads((tmp_path / "results.json").read_text())
     acc = numbers["methods"]["dynamicfl"]["0.5"]["test"]
     assert len(acc) == 1 and 0 <= acc[0] <= 100
-    assert numbers["choices"]["default"]["test"] == acc  # the shared run
+    assert numbers["choices"]["default"]["0.5"]["test"] == acc  # the shared run
     capsys.readouterr()
     assert ablation_main(args) == 0  # everything reused
     assert "runs to do" not in capsys.readouterr().out
