@@ -115,6 +115,12 @@ def _use_cell(uses: list[dict[str, float]]) -> str:
     return " / ".join(f"{np.mean([u[t] for u in uses if t in u]):.2f}" for t in tiers)
 
 
+def _accuracies(ss: list[dict[str, Any]]) -> tuple[list[float], list[float]]:
+    """Final test and validation accuracies (%) of some runs' summaries."""
+    return ([100 * s["final_accuracy"] for s in ss],
+            [100 * s["final_val_accuracy"] for s in ss if s.get("final_val_accuracy") is not None])
+
+
 def build_tables(out: Path, runs: dict[str, tuple[str, dict[str, Any], list[str]]]) -> dict[str, Any]:
     """Read the finished runs; write and return the three tables and the numbers."""
     got: dict[str, dict[str, Any]] = {}
@@ -123,6 +129,10 @@ def build_tables(out: Path, runs: dict[str, tuple[str, dict[str, Any], list[str]
         if found is not None:
             got[name] = found
     numbers: dict[str, Any] = {"methods": {}, "choices": {}, "fedap": {}, "missing_runs": sorted(n for n in runs if n not in got)}
+
+    def select(**facts: Any) -> list[str]:
+        """Names of the finished runs whose group and facts match."""
+        return [n for n, (g, f, _) in runs.items() if n in got and all((g if k == "group" else f.get(k)) == v for k, v in facts.items())]
     # ---- methods
     betas = sorted({f["beta"] for g, f, _ in runs.values() if g == "methods"})
     lines = ["| method | " + " | ".join(f"β = {_fmt(b)} test %" for b in betas) + " | "
@@ -133,9 +143,8 @@ def build_tables(out: Path, runs: dict[str, tuple[str, dict[str, Any], list[str]
         val_cells: list[str] = []
         uses: list[dict[str, float]] = []
         for b in betas:
-            ss = [got[n] for n, (g, f, _) in runs.items() if g == "methods" and f["method"] == m and f["beta"] == b and n in got]
-            test = [100 * s["final_accuracy"] for s in ss]
-            val = [100 * s["final_val_accuracy"] for s in ss if s.get("final_val_accuracy") is not None]
+            ss = [got[n] for n in select(group="methods", method=m, beta=b)]
+            test, val = _accuracies(ss)
             test_cells.append(_ms(test))
             val_cells.append(_ms(val))
             uses.extend(_tier_use(s) for s in ss)
@@ -155,7 +164,7 @@ def build_tables(out: Path, runs: dict[str, tuple[str, dict[str, Any], list[str]
     for m in METHODS:
         cells = []
         for b in betas:
-            ss = [got[n] for n, (g, f, _) in runs.items() if g == "methods" and f["method"] == m and f["beta"] == b and n in got]
+            ss = [got[n] for n in select(group="methods", method=m, beta=b)]
             names = list(ss[0]["tiers"]) if ss else []
             per = {t: [100 * s["tiers"][t]["accuracy"] for s in ss if s["tiers"][t].get("accuracy") is not None] for t in names}
             cells.append(" / ".join(f"{np.mean(v):.2f}" for v in per.values() if v) or "–")
@@ -172,9 +181,8 @@ def build_tables(out: Path, runs: dict[str, tuple[str, dict[str, Any], list[str]
         cells = []
         uses = []
         for b in cbetas:
-            ss = [got[n] for n, (g, f, _) in runs.items() if f.get("choice") == c and f["beta"] == b and n in got]
-            val = [100 * s["final_val_accuracy"] for s in ss if s.get("final_val_accuracy") is not None]
-            test = [100 * s["final_accuracy"] for s in ss]
+            ss = [got[n] for n in select(choice=c, beta=b)]
+            test, val = _accuracies(ss)
             cells += [_ms(val), _ms(test)]
             uses += [_tier_use(s) for s in ss]
             if ss:
@@ -187,20 +195,18 @@ def build_tables(out: Path, runs: dict[str, tuple[str, dict[str, Any], list[str]
     lines = ["| method | test % | val % | client MMACs per sample | MACs vs FedAvg |", "|---|---:|---:|---:|---:|"]
     base_macs = None
     for m in ("fedavg", "fedap"):
-        ss = [got[n] for n, (g, f, _) in runs.items() if g == "fedap" and f["method"] == m and n in got]
-        if not ss:
+        names = select(group="fedap", method=m)
+        if not names:
             continue
         # the pruned model's MACs: the last round's clients (after the cut)
         last = []
-        for n, (g, f, _) in runs.items():
-            if g == "fedap" and f["method"] == m and n in got:
-                rows = [json.loads(x) for x in (out / n / "metrics.jsonl").read_text().splitlines() if x.strip()]
-                last.append(float(np.mean([c["macs"] for c in rows[-1]["clients"]])))
+        for n in names:
+            rows = [json.loads(x) for x in (out / n / "metrics.jsonl").read_text().splitlines() if x.strip()]
+            last.append(float(np.mean([c["macs"] for c in rows[-1]["clients"]])))
         macs = float(np.mean(last))
         base_macs = macs if m == "fedavg" else base_macs
         rel = f"{100 * (macs / base_macs - 1):+.1f} %" if base_macs else "–"
-        test = [100 * s["final_accuracy"] for s in ss]
-        val = [100 * s["final_val_accuracy"] for s in ss if s.get("final_val_accuracy") is not None]
+        test, val = _accuracies([got[n] for n in names])
         lines.append(f"| {m} | {_ms(test)} | {_ms(val)} | {macs / 1e6:.3f} | {rel} |")
         numbers["fedap"][m] = {"test": test, "val": val, "final_macs": macs}
     t_fedap = "\n".join(lines)

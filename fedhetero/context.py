@@ -547,13 +547,12 @@ class ClientContext:
     def evaluate(self, model: nn.Module, dataset: Any = None, indices: Any = None) -> dict[str, float]:
         """Accuracy and mean loss of ``model`` (eval mode) on the test set or a given dataset."""
         ds = self.data.test if dataset is None else dataset
-        idx = np.arange(len(ds.labels)) if indices is None else indices
         was_training = model.training
         model.eval()
         correct = 0
         loss = 0.0
         n = 0
-        for x, y in iterate_batches(ds, idx, self.cfg.train.eval_batch_size, shuffle=False):
+        for x, y in iterate_batches(ds, indices, self.cfg.train.eval_batch_size, shuffle=False):
             x = x.to(self.device, self.dtype)
             y = y.to(self.device)
             out = model(x)

@@ -27,6 +27,8 @@ from typing import Any
 
 import torch
 
+from fedhetero.algorithms.base import payload_bytes
+
 __all__ = ["ClientStateStore", "atomic_save"]
 
 _NAME = re.compile(r"^r(\d+)(b?)\.pt$")
@@ -48,12 +50,17 @@ class ClientStateStore:
         self.root = Path(root)  # created on the first put, so an aborted set-up leaves nothing
         self._touched: set[int] | None = None  # clients written since the last compaction (None: all)
         self.memory_bytes = int(memory_bytes)
-        self._pending_by_cid: dict[int, dict[int, tuple[dict[str, Any], Path]]] = {}  # cid -> {tick: (state, file)}
+        self._pending_by_cid: dict[int, dict[int, dict[str, Any]]] = {}  # cid -> {tick: state}
         self._pending_bytes = 0
         self._disk: dict[int, dict[int, Path]] = {}  # cid -> {tick: file}, read once per client
 
     def _dir(self, cid: int) -> Path:
         return self.root / f"client_{int(cid):06d}"
+
+    def _file(self, cid: int, tick: int) -> Path:
+        """File of a version: ``r<round>.pt`` (tick 2r) or ``r<round>b.pt`` (tick 2r+1)."""
+        r, between = divmod(int(tick), 2)
+        return self._dir(cid) / (f"r{r:06d}b.pt" if between else f"r{r:06d}.pt")
 
     def _on_disk(self, cid: int) -> dict[int, Path]:
         """{tick: file} of the versions on disk (the run directory is locked: only this store
@@ -75,11 +82,11 @@ class ClientStateStore:
     def _versions(self, cid: int) -> list[tuple[int, Path]]:
         """(tick, file) of every version, on disk or still in memory, oldest first."""
         found = dict(self._on_disk(cid))
-        for tick, (_, path) in self._held(cid).items():
-            found[tick] = path
+        for tick in self._held(cid):
+            found[tick] = self._file(cid, tick)
         return sorted(found.items())
 
-    def _held(self, cid: int) -> dict[int, tuple[dict[str, Any], Path]]:
+    def _held(self, cid: int) -> dict[int, dict[str, Any]]:
         return self._pending_by_cid.get(int(cid), {})
 
     @staticmethod
@@ -90,15 +97,13 @@ class ClientStateStore:
         """Store ``state`` as the version written in ``round`` (``prelude``: by an exchange that
         runs before round ``round`` proper, whose state that round's tasks see); older versions
         are kept until :meth:`compact` (a checkpoint may still need them)."""
-        name = f"r{int(round) - 1:06d}b.pt" if prelude else f"r{int(round):06d}.pt"
         held = self._pending_by_cid.setdefault(int(cid), {})
         tick = self._tick(round, prelude)
         old = held.pop(tick, None)
         if old is not None:
-            self._pending_bytes -= _nbytes(old[0])
-        copy = _clone(state)  # a snapshot, as a file would be
-        held[tick] = (copy, self._dir(cid) / name)
-        self._pending_bytes += _nbytes(copy)
+            self._pending_bytes -= payload_bytes(old)
+        held[tick] = _clone(state)  # a snapshot, as a file would be
+        self._pending_bytes += payload_bytes(held[tick])
         if self._touched is not None:
             self._touched.add(int(cid))
         if self._pending_bytes > self.memory_bytes:
@@ -116,8 +121,8 @@ class ClientStateStore:
                 old = [t for t in ticks if t <= 2 * int(upto_round)]
                 ticks = old[-1:] + [t for t in ticks if t > 2 * int(upto_round)]
             for tick in ticks:
-                state, path = held[tick]
-                atomic_save(state, path)
+                path = self._file(cid, tick)
+                atomic_save(held[tick], path)
                 self._on_disk(cid)[tick] = path
         self._pending_by_cid.clear()
         self._pending_bytes = 0
@@ -138,7 +143,7 @@ class ClientStateStore:
         tick, path = versions[-1]
         held = self._held(cid).get(tick)
         if held is not None:
-            return _clone(held[0])
+            return _clone(held)
         return torch.load(path, weights_only=True, map_location="cpu")
 
     def has(self, cid: int, before_round: int | None = None, prelude: bool = False) -> bool:
@@ -153,7 +158,7 @@ class ClientStateStore:
     def _drop(self, cid: int, tick: int, path: Path) -> None:
         held = self._held(cid).pop(tick, None)
         if held is not None:
-            self._pending_bytes -= _nbytes(held[0])
+            self._pending_bytes -= payload_bytes(held)
         else:
             path.unlink(missing_ok=True)
             self._on_disk(cid).pop(tick, None)
@@ -194,13 +199,3 @@ def _clone(obj: Any) -> Any:
     if isinstance(obj, (list, tuple)):
         return type(obj)(_clone(v) for v in obj)
     return obj
-
-
-def _nbytes(obj: Any) -> int:
-    if isinstance(obj, torch.Tensor):
-        return obj.numel() * obj.element_size()
-    if isinstance(obj, dict):
-        return sum(_nbytes(v) for v in obj.values())
-    if isinstance(obj, (list, tuple)):
-        return sum(_nbytes(v) for v in obj)
-    return 0

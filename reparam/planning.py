@@ -58,6 +58,12 @@ def _check_mode(grow_mode: str) -> None:
         raise ReparamError(f"grow_mode must be one of {GROW_MODES}, got {grow_mode!r}")
 
 
+def _growable(kind: str, kinds: Collection[str] | None) -> bool:
+    """A kind the fill and growth steps may add: flagged ``in_fill`` and, when ``kinds`` is given,
+    one of them."""
+    return get_kind(kind).in_fill and (kinds is None or kind in kinds)
+
+
 def expandable_convs(model: nn.Module) -> list[tuple[str, nn.Conv2d]]:
     """Convs of a plain model that a first-round plan may expand (1 < max(K) ≤ 5)."""
     return [
@@ -115,7 +121,7 @@ def candidate_costs(
         for path, block in iter_blocks(model):
             out_hw = conv_output_hw(block.geometry, sizes[path])
             for kind in block.applicable():
-                if kind not in block.branch_names and get_kind(kind).in_fill and (kinds is None or kind in kinds):
+                if kind not in block.branch_names and _growable(kind, kinds):
                     items.append(((path, kind), int(get_kind(kind).macs(block.geometry, sizes[path], out_hw, {}))))
         return items
     for path, conv in expandable_convs(model):
@@ -162,7 +168,7 @@ def nested_candidates(
         out_hw = conv_output_hw(geo, hw)
         for kind, reason in applicability(geo, crop=block.nested_crop(name)).items():
             k = get_kind(kind)
-            if reason is None and not k.anchor and k.in_fill and kind not in present and (kinds is None or kind in kinds):
+            if reason is None and not k.anchor and kind not in present and _growable(kind, kinds):
                 items.append(((path, name, kind), int(k.macs(geo, hw, out_hw, {}))))
     return items
 
@@ -283,8 +289,7 @@ def grow_to_budget(
     current = model_macs(model, tuple(input_shape))
     for path in sorted(blocks, key=block_score, reverse=True):
         block = blocks[path]
-        missing = [k for k in block.applicable()
-                   if k not in block.branch_names and get_kind(k).in_fill and (kinds is None or k in kinds)]
+        missing = [k for k in block.applicable() if k not in block.branch_names and _growable(k, kinds)]
         out_hw = conv_output_hw(block.geometry, sizes[path])
         costs = {k: get_kind(k).macs(block.geometry, sizes[path], out_hw, {}) for k in missing}
         for kind in sorted(missing, key=lambda k: costs[k]):

@@ -123,13 +123,12 @@ def iterate_batches(
     n = int(idx.numel())
     fill = dataset.pixel_fill() if augment else None
     stop = n - n % batch_size if drop_last else n
-    # indices in storage order (an evaluation of the whole set): batches are views, not copies
-    first = int(idx[0]) if n else 0
-    in_order = n > 0 and not shuffle and not augment and torch.equal(idx, torch.arange(first, first + n, device=idx.device))
+    # the whole set in storage order (an evaluation): batches are views, not copies
+    in_order = indices is None and not shuffle and not augment
     for start in range(0, stop, batch_size):
         if in_order:
-            x = dataset.images[first + start : first + min(start + batch_size, n)]
-            y = dataset.labels[first + start : first + min(start + batch_size, n)]
+            x = dataset.images[start : start + batch_size]
+            y = dataset.labels[start : start + batch_size]
         else:
             b = idx[start : start + batch_size]
             x = dataset.images[b]
