@@ -136,16 +136,29 @@ def weighted_average(
     total = float(sum(weights))
     if total <= 0:
         raise ValueError("weighted_average: weights must sum to a positive number")
-    out: dict[str, torch.Tensor] = {}
-    for key, ref in states[0].items():
-        if not torch.is_floating_point(ref):
-            out[key] = ref.clone()
-            continue
-        acc = torch.zeros_like(ref, dtype=torch.float64)
+    ref = states[0]
+    groups: dict[tuple[Any, Any], list[str]] = {}  # floating keys by (dtype, device) of the first state
+    for key, v in ref.items():
+        if torch.is_floating_point(v):
+            groups.setdefault((v.dtype, v.device), []).append(key)
+    out: dict[str, torch.Tensor] = {key: v.clone() for key, v in ref.items() if not torch.is_floating_point(v)}
+    for keys in groups.values():
+        # one flat float64 accumulator per group: the same element-wise sums, in the same client
+        # order, as one accumulation per tensor, in a handful of calls instead of three per tensor
+        for st in states[1:]:
+            for key in keys:
+                if st[key].shape != ref[key].shape:
+                    raise ValueError(f"weighted_average: {key!r} has shape {tuple(st[key].shape)} in one state "
+                                     f"and {tuple(ref[key].shape)} in another")
+        acc = torch.zeros(sum(ref[k].numel() for k in keys), dtype=torch.float64, device=ref[keys[0]].device)
         for st, w in zip(states, weights):
-            acc.add_(st[key].to(torch.float64), alpha=float(w) / total)
-        out[key] = acc.to(ref.dtype)
-    return out
+            acc.add_(torch.cat([st[k].reshape(-1) for k in keys]).to(torch.float64), alpha=float(w) / total)
+        start = 0
+        for key in keys:
+            n = ref[key].numel()
+            out[key] = acc[start : start + n].view(ref[key].shape).to(ref[key].dtype)
+            start += n
+    return {key: out[key] for key in ref}
 
 
 class Algorithm:

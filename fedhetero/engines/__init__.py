@@ -6,7 +6,7 @@ returns one :class:`Outcome` per task, **sorted by client id**, whatever order t
 in. That is what makes every back end give the numbers of ``local``:
 
 * ``local`` — in this process, one task after another (the reference).
-* ``process`` — a pool of persistent worker processes on this machine
+* ``process`` — the server process and a pool of persistent worker processes on this machine
   (:mod:`fedhetero.engines.process`).
 * ``flower`` — Flower's simulation or deployment engine (:mod:`fedhetero.integrations.flower`,
   extra ``fedhetero[flower]``).
@@ -43,6 +43,7 @@ __all__ = [
     "injected_fault",
     "make_backend",
     "run_task",
+    "upload_fault",
 ]
 
 
@@ -59,6 +60,9 @@ class Outcome:
     error: str | None = None
     seconds: float = 0.0
     detail: str = ""  # a traceback, for the log
+    #: True when the process that ran the task already checked that its upload is finite (an
+    #: outcome of our own workers; the server then skips the check, which ran in parallel there)
+    checked: bool = False
 
 
 def injected_fault(cfg: "RunConfig", task: "ClientTask") -> str | None:
@@ -112,7 +116,10 @@ def run_task(
         result.timers = dict(ctx.timers)
         if fault == "nan":
             _poison(result.state)
-        return Outcome(task, result, None, time.perf_counter() - t0)
+        bad = upload_fault(result)
+        if bad is not None:
+            return Outcome(task, None, bad, time.perf_counter() - t0, checked=True)
+        return Outcome(task, result, None, time.perf_counter() - t0, checked=True)
     except Exception as exc:  # a failing client is dropped from its round, not fatal
         return Outcome(task, None, f"{type(exc).__name__}: {exc}", time.perf_counter() - t0, traceback.format_exc())
 
@@ -148,9 +155,12 @@ def run_together(
     if results is None:
         return None
     share = (time.perf_counter() - t0) / len(ordered)
-    for r in results:
+    out = []
+    for t, r in zip(ordered, results):
         r.timers = {}
-    return [Outcome(t, r, None, share) for t, r in zip(ordered, results)]
+        bad = upload_fault(r)
+        out.append(Outcome(t, None, bad, share, checked=True) if bad is not None else Outcome(t, r, None, share, checked=True))
+    return out
 
 
 def _finite(value: Any) -> bool:
@@ -166,16 +176,36 @@ def _finite(value: Any) -> bool:
 
 
 def _all_finite(state: dict[str, Any]) -> bool:
-    """Whether every floating tensor of a state is finite: one pass over their concatenation (a
-    check per tensor cost about as much as a small client's training on digits)."""
-    floats = [v.reshape(-1) for v in state.values() if isinstance(v, torch.Tensor) and torch.is_floating_point(v)]
+    """Whether every floating tensor of a state is finite.
+
+    One fused call computes the norm of every tensor (a NaN or an infinity anywhere makes its
+    tensor's norm non-finite); only when a norm is not finite, which a finite tensor can also give
+    by overflowing, are the elements themselves checked. A check per tensor cost about as much as a
+    small client's training on digits."""
     by_dtype: dict[Any, list[torch.Tensor]] = {}
-    for t in floats:
-        by_dtype.setdefault((t.dtype, t.device), []).append(t)
+    for v in state.values():
+        if isinstance(v, torch.Tensor) and torch.is_floating_point(v) and v.numel():
+            by_dtype.setdefault((v.dtype, v.device), []).append(v)
     for group in by_dtype.values():
-        if not bool(torch.isfinite(torch.cat(group)).all()):
+        try:
+            norms = torch._foreach_norm(group)
+            if bool(torch.isfinite(torch.stack(norms)).all()):
+                continue
+        except (RuntimeError, TypeError, AttributeError):  # a dtype the fused norm does not take
+            pass
+        if not all(bool(torch.isfinite(t).all()) for t in group):
             return False
     return all(_finite(v) for v in state.values() if not isinstance(v, torch.Tensor))
+
+
+def upload_fault(result: "ClientResult") -> str | None:
+    """Why a client's upload cannot be aggregated (a non-finite tensor), or None."""
+    if not _all_finite(result.state):
+        bad = [k for k, v in result.state.items() if not _finite(v)]
+        return f"non-finite upload ({', '.join(bad[:3])}{', …' if len(bad) > 3 else ''})"
+    if not _finite(result.payload):
+        return "non-finite upload (payload)"
+    return None
 
 
 def check_result(outcome: Outcome, timeout_s: float | None) -> str | None:
@@ -186,12 +216,7 @@ def check_result(outcome: Outcome, timeout_s: float | None) -> str | None:
         return f"timeout: {outcome.seconds:.2f} s > engine.client_timeout_s={timeout_s:g}"
     res = outcome.result
     assert res is not None
-    if not _all_finite(res.state):
-        bad = [k for k, v in res.state.items() if not _finite(v)]
-        return f"non-finite upload ({', '.join(bad[:3])}{', …' if len(bad) > 3 else ''})"
-    if not _finite(res.payload):
-        return "non-finite upload (payload)"
-    return None
+    return None if outcome.checked else upload_fault(res)
 
 
 class Backend(abc.ABC):
@@ -250,7 +275,7 @@ def make_backend(cfg: "RunConfig", data: Any, **kw: Any) -> Backend:
     if name == "process":
         from fedhetero.engines.process import ProcessBackend
 
-        return ProcessBackend(cfg)
+        return ProcessBackend(cfg, data)
     if name == "flower":
         grid = kw.get("grid")
         if grid is None:

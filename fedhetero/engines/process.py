@@ -1,16 +1,23 @@
-"""The ``process`` back end: persistent worker processes on one machine.
+"""The ``process`` back end: the server process and persistent worker processes on one machine.
+
+``engine.workers`` executors run a round's tasks: the server itself (on a client context of its
+own, as on ``local``) and ``workers - 1`` worker processes; with ``engine.client_timeout_s`` set,
+every task runs in a worker (``workers`` of them), because only a task in another process can be
+stopped at the time-out.
 
 Each worker is a fresh interpreter started once per run (``python -m fedhetero.engines.process``,
 connected over a local socket: no forked OpenMP or allocator state, and the caller's ``__main__``
 is never re-imported, so scripts need no ``if __name__ == "__main__"`` guard). It builds the data
 set and a :class:`~fedhetero.context.ClientContext` from the config alone, and then runs the
-client tasks it is sent. Tasks go out in client-id order to whichever worker is free; outcomes come
-back in any order and are returned sorted by client id, so the server reduces them in exactly the
+client tasks it is sent. Tasks are dealt in client-id order, round-robin; outcomes come back in
+any order and are returned sorted by client id, so the server reduces them in exactly the
 order of the ``local`` back end and the numbers are the same bit for bit (on CPU, with the same
 thread count per client).
 
 A worker that overruns ``engine.client_timeout_s`` is killed and replaced, and its client is
-dropped from the round; a worker that dies takes only its current client with it.
+dropped from the round; a worker that dies takes only its current client with it. A worker
+returns an outcome without its task (which holds the global model; the server has it) and has
+already checked that the upload is finite, so neither costs the server anything.
 """
 
 from __future__ import annotations
@@ -91,8 +98,9 @@ def _worker_main(conn: Connection) -> None:
         if batch is None:
             return
         for task, state in batch:  # one outcome message per task, as soon as it is done
-            outcome = run_task(lambda: cls(options), ctx, task, state, hang_seconds=3600.0)
-            conn.send_bytes(dumps(outcome))
+            o = run_task(lambda: cls(options), ctx, task, state, hang_seconds=3600.0)
+            # the server has the task: only the rest travels back (the task holds the global model)
+            conn.send_bytes(dumps((o.result, o.error, o.seconds, o.detail, o.checked)))
 
 
 class _Worker:
@@ -166,13 +174,25 @@ def _accept(listener: Listener, proc: "subprocess.Popen[bytes]") -> Connection:
 
 
 class ProcessBackend(Backend):
-    """A pool of ``engine.workers`` persistent worker processes (default: the machine's cores)."""
+    """``engine.workers`` executors (default: the machine's cores): the server process and
+    ``workers - 1`` persistent worker processes, or ``workers`` worker processes when
+    ``engine.client_timeout_s`` is set.
+
+    The server would otherwise sit idle while the pool trains, and on a machine with one core per
+    executor a third process only takes CPU from the others; running a share here also halves the
+    uploads that cross a process boundary. ``data``: the server's data set, used by that share."""
 
     name = "process"
 
-    def __init__(self, cfg: RunConfig) -> None:
+    def __init__(self, cfg: RunConfig, data: Any = None) -> None:
         self.cfg = cfg
         self.size = cfg.engine.workers or os.cpu_count() or 1
+        # the server process is one of the ``size`` executors (its own client context, as on
+        # ``local``) unless tasks must be interruptible: a task running here cannot be stopped at
+        # ``engine.client_timeout_s`` (an injected hang needs a time-out, so it is covered)
+        self.in_process = cfg.engine.client_timeout_s is None
+        self._data = data  # the server's data set, shared read-only with its own share of tasks
+        self._ctx: Any = None
         self.threads = cfg.threads or 1
         self.timeout = cfg.engine.client_timeout_s
         self._cfg_data = to_dict(cfg)
@@ -180,7 +200,7 @@ class ProcessBackend(Backend):
 
     # ------------------------------------------------------------------ pool
     def _start(self) -> None:
-        while len(self._workers) < self.size:
+        while len(self._workers) < self.size - int(self.in_process):
             self._workers.append(_Worker(self._cfg_data, self.threads))
 
     def _await_ready(self, worker: _Worker) -> None:
@@ -234,19 +254,30 @@ class ProcessBackend(Backend):
             self._await_ready(w)
 
     def run(self, algorithm, tasks, states, on_done: Callable[[int], None] | None = None):  # type: ignore[no-untyped-def]
-        """Tasks in client-id order, dealt round-robin to the workers (neighbouring ids land on
-        different workers, which balances tiers); outcomes returned in client-id order."""
+        """Tasks in client-id order, dealt round-robin to the executors (neighbouring ids land on
+        different ones, which balances tiers): the workers' shares are sent first, then the server
+        runs its own; outcomes returned in client-id order."""
         self.start()
         queue = sorted(tasks, key=lambda t: t.cid)
         done: dict[int, Outcome] = {}
         n = len(self._workers)
+        k = n + int(self.in_process)
         for i in range(n):
-            self._send(self._workers[i], queue[i::n], states, done)
+            self._send(self._workers[i], queue[i + k - n :: k], states, done)
 
         def finish(task: Any, outcome: Outcome) -> None:
             done[task.cid] = outcome
             if on_done is not None:
                 on_done(task.cid)
+
+        if self.in_process:
+            if self._ctx is None:
+                from fedhetero.context import client_context
+
+                self._ctx = client_context(self.cfg, self._data)
+            cls, options = type(algorithm), algorithm.options
+            for task in queue[0::k]:
+                finish(task, run_task(lambda: cls(options), self._ctx, task, states.get(task.cid)))
 
         while any(w.queue for w in self._workers):
             busy = [w for w in self._workers if w.queue]
@@ -261,7 +292,7 @@ class ProcessBackend(Backend):
                 if w.conn in ready:
                     assert w.conn is not None
                     try:
-                        outcome = pickle.loads(w.conn.recv_bytes())
+                        outcome = Outcome(task, *pickle.loads(w.conn.recv_bytes()))
                     except (EOFError, OSError):
                         rest = w.queue[1:]
                         finish(task, Outcome(task, None, f"worker died (exit code {w.exitcode})", now - w.started))

@@ -208,3 +208,76 @@ def test_no_import_circle_between_engine_and_algorithms():
     for algo in ("fedhetero.algorithms.dynamicfl", "fedhetero.algorithms.feddum", "fedhetero.algorithms.heterofl"):
         assert "fedhetero.engine" not in _modules_after_import(algo), algo
     assert "fedhetero.algorithms.feddum" not in _modules_after_import("fedhetero.algorithms.feddu")
+
+
+def test_process_pool_counts_the_server_as_an_executor(tmp_path):
+    """With no time-out the server runs a share itself (workers - 1 processes); with one, every
+    task runs in a worker that can be killed (workers processes). Both give local's numbers."""
+    from fedhetero.engines.process import ProcessBackend
+
+    shared = ProcessBackend(_cfg("fedavg", "process", workers=3))
+    isolated = ProcessBackend(_cfg("fedavg", "process", workers=2, client_timeout_s=60.0))
+    try:
+        shared.start()
+        isolated.start()
+        assert shared.in_process and len(shared._workers) == 2
+        assert not isolated.in_process and len(isolated._workers) == 2
+        assert all(w.proc.poll() is None for w in shared._workers + isolated._workers)
+    finally:
+        shared.close()
+        isolated.close()
+    a, ra = _run(tmp_path, _cfg("fedavg", "local"), "local")
+    b, rb = _run(tmp_path, _cfg("fedavg", "process", workers=2, client_timeout_s=60.0), "isolated")
+    c, rc = _run(tmp_path, _cfg("fedavg", "process", workers=1), "server-only")
+    assert strip_wall(ra.metrics) == strip_wall(rb.metrics) == strip_wall(rc.metrics)
+    _assert_same_model(a, b)
+    _assert_same_model(a, c)
+
+
+def test_upload_check_runs_where_the_task_ran():
+    """run_task checks the upload itself (in a worker, in parallel) and marks the outcome, so the
+    server does not check it again; an outcome built elsewhere (Flower) is still checked."""
+    from fedhetero.algorithms.base import ClientResult
+    from fedhetero.engines import Outcome, check_result, upload_fault
+
+    def result(value):
+        return ClientResult(cid=0, num_samples=1, state={"w": torch.full((4,), value), "n": torch.tensor(3)},
+                            macs=1, budget_macs=1.0, bytes_up=0, bytes_down=0)
+
+    assert upload_fault(result(1.0)) is None
+    # a finite tensor whose norm overflows is still finite
+    assert upload_fault(result(3e38)) is None
+    assert upload_fault(result(float("nan"))) == "non-finite upload (w)"
+    assert upload_fault(result(float("-inf"))) == "non-finite upload (w)"
+    half = result(1.0)
+    half.state["h"] = torch.tensor([1.0, float("inf")], dtype=torch.float16)
+    assert upload_fault(half) == "non-finite upload (h)"
+    bad = result(float("nan"))
+    assert check_result(Outcome(None, bad), None) == "non-finite upload (w)"  # type: ignore[arg-type]
+    assert check_result(Outcome(None, bad, checked=True), None) is None  # type: ignore[arg-type]
+
+
+def test_weighted_average_matches_the_per_tensor_mean():
+    from fedhetero.algorithms.base import weighted_average
+
+    g = torch.Generator().manual_seed(0)
+    shapes = {"a": (3, 4), "b": (5,), "c": (2, 1, 3)}
+    states = []
+    for _ in range(4):
+        st = {k: torch.randn(s, generator=g) * 10 for k, s in shapes.items()}
+        st["d"] = torch.randn(6, generator=g, dtype=torch.float64)
+        st["n"] = torch.tensor(7)
+        states.append(st)
+    weights = [3.0, 1.0, 7.0, 2.0]
+    out = weighted_average(states, weights)
+    assert list(out) == list(states[0])
+    for k in ("a", "b", "c", "d"):
+        ref = torch.zeros(shapes.get(k, (6,)), dtype=torch.float64)
+        for st, w in zip(states, weights):
+            ref.add_(st[k].to(torch.float64), alpha=w / sum(weights))
+        assert out[k].dtype == states[0][k].dtype
+        assert torch.equal(out[k], ref.to(states[0][k].dtype)), k
+    assert torch.equal(out["n"], torch.tensor(7))
+    states[2]["b"] = torch.zeros(4)
+    with pytest.raises(ValueError, match="'b' has shape"):
+        weighted_average(states, weights)
