@@ -18,9 +18,12 @@ Rows:
   the deploy conversion of the upstream Diverse Branch Block code (its ``dbb_transforms`` and
   ``DiverseBranchBlock.get_equivalent_kernel_bias`` / ``switch_to_deploy``, float32, block by
   block, autograd on, as upstream runs it), timed on copies of the same model; the ratio of the two
-  is the target row (≤ 0.5). ``reparam.merge(model)`` with its deep copy and the merge with float32
-  arithmetic (``compute_dtype=torch.float32``, not the default) are shown for reference, and both
-  merged models are checked against the expanded one;
+  is the target row (≤ 0.5). Beside them: the float64 matrix products of the ``1x1_kxk``
+  compositions alone (:func:`float64_products`, the least time of any float64 merge here; over
+  upstream's time it is the least ratio float64 arithmetic can reach on the machine),
+  ``reparam.merge(model)`` with its deep copy and the merge with float32 arithmetic
+  (``compute_dtype=torch.float32``, not the default); both merged models are checked against the
+  expanded one;
 * inference time (eval mode, ``no_grad``) of the merged, the expanded and the plain original model;
 * training-step time (forward, backward, SGD step) of the expanded and the plain model, next to
   their forward-MAC ratio, and the overhead per MAC = step-time ratio ÷ MAC ratio. Measured twice:
@@ -51,7 +54,9 @@ from reparam.block import DiverseBranchBlock
 from reparam.branches import AvgBranch, ConvBNBranch, IdentityBasedConv1x1, IdentityBranch, OneByOneKxKBranch
 from reparam.testing import perturb_, rel_err
 
-__all__ = ["run_benchmark", "main", "build_parser", "upstream_switch_to_deploy", "QUOTED_UPSTREAM", "TARGETS"]
+__all__ = [
+    "run_benchmark", "main", "build_parser", "upstream_switch_to_deploy", "float64_products", "QUOTED_UPSTREAM", "TARGETS",
+]
 
 #: figures of the upstream implementation quoted for comparison (not measured by this benchmark;
 #: the merge time of upstream is measured live, see :func:`upstream_switch_to_deploy`)
@@ -270,17 +275,55 @@ def _infer_fn(model: nn.Module, x: torch.Tensor) -> Callable[[], None]:
     return run
 
 
+class _Products:
+    """Batched matrix products on fixed operands; calling the object computes them all."""
+
+    def __init__(self, operands: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        self.operands = operands
+
+    def __call__(self) -> None:
+        for left, right in self.operands:
+            torch.bmm(left, right)
+
+
+def float64_products(model: nn.Module, seed: int = 0) -> _Products:
+    """The float64 matrix products a merge of ``model`` cannot avoid, as a callable that computes
+    them on random operands of the same shapes (``.operands`` holds them).
+
+    Each ``1x1_kxk`` branch composes its two convolutions: ``Σ_d W2[o, d, tap]·A[d, c]`` for every
+    output row, tap and input channel, one ``(C/g + 1) × D/g × (O/g·taps)`` product per group (the
+    extra row carries the first stage's bias). Every other step of a merge is element-wise. The time
+    of these products alone is the least time any float64 merge of this model takes on this
+    machine; the benchmark shows it beside upstream's whole (float32) merge."""
+    gen = torch.Generator().manual_seed(seed)
+    operands = []
+    for _, block in reparam.iter_blocks(model):
+        geo = block.geometry
+        for name in block.branch_names:
+            br = block.branches[name]
+            if not isinstance(br, OneByOneKxKBranch):
+                continue
+            g = geo.groups
+            o, dg, kh, kw = br.conv2.weight.shape
+            left = torch.randn((g, geo.in_channels // g + 1, dg), generator=gen, dtype=torch.float64)
+            right = torch.randn((g, dg, (o // g) * kh * kw), generator=gen, dtype=torch.float64)
+            operands.append((left, right))
+    return _Products(operands)
+
+
 def _merge_times(
     expanded: nn.Module, pairs: dict[str, str], repeats: int, log: dict[str, list[float]]
 ) -> dict[str, float]:
     """Best seconds of each merge variant, each on a fresh copy made beforehand (the copy is not
-    timed except in ``ours_with_copy``); variants interleaved, one untimed warm-up round."""
+    timed except in ``ours_with_copy``), and of the float64 products alone
+    (:func:`float64_products`); variants interleaved, one untimed warm-up round."""
     variants: dict[str, Callable[[nn.Module], Any]] = {
         "ours": lambda m: reparam.merge(m, inplace=True),
         "upstream": lambda m: upstream_switch_to_deploy(m, pairs),
         "ours_float32_arithmetic": lambda m: reparam.merge(m, inplace=True, compute_dtype=torch.float32),
     }
-    samples: dict[str, list[float]] = {k: [] for k in (*variants, "ours_with_copy")}
+    products = float64_products(expanded)
+    samples: dict[str, list[float]] = {k: [] for k in (*variants, "ours_with_copy", "float64_products")}
     for rep in range(repeats + 1):
         for name, fn in variants.items():
             c = copy.deepcopy(expanded)
@@ -290,6 +333,9 @@ def _merge_times(
         t = _timed(lambda: reparam.merge(expanded))
         if rep:
             samples["ours_with_copy"].append(t)
+        t = _timed(products)
+        if rep:
+            samples["float64_products"].append(t)
     return _best(samples, log, "merge")
 
 
@@ -427,6 +473,8 @@ def run_benchmark(
         "merge_over_upstream": merge["ours"] / merge["upstream"],
         "merge_with_copy_ms": merge["ours_with_copy"] * 1e3,
         "merge_float32_arithmetic_ms": merge["ours_float32_arithmetic"] * 1e3,
+        "float64_products_ms": merge["float64_products"] * 1e3,
+        "float64_products_over_upstream": merge["float64_products"] / merge["upstream"],
         "merge_rel_err": err,
         "merge_rel_err_fp32": err["ours"],
         "infer_ms": {k: v * 1e3 for k, v in infer.items()},
@@ -473,6 +521,9 @@ def _print_table(res: dict) -> None:
               f"{res['merge_upstream_ms']:.1f} (measured)")
     t.add_row("  merge time ours / upstream", f"{res['merge_over_upstream']:.2f}", "<= 0.5",
               ok(res["merge_over_upstream"], TARGETS["merge_over_upstream"]), "")
+    t.add_row("  its float64 matrix products alone (ms)", f"{res['float64_products_ms']:.1f}", "", "", "")
+    t.add_row("  float64 products alone / upstream (least ratio in float64)",
+              f"{res['float64_products_over_upstream']:.2f}", "", "", "")
     t.add_row("  reparam.merge(model), deep copy incl. (ms)", f"{res['merge_with_copy_ms']:.1f}", "", "", "")
     t.add_row("  ours with float32 arithmetic, not the default (ms)", f"{res['merge_float32_arithmetic_ms']:.1f}",
               "", "", "")

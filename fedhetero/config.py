@@ -152,7 +152,7 @@ class EngineConfig:
     ``fedhetero[flower]``)."""
 
     backend: Literal["local", "process", "flower"] = "local"
-    workers: int | None = None  # process back end: worker processes (None: the machine's cores)
+    workers: int | None = None  # process back end: executors, this process included unless client_timeout_s is set (None: the machine's cores)
     client_timeout_s: float | None = None  # a client that takes longer is dropped from the round
     min_clients: int = 1  # fewer successful clients in a round stops the run with a clear message
     inject_faults: FaultConfig = field(default_factory=FaultConfig)

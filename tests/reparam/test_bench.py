@@ -63,6 +63,7 @@ def test_benchmark_times_a_perturbed_model() -> None:
     assert res["macs_plain"] == model_macs(net, (3, 8, 8))
     assert res["macs_ratio"] == pytest.approx(res["macs_expanded"] / res["macs_plain"])
     assert res["merge_over_upstream"] == pytest.approx(res["merge_ms"] / res["merge_upstream_ms"])
+    assert res["float64_products_over_upstream"] == pytest.approx(res["float64_products_ms"] / res["merge_upstream_ms"])
     samples = res["samples_ms"]
     assert res["merge_ms"] == pytest.approx(min(samples["merge.ours"]), abs=1e-3)
     assert res["merge_upstream_ms"] == pytest.approx(min(samples["merge.upstream"]), abs=1e-3)
@@ -75,6 +76,28 @@ def test_benchmark_times_a_perturbed_model() -> None:
         assert set(res["train_step_ms"]) == {"plain", "expanded", "expanded_per_branch"}
     with pytest.raises(ValueError, match="batch"):
         bench.run_benchmark(batch=0, model=net)
+
+
+def test_float64_products_are_the_merge_products() -> None:
+    """The floor row times products of exactly the shapes the merge computes: one per 1x1_kxk
+    branch, the composed kernel plus the bias row."""
+    from reparam.branches import OneByOneKxKBranch
+
+    expanded = perturb_(reparam.expand(_net().double()), torch.Generator().manual_seed(2)).eval()
+    products = bench.float64_products(expanded)
+    expected = []
+    for _, block in reparam.iter_blocks(expanded):
+        for name in block.branch_names:
+            br = block.branches[name]
+            if isinstance(br, OneByOneKxKBranch):
+                kind, prod, _ = br.merge_terms(block.geometry, torch.float64)
+                assert kind == "gemm"  # a trained residual: the product is computed
+                g, cg, opg, taps = prod.shape
+                expected.append((g, cg + 1, opg * taps))
+    got = [tuple(torch.bmm(left, right).shape) for left, right in products.operands]
+    assert got == expected and len(got) >= 3
+    assert all(left.dtype == right.dtype == torch.float64 for left, right in products.operands)
+    products()
 
 
 def test_perturbation_leaves_no_initial_value_behind() -> None:
