@@ -94,6 +94,8 @@ class Engine:
         self.backend = backend  # None: the one cfg.engine.backend names
         self._own_backend = backend is None  # a back end passed in is the caller's to close
         self._best: float | None = None  # best evaluated accuracy so far (for best_model.pt)
+        # its model, held until the next checkpoint writes it (None: best_model.pt is up to date)
+        self._best_state: dict[str, torch.Tensor] | None = None
         if resume:
             saved = _saved_config(self.out_dir)
             if cfg is not None and config_hash(cfg) != config_hash(saved):
@@ -280,6 +282,7 @@ class Engine:
             "best_accuracy": self._best,
         }
         self.store.flush(rnd)  # every client state the checkpoint can need is on disk before it
+        self._write_best()  # so is the best model of the rounds it covers
         atomic_save(state, self.out_dir / "checkpoint.pt")
         self.store.compact(rnd)
 
@@ -325,6 +328,21 @@ class Engine:
 
         save_global_model(self, name)
 
+    def _keep_best(self) -> None:
+        """Hold the current global model as the best one; written with the next checkpoint (a
+        resume restarts from a checkpoint, so the file need not run ahead of it; writing it in the
+        round cost as much as a LeNet-5 client's training)."""
+        from fedhetero.export import global_model_state
+
+        self._best_state = global_model_state(self)
+
+    def _write_best(self) -> None:
+        if self._best_state is not None:
+            from fedhetero.export import save_global_model
+
+            save_global_model(self, "best", self._best_state)
+            self._best_state = None
+
     def run(self) -> RunResult:
         """Run (or resume) the job; returns the summary and the per-round metrics.
 
@@ -350,6 +368,7 @@ class Engine:
         t_start = time.perf_counter()
         self._dropped: list[dict[str, Any]] = []
         self._best = None
+        self._best_state = None
         clean_stale(self.out_dir)
         self._participation = [0] * self.cfg.data.num_clients
         start = 0
@@ -434,7 +453,7 @@ class Engine:
                 row["timers"] = {k: round(v, 6) for k, v in self.ctx.timers.items()}
                 if "accuracy" in row and (self._best is None or row["accuracy"] > self._best):
                     self._best = float(row["accuracy"])
-                    self._save_model("best")
+                    self._keep_best()
                 row["wall_s"] = round(time.perf_counter() - t0, 4)
                 with metrics_path.open("a") as fh:
                     fh.write(dumps_row(row) + "\n")

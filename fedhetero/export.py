@@ -68,10 +68,17 @@ def _recipe(engine: "Engine", state: dict[str, torch.Tensor]) -> dict[str, Any] 
     return None
 
 
-def save_global_model(engine: "Engine", which: str) -> None:
-    """Write ``<which>_model.pt`` (and ``model.json``) for the engine's current global model."""
+def global_model_state(engine: "Engine") -> dict[str, torch.Tensor]:
+    """A CPU copy of the engine's current global model state (what ``<which>_model.pt`` holds)."""
     model = engine.algorithm.eval_models(engine.ctx)["global"]
-    state = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+    return {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+
+
+def save_global_model(engine: "Engine", which: str, state: dict[str, torch.Tensor] | None = None) -> None:
+    """Write ``<which>_model.pt`` (and ``model.json``) for the engine's current global model, or for
+    ``state`` taken earlier with :func:`global_model_state`."""
+    if state is None:
+        state = global_model_state(engine)
     out = engine.out_dir
     recipe_path = out / "model.json"
     if not recipe_path.is_file():

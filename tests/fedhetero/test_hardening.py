@@ -205,6 +205,19 @@ def test_final_model_loads_with_one_call(tmp_path, algo):
         assert best(x).shape == ref(x).shape
 
 
+def test_best_model_is_written_with_the_checkpoints(tmp_path):
+    """best_model.pt is the model of the best evaluated round, written with the checkpoint that
+    covers that round (never ahead of it: a resume restarts from a checkpoint)."""
+    cfg = _cfg("train.rounds=4", "train.eval_every=1", "train.checkpoint_every=2")
+    Engine(cfg, tmp_path / "r", progress=False, stop_after=1).run()
+    assert (tmp_path / "r" / "metrics.jsonl").is_file() and not (tmp_path / "r" / "best_model.pt").exists()
+    eng = Engine(cfg, tmp_path / "r", progress=False, resume=True)
+    res = eng.run()
+    best = fedhetero.load_model(tmp_path / "r", which="best")
+    assert res.summary["best_accuracy"] == max(r["accuracy"] for r in res.metrics)
+    assert eng.ctx.evaluate(best)["accuracy"] == res.summary["best_accuracy"]
+
+
 # ---------------------------------------------------------------------------- bad inputs
 
 BAD = [
