@@ -15,11 +15,19 @@ from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
-__all__ = ["pending", "run_grid", "run_one"]
+__all__ = ["FINISHED_ELSEWHERE", "pending", "run_grid", "run_one"]
+
+
+#: what :func:`run_one` returns when another process finished the run after the grid was listed
+FINISHED_ELSEWHERE = "finished meanwhile by another process; reused"
 
 
 def run_one(base: str, overrides: Sequence[str], out_dir: str) -> tuple[str, float, str | None]:
-    """Train one run (in a worker process): ``(out_dir, seconds, error or None)``."""
+    """Train one run (in a worker process): ``(out_dir, seconds, error or None)``.
+
+    The directory is checked again first: a grid listed before another command on the same folder
+    finished this run reuses it (``error`` is :data:`FINISHED_ELSEWHERE`) instead of overwriting
+    it, and a run another process is still writing fails on its lock instead of being restarted."""
     import torch
 
     from fedhetero.config import load_config
@@ -27,6 +35,8 @@ def run_one(base: str, overrides: Sequence[str], out_dir: str) -> tuple[str, flo
 
     torch.set_num_threads(1)
     t0 = time.perf_counter()
+    if _finished(Path(out_dir), base, overrides):
+        return out_dir, 0.0, FINISHED_ELSEWHERE
     try:
         cfg = load_config(base, overrides=list(overrides))
         Engine(cfg, out_dir, progress=False, overwrite=True).run()
@@ -63,6 +73,7 @@ def run_grid(config: str, runs: Mapping[str, Sequence[str]], out: Path, jobs: in
     todo = pending(out, runs, config)
     t0 = time.perf_counter()
     failed: dict[str, str] = {}
+    reused: list[str] = []
     if todo:
         report(f"{len(todo)} runs to do ({len(runs) - len(todo)} reused), {jobs} at a time")
         with ProcessPoolExecutor(max_workers=max(1, int(jobs))) as pool:
@@ -70,7 +81,12 @@ def run_grid(config: str, runs: Mapping[str, Sequence[str]], out: Path, jobs: in
             for i, fut in enumerate(as_completed(futs), 1):
                 _, secs, err = fut.result()
                 name = futs[fut]
+                if err == FINISHED_ELSEWHERE:
+                    reused.append(name)
+                    report(f"[{i}/{len(futs)}] {name}: {err}")
+                    continue
                 if err:
                     failed[name] = err
                 report(f"[{i}/{len(futs)}] {name}: " + (f"failed: {err}" if err else f"{secs:.1f} s"))
-    return {"ran": len(todo), "reused": len(runs) - len(todo), "failed": failed, "wall_s": time.perf_counter() - t0}
+    return {"ran": len(todo) - len(reused), "reused": len(runs) - len(todo) + len(reused), "failed": failed,
+            "wall_s": time.perf_counter() - t0}

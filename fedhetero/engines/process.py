@@ -271,13 +271,7 @@ class ProcessBackend(Backend):
                 on_done(task.cid)
 
         if self.in_process:
-            if self._ctx is None:
-                from fedhetero.context import client_context
-
-                self._ctx = client_context(self.cfg, self._data)
-            cls, options = type(algorithm), algorithm.options
-            for task in queue[0::k]:
-                finish(task, run_task(lambda: cls(options), self._ctx, task, states.get(task.cid)))
+            self._run_here(algorithm, queue[0::k], states, finish)
 
         while any(w.queue for w in self._workers):
             busy = [w for w in self._workers if w.queue]
@@ -308,6 +302,26 @@ class ProcessBackend(Backend):
                     ))
                     self._send(self._replace(w), rest, states, done)
         return [done[t.cid] for t in queue]
+
+    def _run_here(self, algorithm: Any, tasks: list[Any], states: dict[int, Any], finish: Callable[[Any, Outcome], None]) -> None:
+        """The server's own share, on its own client context, at the workers' thread count (so every
+        executor computes alike)."""
+        import torch
+
+        from fedhetero.context import client_context
+
+        if self._ctx is None:
+            self._ctx = client_context(self.cfg, self._data)
+        cls, options = type(algorithm), algorithm.options
+        before = torch.get_num_threads()
+        if before != self.threads:
+            torch.set_num_threads(self.threads)
+        try:
+            for task in tasks:
+                finish(task, run_task(lambda: cls(options), self._ctx, task, states.get(task.cid)))
+        finally:
+            if before != self.threads:
+                torch.set_num_threads(before)
 
     def close(self) -> None:
         for w in self._workers:

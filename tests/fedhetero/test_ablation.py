@@ -231,3 +231,30 @@ def test_grid_reports_a_failed_run_and_goes_on(tmp_path):
     assert any("bad: failed" in line for line in lines)
     tables = build_tables(tmp_path, {"x": ("methods", {"beta": 0.5, "method": "fedavg", "seed": 0}, [])})
     assert tables["numbers"]["missing_runs"] == ["x"]
+
+
+def test_grid_reuses_a_run_finished_meanwhile_and_leaves_a_locked_one_alone(tmp_path, monkeypatch):
+    """Two table commands on one folder: a run the other finished after this grid was listed is
+    reused, not overwritten; one the other is still writing fails on its lock, untouched."""
+    import fedhetero.grid as grid
+    from fedhetero.rundir import RunLock
+
+    config = "examples/configs/digits_compare.yaml"
+    ov = ["train.rounds=1", "threads=1", "data.public_fraction=0"]
+    runs = {"done": ov, "busy": ov + ["seed=5"]}
+    assert grid.run_one(config, ov, str(tmp_path / "done"))[2] is None
+    summary = tmp_path / "done" / "summary.json"
+    before = (summary.stat().st_mtime_ns, summary.read_bytes())
+    assert grid.run_one(config, ov, str(tmp_path / "done")) == (str(tmp_path / "done"), 0.0, grid.FINISHED_ELSEWHERE)
+    (tmp_path / "busy").mkdir()
+    (tmp_path / "busy" / "metrics.jsonl").write_text('{"round": 1}\n')  # the other process's rows
+    monkeypatch.setattr(grid, "pending", lambda out, r, c=None: {k: list(v) for k, v in r.items()})  # listed stale
+    lines: list[str] = []
+    with RunLock(tmp_path / "busy"):
+        done = grid.run_grid(config, runs, tmp_path, jobs=1, report=lines.append)
+    assert (summary.stat().st_mtime_ns, summary.read_bytes()) == before
+    assert done["ran"] == 1 and done["reused"] == 1 and set(done["failed"]) == {"busy"}
+    assert "in use by another fedhetero run" in done["failed"]["busy"]
+    assert (tmp_path / "busy" / "metrics.jsonl").read_text() == '{"round": 1}\n'
+
+    assert any("done: finished meanwhile" in line for line in lines)

@@ -281,3 +281,31 @@ def test_weighted_average_matches_the_per_tensor_mean():
     states[2]["b"] = torch.zeros(4)
     with pytest.raises(ValueError, match="'b' has shape"):
         weighted_average(states, weights)
+
+
+def test_server_share_runs_at_the_workers_thread_count(monkeypatch):
+    """threads: null leaves the server's own thread count alone, but its share of the tasks runs
+    at the workers' count (1), like every other executor; the count is restored afterwards."""
+    from types import SimpleNamespace
+
+    import fedhetero.engines.process as proc
+
+    seen = []
+
+    def fake_run_task(make, ctx, task, state):
+        seen.append(torch.get_num_threads())
+        return proc.Outcome(task, None, "stub")
+
+    monkeypatch.setattr(proc, "run_task", fake_run_task)
+    cfg = from_dict({"threads": None, "engine": {"backend": "process", "workers": 2}})
+    backend = proc.ProcessBackend(cfg)
+    backend._ctx = object()  # the stub does not use the context
+    old = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        done = []
+        backend._run_here(Algorithm(), [SimpleNamespace(cid=0), SimpleNamespace(cid=2)], {}, lambda t, o: done.append(t.cid))
+        assert seen == [1, 1] and done == [0, 2]
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(old)
