@@ -3,7 +3,7 @@
 ``engine.workers`` executors run a round's tasks: the server itself (on a client context of its
 own, as on ``local``) and ``workers - 1`` worker processes; with ``engine.client_timeout_s`` set,
 every task runs in a worker (``workers`` of them), because only a task in another process can be
-stopped at the time-out.
+stopped at the time-out (or crash, e.g. in native code, without ending the run).
 
 Each worker is a fresh interpreter started once per run (``python -m fedhetero.engines.process``,
 connected over a local socket: no forked OpenMP or allocator state, and the caller's ``__main__``
