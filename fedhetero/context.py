@@ -42,6 +42,7 @@ __all__ = [
     "ClientContext",
     "Context",
     "RunError",
+    "UploadStream",
     "build_data",
     "client_context",
     "derive_seed",
@@ -570,6 +571,55 @@ class ClientContext:
 
 
 
+class UploadStream:
+    """Folds a round's uploads into a :class:`~fedhetero.algorithms.base.WeightedMean` as their
+    outcomes arrive, in client-id order (an outcome that arrives early waits for the ones before
+    it), so the mean is ready when the last one is in: on the ``process`` back end the server does
+    it while it waits for the workers' last uploads.
+
+    The weights are the ones every client of the round would get (``train.aggregation``); an outcome
+    that is not a checked success (an error, a time-out, an upload the executing process did not
+    check for non-finite values) stops the stream, and the caller averages what succeeded itself.
+    The sums are those of :func:`~fedhetero.algorithms.base.weighted_average`, in the same order."""
+
+    def __init__(self, tasks: "list[ClientTask]", uniform: bool, timeout_s: float | None) -> None:
+        from fedhetero.algorithms.base import WeightedMean
+
+        order = sorted(tasks, key=lambda t: t.cid)
+        self.cids = [t.cid for t in order]
+        self.weights = [1.0 if uniform else float(t.num_samples) for t in order]
+        self.timeout_s = timeout_s
+        self._index = {cid: i for i, cid in enumerate(self.cids)}
+        self._waiting: dict[int, Any] = {}
+        self._next = 0
+        self.ok = bool(order) and sum(self.weights) > 0
+        self._mean = WeightedMean(self.weights) if self.ok else None
+
+    def offer(self, outcome: Any) -> None:
+        """Take one outcome (any order)."""
+        if not self.ok:
+            return
+        res = outcome.result
+        late = self.timeout_s is not None and outcome.seconds > self.timeout_s
+        if outcome.error is not None or res is None or not outcome.checked or late or res.cid not in self._index:
+            self.ok = False
+            return
+        self._waiting[self._index[res.cid]] = res
+        assert self._mean is not None
+        try:
+            while self._next in self._waiting:
+                self._mean.add(self._waiting.pop(self._next).state)
+                self._next += 1
+        except (ValueError, KeyError, RuntimeError):  # uploads the mean cannot take: the caller decides
+            self.ok = False
+
+    def mean_of(self, cids: list[int], weights: list[float]) -> "dict[str, torch.Tensor] | None":
+        if not self.ok or self._next != len(self.cids) or cids != self.cids or [float(w) for w in weights] != self.weights:
+            return None
+        assert self._mean is not None
+        return self._mean.result()
+
+
 class Context(ClientContext):
     """The server's context: a :class:`ClientContext` plus the client-state store and
     :meth:`execute`, which runs client tasks on the configured back end."""
@@ -586,6 +636,14 @@ class Context(ClientContext):
         self.store = store
         self._executor = executor
         self.on_client_done: Callable[[int], None] | None = None
+        self.stream: UploadStream | None = None  # the uploads of the last execute, averaged as they came
+
+    def streamed_mean(self, cids: list[int], weights: list[float]) -> "dict[str, torch.Tensor] | None":
+        """The weighted mean of the last :meth:`execute`'s uploads, accumulated while it ran, if it
+        covers exactly the clients ``cids`` (in this order) with these ``weights``; else None (the
+        caller averages the uploads itself)."""
+        stream, self.stream = self.stream, None
+        return None if stream is None else stream.mean_of(cids, weights)
 
     def execute(self, algorithm: "Algorithm", tasks: "list[ClientTask]") -> "list[ClientResult]":
         """Run client tasks on the back end; the results of the clients that succeeded, sorted by

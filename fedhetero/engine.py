@@ -38,9 +38,9 @@ from fedhetero import budget as budget_mod
 from fedhetero.algorithms import build_algorithm
 from fedhetero.algorithms.base import Algorithm, ClientInfo, ClientResult, ClientTask
 from fedhetero.config import ConfigError, RunConfig, config_hash, dump_config, load_config
-from fedhetero.context import Context, RunError, build_data
+from fedhetero.context import Context, RunError, UploadStream, build_data
 from fedhetero.data import save_partition
-from fedhetero.engines import Backend, check_result, make_backend
+from fedhetero.engines import Backend, Outcome, check_result, make_backend
 from fedhetero.rundir import (
     RunDirError,
     RunLock,
@@ -182,7 +182,20 @@ class Engine:
         clients that succeeded; record and drop the others (error, time-out, non-finite upload)."""
         assert self.backend is not None
         states = {t.cid: self.store.get(t.cid, before_round=t.round, prelude=t.prelude) for t in tasks}
-        outcomes = self.backend.run(algorithm, tasks, states, on_done=self.ctx.on_client_done)
+        stream = None
+        if getattr(algorithm, "streams_uploads", False):
+            stream = UploadStream(tasks, self.cfg.train.aggregation == "uniform", self.cfg.engine.client_timeout_s)
+        progress = self.ctx.on_client_done
+
+        def on_done(outcome: Outcome) -> None:
+            if stream is not None:
+                stream.offer(outcome)
+            if progress is not None:
+                progress(outcome.task.cid)
+
+        self.ctx.stream = None
+        outcomes = self.backend.run(algorithm, tasks, states, on_done=on_done)
+        self.ctx.stream = stream
         ok: list[ClientResult] = []
         for outcome in outcomes:
             task = outcome.task

@@ -44,6 +44,7 @@ __all__ = [
     "NoOptions",
     "payload_bytes",
     "state_bytes",
+    "WeightedMean",
     "weighted_average",
 ]
 
@@ -122,10 +123,72 @@ def payload_bytes(payload: Any) -> int:
     return 0
 
 
+class WeightedMean:
+    """A weighted mean of identically shaped state dicts, fed one state at a time, accumulated in
+    float64 (one flat vector per dtype and device: the same element-wise sums, in the same order,
+    as one accumulation per tensor, in a handful of calls instead of three per tensor).
+
+    The weights are known up front (``weights[i]`` for the ``i``-th state added), so a state can be
+    folded in as soon as it arrives; :func:`weighted_average` is this class fed with a list.
+    Integer buffers (e.g. BatchNorm's ``num_batches_tracked``) take the value of the first state.
+    """
+
+    def __init__(self, weights: list[float]) -> None:
+        if not weights:
+            raise ValueError("weighted_average needs at least one state")
+        self.weights = [float(w) for w in weights]
+        self.total = float(sum(self.weights))
+        if self.total <= 0:
+            raise ValueError("weighted_average: weights must sum to a positive number")
+        self.count = 0
+        self._ref: dict[str, torch.Tensor] = {}
+        self._groups: list[tuple[list[str], torch.Tensor]] = []
+
+    def add(self, state: dict[str, torch.Tensor]) -> None:
+        """Fold in the next state (the ``count``-th weight applies)."""
+        if self.count >= len(self.weights):
+            raise ValueError("weighted_average: one weight per state is required")
+        alpha = self.weights[self.count] / self.total
+        if self.count == 0:
+            self._ref = state
+            groups: dict[tuple[Any, Any], list[str]] = {}  # floating keys by (dtype, device)
+            for key, v in state.items():
+                if torch.is_floating_point(v):
+                    groups.setdefault((v.dtype, v.device), []).append(key)
+            self._groups = [
+                (keys, torch.zeros(sum(state[k].numel() for k in keys), dtype=torch.float64, device=state[keys[0]].device))
+                for keys in groups.values()
+            ]
+        else:
+            for keys, _ in self._groups:
+                for key in keys:
+                    if state[key].shape != self._ref[key].shape:
+                        raise ValueError(f"weighted_average: {key!r} has shape {tuple(state[key].shape)} in one "
+                                         f"state and {tuple(self._ref[key].shape)} in another")
+        for keys, acc in self._groups:
+            acc.add_(torch.cat([state[k].reshape(-1) for k in keys]), alpha=alpha)
+        self.count += 1
+
+    def result(self) -> dict[str, torch.Tensor]:
+        """The mean, with the first state's keys, shapes and dtypes."""
+        if self.count != len(self.weights):
+            raise ValueError("weighted_average: one weight per state is required")
+        ref = self._ref
+        out = {key: v.clone() for key, v in ref.items() if not torch.is_floating_point(v)}
+        for keys, acc in self._groups:
+            start = 0
+            for key in keys:
+                n = ref[key].numel()
+                out[key] = acc[start : start + n].view(ref[key].shape).to(ref[key].dtype)
+                start += n
+        return {key: out[key] for key in ref}
+
+
 def weighted_average(
     states: list[dict[str, torch.Tensor]], weights: list[float]
 ) -> dict[str, torch.Tensor]:
-    """Weighted mean of identically shaped state dicts, accumulated in float64.
+    """Weighted mean of identically shaped state dicts, accumulated in float64 (see
+    :class:`WeightedMean`).
 
     Integer buffers (e.g. BatchNorm's ``num_batches_tracked``) take the value of the first state.
     """
@@ -133,32 +196,10 @@ def weighted_average(
         raise ValueError("weighted_average needs at least one state")
     if len(states) != len(weights):
         raise ValueError("weighted_average: one weight per state is required")
-    total = float(sum(weights))
-    if total <= 0:
-        raise ValueError("weighted_average: weights must sum to a positive number")
-    ref = states[0]
-    groups: dict[tuple[Any, Any], list[str]] = {}  # floating keys by (dtype, device) of the first state
-    for key, v in ref.items():
-        if torch.is_floating_point(v):
-            groups.setdefault((v.dtype, v.device), []).append(key)
-    out: dict[str, torch.Tensor] = {key: v.clone() for key, v in ref.items() if not torch.is_floating_point(v)}
-    for keys in groups.values():
-        # one flat float64 accumulator per group: the same element-wise sums, in the same client
-        # order, as one accumulation per tensor, in a handful of calls instead of three per tensor
-        for st in states[1:]:
-            for key in keys:
-                if st[key].shape != ref[key].shape:
-                    raise ValueError(f"weighted_average: {key!r} has shape {tuple(st[key].shape)} in one state "
-                                     f"and {tuple(ref[key].shape)} in another")
-        acc = torch.zeros(sum(ref[k].numel() for k in keys), dtype=torch.float64, device=ref[keys[0]].device)
-        for st, w in zip(states, weights):
-            acc.add_(torch.cat([st[k].reshape(-1) for k in keys]).to(torch.float64), alpha=float(w) / total)
-        start = 0
-        for key in keys:
-            n = ref[key].numel()
-            out[key] = acc[start : start + n].view(ref[key].shape).to(ref[key].dtype)
-            start += n
-    return {key: out[key] for key in ref}
+    mean = WeightedMean(weights)
+    for st in states:
+        mean.add(st)
+    return mean.result()
 
 
 class Algorithm:
@@ -205,12 +246,25 @@ class Algorithm:
         return ClientTask(**fields, seed=derive_seed(ctx.cfg.seed, "client", client.round, client.cid), payload=payload, step=step)
 
     def aggregate(self, ctx: "Context", updates: list[ClientResult]) -> None:
-        """New global model (default: sample-weighted mean, or uniform if configured)."""
+        """New global model (default: sample-weighted mean, or uniform if configured).
+
+        The default's mean may have been accumulated while the round ran (the engine streams the
+        uploads, in client-id order, into a :class:`WeightedMean` for an algorithm that keeps this
+        method); it is used when it covers exactly these updates with these weights."""
         assert self.global_model is not None
         if not updates:
             return
         weights = ctx.aggregation_weights(updates)
-        self.global_model.load_state_dict(weighted_average([u.state for u in updates], weights))
+        mean = ctx.streamed_mean([u.cid for u in updates], weights)
+        if mean is None:
+            mean = weighted_average([u.state for u in updates], weights)
+        self.global_model.load_state_dict(mean)
+
+    @property
+    def streams_uploads(self) -> bool:
+        """Whether the engine may accumulate this algorithm's uploads while a round runs (it keeps
+        the default :meth:`aggregate`)."""
+        return type(self).aggregate is Algorithm.aggregate
 
     def server_update(self, ctx: "Context") -> None:
         """Server-side step after aggregation (default: none)."""

@@ -231,9 +231,11 @@ class Backend(abc.ABC):
         algorithm: "Algorithm",
         tasks: "list[ClientTask]",
         states: dict[int, dict[str, Any] | None],
-        on_done: Callable[[int], None] | None = None,
+        on_done: Callable[[Outcome], None] | None = None,
     ) -> list[Outcome]:
-        """Run the tasks; one outcome per task, sorted by client id."""
+        """Run the tasks; one outcome per task, sorted by client id. ``on_done`` is called with
+        each outcome as soon as it is known, in any order (progress, uploads averaged as they
+        come)."""
 
     def close(self) -> None:  # noqa: B027 - optional: back ends without resources need nothing
         """Release workers or connections (idempotent)."""
@@ -257,13 +259,13 @@ class LocalBackend(Backend):
         if together is not None:
             if on_done is not None:
                 for o in together:
-                    on_done(o.task.cid)
+                    on_done(o)
             return together
         out = []
         for task in sorted(tasks, key=lambda t: t.cid):
             out.append(run_task(lambda: cls(options), self.ctx, task, states.get(task.cid)))
             if on_done is not None:
-                on_done(task.cid)
+                on_done(out[-1])
         return out
 
 

@@ -253,7 +253,7 @@ class ProcessBackend(Backend):
         for w in self._workers:
             self._await_ready(w)
 
-    def run(self, algorithm, tasks, states, on_done: Callable[[int], None] | None = None):  # type: ignore[no-untyped-def]
+    def run(self, algorithm, tasks, states, on_done: Callable[[Outcome], None] | None = None):  # type: ignore[no-untyped-def]
         """Tasks in client-id order, dealt round-robin to the executors (neighbouring ids land on
         different ones, which balances tiers): the workers' shares are sent first, then the server
         runs its own; outcomes returned in client-id order."""
@@ -268,7 +268,7 @@ class ProcessBackend(Backend):
         def finish(task: Any, outcome: Outcome) -> None:
             done[task.cid] = outcome
             if on_done is not None:
-                on_done(task.cid)
+                on_done(outcome)
 
         if self.in_process:
             self._run_here(algorithm, queue[0::k], states, finish)

@@ -321,11 +321,12 @@ def test_backend_error_missing_and_garbled_replies_become_failed_outcomes(task_i
 
     backend = FlowerBackend(cfg, MockGrid(2, handler), num_nodes=2, delivery_grace_s=0.0, poll_s=0.01)
     tasks = [ClientTask(cid=c, tier="small", ratio=1.0, budget_macs=1.0, num_samples=3, round=1) for c in (4, 3, 2, 1, 0)]
-    done: list[int] = []
+    done: list[Outcome] = []
     t0 = time.perf_counter()
     outs = backend.run(None, tasks, {}, on_done=done.append)
     assert time.perf_counter() - t0 < 5
-    assert [o.task.cid for o in outs] == [0, 1, 2, 3, 4] and sorted(done) == [0, 1, 2, 3, 4]
+    assert [o.task.cid for o in outs] == [0, 1, 2, 3, 4] and sorted(o.task.cid for o in done) == [0, 1, 2, 3, 4]
+    assert all(any(o is d for d in done) for o in outs)  # on_done saw every outcome itself
     ok = {o.task.cid: o for o in outs if o.result is not None}
     assert sorted(ok) == [0, 4] and torch.equal(ok[4].result.state["w"], torch.full((2,), 4.0))
     reasons = {o.task.cid: o.error for o in outs if o.result is None}

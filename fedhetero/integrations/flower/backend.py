@@ -249,7 +249,7 @@ class FlowerBackend(Backend):
             ttl = max(60.0, 2 * (self.timeout + self.delivery_grace_s))
         return Message(content, self.node_of(task.cid), MessageType.TRAIN, ttl=ttl, group_id=f"{task.round}.{task.step}")
 
-    def run(self, algorithm, tasks, states, on_done: Callable[[int], None] | None = None):  # type: ignore[no-untyped-def]
+    def run(self, algorithm, tasks, states, on_done: Callable[[Outcome], None] | None = None):  # type: ignore[no-untyped-def]
         """Send every task to its client's node and collect the outcomes (sorted by client id)."""
         order = sorted(tasks, key=lambda t: t.cid)
         if not order:
@@ -265,7 +265,7 @@ class FlowerBackend(Backend):
         def finish(task: Any, outcome: Outcome) -> None:
             done[task.cid] = outcome
             if on_done is not None:
-                on_done(task.cid)
+                on_done(outcome)
 
         def send_next(node: int) -> None:
             while queues[node]:
