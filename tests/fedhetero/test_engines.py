@@ -309,3 +309,83 @@ def test_server_share_runs_at_the_workers_thread_count(monkeypatch):
         assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(old)
+
+
+def _result(cid, value, n=3):
+    from fedhetero.algorithms.base import ClientResult
+
+    g = torch.Generator().manual_seed(cid)
+    state = {"w": torch.randn(4, 3, generator=g) * value, "b": torch.randn(5, generator=g, dtype=torch.float64),
+             "n": torch.tensor(cid)}
+    return ClientResult(cid=cid, num_samples=n, state=state, macs=1, budget_macs=1.0, bytes_up=0, bytes_down=0)
+
+
+def test_upload_stream_gives_weighted_average_bits_in_any_arrival_order():
+    from fedhetero.algorithms.base import ClientTask, weighted_average
+    from fedhetero.context import UploadStream
+    from fedhetero.engines import Outcome
+
+    sizes = {0: 5, 3: 9, 4: 2, 7: 11}
+    tasks = [ClientTask(cid=c, tier="t", ratio=1.0, budget_macs=1.0, num_samples=n, round=1) for c, n in sizes.items()]
+    results = {c: _result(c, 1.0 + c, n) for c, n in sizes.items()}
+    ref = weighted_average([results[c].state for c in sorted(sizes)], [float(sizes[c]) for c in sorted(sizes)])
+    for order in ([7, 0, 4, 3], [0, 3, 4, 7], [4, 7, 3, 0]):
+        stream = UploadStream(tasks, uniform=False, timeout_s=None)
+        for c in order:
+            stream.offer(Outcome(tasks[0], results[c], checked=True))
+        mean = stream.mean_of(sorted(sizes), [float(sizes[c]) for c in sorted(sizes)])
+        assert mean is not None and list(mean) == list(ref)
+        assert all(torch.equal(mean[k], ref[k]) for k in ref)
+    # other weights, another client set, a failed or unchecked outcome: no streamed mean
+    stream = UploadStream(tasks, uniform=False, timeout_s=None)
+    for c in sizes:
+        stream.offer(Outcome(tasks[0], results[c], checked=True))
+    assert stream.mean_of(sorted(sizes), [1.0] * 4) is None
+    assert stream.mean_of(sorted(sizes)[:3], [float(sizes[c]) for c in sorted(sizes)[:3]]) is None
+    for bad in (Outcome(tasks[0], None, "boom"), Outcome(tasks[0], results[3], checked=False),
+                Outcome(tasks[0], results[3], seconds=9.0, checked=True)):
+        stream = UploadStream(tasks, uniform=False, timeout_s=5.0)
+        stream.offer(bad)
+        for c in sizes:
+            stream.offer(Outcome(tasks[0], results[c], checked=True))
+        assert stream.mean_of(sorted(sizes), [float(sizes[c]) for c in sorted(sizes)]) is None
+
+
+@pytest.mark.parametrize("backend", ["local", "process"])
+def test_default_aggregate_uses_the_streamed_mean(tmp_path, backend, monkeypatch):
+    """A FedAvg round averages its uploads while they arrive: the list average is never needed,
+    and the run equals one where it is forced (faults make the stream stop; those rounds fall back)."""
+    import fedhetero.algorithms.base as base
+
+    calls = []
+    original = base.weighted_average
+
+    def counting(states, weights):
+        calls.append(len(states))
+        return original(states, weights)
+
+    monkeypatch.setattr(base, "weighted_average", counting)
+    _, streamed = _run(tmp_path, _cfg("fedavg", backend, workers=2), "streamed")
+    assert calls == []
+    monkeypatch.setattr(base.Algorithm, "streams_uploads", property(lambda self: False))
+    _, listed = _run(tmp_path, _cfg("fedavg", backend, workers=2), "listed")
+    assert len(calls) == 3
+    assert strip_wall(streamed.metrics) == strip_wall(listed.metrics)
+    monkeypatch.undo()
+    calls.clear()
+    monkeypatch.setattr(base, "weighted_average", counting)
+    faulty = _cfg("fedavg", backend, workers=2, inject_faults={"rate": 0.4, "kinds": ["raise"]})
+    _, res = _run(tmp_path, faulty, "faulty")
+    dropped_rounds = sum(1 for r in res.metrics if r["dropped"])
+    assert dropped_rounds >= 1 and len(calls) == dropped_rounds
+
+
+def test_an_algorithm_with_its_own_aggregate_is_not_streamed():
+    class Mine(Algorithm):
+        name = "mine"
+
+        def aggregate(self, ctx, updates):
+            pass
+
+    assert build_algorithm(_cfg("fedavg")).streams_uploads is True
+    assert Mine().streams_uploads is False
