@@ -229,7 +229,8 @@ def engines_main(argv: list[str] | None = None) -> int:
     p.add_argument("--per-round", type=int, default=10)
     p.add_argument("--rounds", type=int, default=10)
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--workers", type=int, default=2,
+                   help="engine.workers of the process back end: executors, this process included (default 2)")
     p.add_argument("--dataset", default="digits")
     p.add_argument("--model", default="lenet5")
     p.add_argument("--no-flower", action="store_true", help="skip the Flower rows")
@@ -278,7 +279,8 @@ def engines_main(argv: list[str] | None = None) -> int:
     tasks = args.rounds * args.per_round
     rows = [
         ("local: client tasks / s", f"{tasks / best['local']:.1f}", ""),
-        (f"process ({args.workers} workers): client tasks / s", f"{tasks / best['process']:.1f}", ""),
+        (f"process (engine.workers={args.workers}: this process + {args.workers - 1} worker"
+         f"{'s' if args.workers != 2 else ''}): client tasks / s", f"{tasks / best['process']:.1f}", ""),
         ("process / local throughput", f"{best['local'] / best['process']:.2f}×", "≥ 1.7× with 2 workers on 2 cores"),
         (f"process / local throughput, {args.heavy_epochs} local epochs",
          f"{best['heavy_local'] / best['heavy_process']:.2f}×", "(more work per client task)"),
