@@ -591,6 +591,7 @@ class UploadStream:
         self.timeout_s = timeout_s
         self._index = {cid: i for i, cid in enumerate(self.cids)}
         self._waiting: dict[int, Any] = {}
+        self._folded: list[Any] = []  # the results in the mean, in order
         self._next = 0
         self.ok = bool(order) and sum(self.weights) > 0
         self._mean = WeightedMean(self.weights) if self.ok else None
@@ -608,13 +609,18 @@ class UploadStream:
         assert self._mean is not None
         try:
             while self._next in self._waiting:
-                self._mean.add(self._waiting.pop(self._next).state)
+                res = self._waiting.pop(self._next)
+                self._mean.add(res.state)
+                self._folded.append(res)
                 self._next += 1
         except (ValueError, KeyError, RuntimeError):  # uploads the mean cannot take: the caller decides
             self.ok = False
 
-    def mean_of(self, cids: list[int], weights: list[float]) -> "dict[str, torch.Tensor] | None":
-        if not self.ok or self._next != len(self.cids) or cids != self.cids or [float(w) for w in weights] != self.weights:
+    def mean_of(self, updates: list[Any], weights: list[float]) -> "dict[str, torch.Tensor] | None":
+        """The mean if it is of exactly these result objects, in this order, with these weights."""
+        if not self.ok or len(updates) != len(self._folded) or [float(w) for w in weights] != self.weights:
+            return None
+        if any(u is not f for u, f in zip(updates, self._folded)):
             return None
         assert self._mean is not None
         return self._mean.result()
@@ -638,12 +644,12 @@ class Context(ClientContext):
         self.on_client_done: Callable[[int], None] | None = None
         self.stream: UploadStream | None = None  # the uploads of the last execute, averaged as they came
 
-    def streamed_mean(self, cids: list[int], weights: list[float]) -> "dict[str, torch.Tensor] | None":
+    def streamed_mean(self, updates: "list[ClientResult]", weights: list[float]) -> "dict[str, torch.Tensor] | None":
         """The weighted mean of the last :meth:`execute`'s uploads, accumulated while it ran, if it
-        covers exactly the clients ``cids`` (in this order) with these ``weights``; else None (the
-        caller averages the uploads itself)."""
+        covers exactly these ``updates`` (the same result objects, in this order) with these
+        ``weights``; else None (the caller averages the uploads itself). Taken once."""
         stream, self.stream = self.stream, None
-        return None if stream is None else stream.mean_of(cids, weights)
+        return None if stream is None else stream.mean_of(updates, weights)
 
     def execute(self, algorithm: "Algorithm", tasks: "list[ClientTask]") -> "list[ClientResult]":
         """Run client tasks on the back end; the results of the clients that succeeded, sorted by

@@ -255,16 +255,18 @@ class Algorithm:
         if not updates:
             return
         weights = ctx.aggregation_weights(updates)
-        mean = ctx.streamed_mean([u.cid for u in updates], weights)
+        mean = ctx.streamed_mean(updates, weights)
         if mean is None:
             mean = weighted_average([u.state for u in updates], weights)
         self.global_model.load_state_dict(mean)
 
     @property
     def streams_uploads(self) -> bool:
-        """Whether the engine may accumulate this algorithm's uploads while a round runs (it keeps
-        the default :meth:`aggregate`)."""
-        return type(self).aggregate is Algorithm.aggregate
+        """Whether the engine accumulates this algorithm's uploads while a round runs: it keeps the
+        default :meth:`run_round` and :meth:`aggregate`, which consume that mean (an algorithm
+        with a round of its own may average differently, or not at all)."""
+        cls = type(self)
+        return cls.aggregate is Algorithm.aggregate and cls.run_round is Algorithm.run_round
 
     def server_update(self, ctx: "Context") -> None:
         """Server-side step after aggregation (default: none)."""

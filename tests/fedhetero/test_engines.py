@@ -333,22 +333,28 @@ def test_upload_stream_gives_weighted_average_bits_in_any_arrival_order():
         stream = UploadStream(tasks, uniform=False, timeout_s=None)
         for c in order:
             stream.offer(Outcome(tasks[0], results[c], checked=True))
-        mean = stream.mean_of(sorted(sizes), [float(sizes[c]) for c in sorted(sizes)])
+        mean = stream.mean_of([results[c] for c in sorted(sizes)], [float(sizes[c]) for c in sorted(sizes)])
         assert mean is not None and list(mean) == list(ref)
         assert all(torch.equal(mean[k], ref[k]) for k in ref)
     # other weights, another client set, a failed or unchecked outcome: no streamed mean
     stream = UploadStream(tasks, uniform=False, timeout_s=None)
     for c in sizes:
         stream.offer(Outcome(tasks[0], results[c], checked=True))
-    assert stream.mean_of(sorted(sizes), [1.0] * 4) is None
-    assert stream.mean_of(sorted(sizes)[:3], [float(sizes[c]) for c in sorted(sizes)[:3]]) is None
+    ordered = [results[c] for c in sorted(sizes)]
+    weights = [float(sizes[c]) for c in sorted(sizes)]
+    assert stream.mean_of(ordered, [1.0] * 4) is None
+    assert stream.mean_of(ordered[:3], weights[:3]) is None
+    # equal clients and weights but other result objects (another exchange of the round): no
+    copies = [_result(c, 1.0 + c, sizes[c]) for c in sorted(sizes)]
+    assert stream.mean_of(copies, weights) is None
+    assert stream.mean_of(ordered, weights) is not None
     for bad in (Outcome(tasks[0], None, "boom"), Outcome(tasks[0], results[3], checked=False),
                 Outcome(tasks[0], results[3], seconds=9.0, checked=True)):
         stream = UploadStream(tasks, uniform=False, timeout_s=5.0)
         stream.offer(bad)
         for c in sizes:
             stream.offer(Outcome(tasks[0], results[c], checked=True))
-        assert stream.mean_of(sorted(sizes), [float(sizes[c]) for c in sorted(sizes)]) is None
+        assert stream.mean_of([results[c] for c in sorted(sizes)], [float(sizes[c]) for c in sorted(sizes)]) is None
 
 
 @pytest.mark.parametrize("backend", ["local", "process"])
@@ -387,5 +393,12 @@ def test_an_algorithm_with_its_own_aggregate_is_not_streamed():
         def aggregate(self, ctx, updates):
             pass
 
+    class MyRound(Algorithm):
+        name = "myround"
+
+        def run_round(self, ctx, clients):
+            return []
+
     assert build_algorithm(_cfg("fedavg")).streams_uploads is True
-    assert Mine().streams_uploads is False
+    assert Mine().streams_uploads is False and MyRound().streams_uploads is False
+    assert build_algorithm(from_dict({"algorithm": {"name": "dynacomm"}})).streams_uploads is False
