@@ -45,6 +45,7 @@ __all__ = [
     "UploadStream",
     "build_data",
     "client_context",
+    "combine_batch_stats",
     "derive_seed",
     "merge_optimizer_state",
     "split_optimizer_state",
@@ -544,24 +545,26 @@ class ClientContext:
         mean_loss = float(sum(float(l) * n for l, n in zip(losses, sizes)) / seen) if seen else float("nan")
         return {"loss": mean_loss, "steps": steps}
 
-    @torch.no_grad()
     def evaluate(self, model: nn.Module, dataset: Any = None, indices: Any = None) -> dict[str, float]:
         """Accuracy and mean loss of ``model`` (eval mode) on the test set or a given dataset."""
+        return combine_batch_stats(self.evaluate_batches(model, dataset, indices))
+
+    @torch.no_grad()
+    def evaluate_batches(self, model: nn.Module, dataset: Any = None, indices: Any = None) -> list[tuple[float, int, int]]:
+        """``(summed loss, correct, samples)`` of every evaluation batch, in order: the pieces of
+        :meth:`evaluate`, which a back end may compute in several processes (each batch is the
+        same whoever computes it, and :func:`combine_batch_stats` adds them in this order)."""
         ds = self.data.test if dataset is None else dataset
         was_training = model.training
         model.eval()
-        correct = 0
-        loss = 0.0
-        n = 0
+        out_stats = []
         for x, y in iterate_batches(ds, indices, self.cfg.train.eval_batch_size, shuffle=False):
             x = x.to(self.device, self.dtype)
             y = y.to(self.device)
             out = model(x)
-            loss += float(F.cross_entropy(out, y, reduction="sum"))
-            correct += int((out.argmax(1) == y).sum())
-            n += int(y.shape[0])
+            out_stats.append((float(F.cross_entropy(out, y, reduction="sum")), int((out.argmax(1) == y).sum()), int(y.shape[0])))
         model.train(was_training)
-        return {"accuracy": correct / max(n, 1), "loss": loss / max(n, 1)}
+        return out_stats
 
     def aggregation_weights(self, updates: "list[ClientResult]") -> list[float]:
         if self.cfg.train.aggregation == "uniform":
@@ -569,6 +572,18 @@ class ClientContext:
         return [float(u.num_samples) for u in updates]
 
 
+
+
+def combine_batch_stats(stats: "list[tuple[float, int, int]]") -> dict[str, float]:
+    """Accuracy and mean loss from per-batch ``(summed loss, correct, samples)``, added in order."""
+    correct = 0
+    loss = 0.0
+    n = 0
+    for batch_loss, batch_correct, batch_n in stats:
+        loss += batch_loss
+        correct += batch_correct
+        n += batch_n
+    return {"accuracy": correct / max(n, 1), "loss": loss / max(n, 1)}
 
 
 class UploadStream:
@@ -643,6 +658,19 @@ class Context(ClientContext):
         self._executor = executor
         self.on_client_done: Callable[[int], None] | None = None
         self.stream: UploadStream | None = None  # the uploads of the last execute, averaged as they came
+        # a back end's evaluate_batches over several processes (set by the engine), or None
+        self.batch_evaluator: Callable[[nn.Module, str, Any], "list[tuple[float, int, int]] | None"] | None = None
+
+    def evaluate(self, model: nn.Module, dataset: Any = None, indices: Any = None) -> dict[str, float]:
+        """:meth:`ClientContext.evaluate`, its batches shared among the back end's processes when it
+        offers that (same batches, added in the same order: the same numbers)."""
+        if self.batch_evaluator is not None:
+            name = "test" if dataset is None or dataset is self.data.test else "train" if dataset is self.data.train else None
+            if name is not None:
+                stats = self.batch_evaluator(model, name, indices)
+                if stats is not None:
+                    return combine_batch_stats(stats)
+        return super().evaluate(model, dataset, indices)
 
     def streamed_mean(self, updates: "list[ClientResult]", weights: list[float]) -> "dict[str, torch.Tensor] | None":
         """The weighted mean of the last :meth:`execute`'s uploads, accumulated while it ran, if it

@@ -146,6 +146,7 @@ class Engine:
         elif (made_for := getattr(self.backend, "cfg", None)) is not None and config_hash(made_for) != config_hash(cfg):
             # a back end builds its clients from its own config: it must be this run's
             raise ConfigError("backend: the back end passed in was made for another config than this run's")
+        self.ctx.batch_evaluator = getattr(self.backend, "evaluate_batches", None)
         self.algorithm = build_algorithm(cfg)
         with self.ctx.seeded("init", 1):
             self.algorithm.setup(self.ctx)

@@ -42,6 +42,7 @@ __all__ = ["ProcessBackend"]
 _STARTUP_S = 300.0  # seconds a worker may take to import torch and build the data set
 
 
+_EVAL = b"E"  # first byte of an evaluation message (a pickle starts with b"\x80")
 _SOCKET_BUFFER = 8 << 20  # bytes: a model state goes through in one write instead of many wake-ups
 
 
@@ -94,6 +95,14 @@ def _worker_main(conn: Connection) -> None:
             msg = conn.recv_bytes()
         except (EOFError, OSError):
             return
+        if msg[:1] == _EVAL:  # (model, data set name, indices): some evaluation batches
+            try:
+                model, name, indices = pickle.loads(msg[1:])
+                stats: Any = ctx.evaluate_batches(model, getattr(ctx.data, name), indices)
+            except Exception as exc:  # the server evaluates these batches itself
+                stats = f"{type(exc).__name__}: {exc}"
+            conn.send_bytes(pickle.dumps(stats))
+            continue
         batch = pickle.loads(msg)
         if batch is None:
             return
@@ -193,6 +202,7 @@ class ProcessBackend(Backend):
         self.in_process = cfg.engine.client_timeout_s is None
         self._data = data  # the server's data set, shared read-only with its own share of tasks
         self._ctx: Any = None
+        self._remote_eval = True  # False once a model could not be evaluated in a worker
         self.threads = cfg.threads or 1
         self.timeout = cfg.engine.client_timeout_s
         self._cfg_data = to_dict(cfg)
@@ -302,6 +312,70 @@ class ProcessBackend(Backend):
                     ))
                     self._send(self._replace(w), rest, states, done)
         return [done[t.cid] for t in queue]
+
+    def evaluate_batches(self, model: Any, name: str, indices: Any) -> list[tuple[float, int, int]] | None:
+        """An evaluation's batches shared among the executors: contiguous runs of batches, the
+        first runs to idle workers (the model goes with them), the last to the server when it is an
+        executor; the per-batch numbers are put back in batch order, so their sum is the one
+        ``local`` computes. None (the server evaluates alone) for a single batch, without idle
+        workers, or with ``threads: null`` (the server's and the workers' thread counts may then
+        differ). A worker that fails leaves its batches to the server."""
+        import numpy as np
+        import torch
+
+        idle = [w for w in self._workers if w.ready and not w.queue and w.conn is not None]
+        if not idle or self.cfg.threads is None or not self._remote_eval:
+            return None
+        if self._ctx is None:
+            from fedhetero.context import client_context
+
+            self._ctx = client_context(self.cfg, self._data)
+        dataset = getattr(self._ctx.data, name)
+        order = np.arange(len(dataset.labels)) if indices is None else np.asarray(indices)
+        size = self.cfg.train.eval_batch_size
+        batches = -(-len(order) // size)
+        k = min(batches, len(idle) + int(self.in_process))
+        if k < 2:
+            return None
+        bounds = [round(i * batches / k) for i in range(k + 1)]
+        parts = [order[bounds[i] * size : bounds[i + 1] * size] for i in range(k)]
+        helpers = idle[: k - int(self.in_process)]
+        try:
+            messages = [_EVAL + dumps((model, name, part)) for part in parts[: len(helpers)]]
+        except Exception:  # a model that does not pickle is evaluated here, from now on
+            self._remote_eval = False
+            return None
+        sent: list[_Worker | None] = []
+        for w, msg in zip(helpers, messages):
+            try:
+                assert w.conn is not None
+                w.conn.send_bytes(msg)
+                sent.append(w)
+            except (BrokenPipeError, OSError):
+                sent.append(None)
+        results: list[Any] = [None] * k
+        if self.in_process:
+            before = torch.get_num_threads()
+            if before != self.threads:
+                torch.set_num_threads(self.threads)
+            try:
+                results[k - 1] = self._ctx.evaluate_batches(model, dataset, parts[k - 1])
+            finally:
+                if before != self.threads:
+                    torch.set_num_threads(before)
+        for i, helper in enumerate(sent):
+            reply = None
+            if helper is not None:
+                try:
+                    assert helper.conn is not None
+                    reply = pickle.loads(helper.conn.recv_bytes())
+                except (EOFError, OSError):
+                    self._replace(helper)
+            if not isinstance(reply, list):  # the worker could not: these batches here, and from now on
+                self._remote_eval = False
+                reply = self._ctx.evaluate_batches(model, dataset, parts[i])
+            results[i] = reply
+        return [stat for part in results for stat in part]
 
     def _run_here(self, algorithm: Any, tasks: list[Any], states: dict[int, Any], finish: Callable[[Any, Outcome], None]) -> None:
         """The server's own share, on its own client context, at the workers' thread count (so every

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any
+
+import torch
+from torch import nn
 
 
 def strip_wall(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -13,3 +17,18 @@ def strip_wall(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         r["clients"] = [{k: v for k, v in c.items() if k != "wall_s"} for c in r["clients"]]
         out.append(r)
     return out
+
+
+class ServerOnlyModel(nn.Module):
+    """A linear classifier whose forward fails in any process but the one that built it (a model
+    a worker process cannot evaluate)."""
+
+    def __init__(self, in_features: int, classes: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(in_features, classes)
+        self.pid = os.getpid()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if os.getpid() != self.pid:
+            raise RuntimeError("not in this process")
+        return self.fc(x.flatten(1))

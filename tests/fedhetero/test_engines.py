@@ -402,3 +402,53 @@ def test_an_algorithm_with_its_own_aggregate_is_not_streamed():
     assert build_algorithm(_cfg("fedavg")).streams_uploads is True
     assert Mine().streams_uploads is False and MyRound().streams_uploads is False
     assert build_algorithm(from_dict({"algorithm": {"name": "dynacomm"}})).streams_uploads is False
+
+
+@pytest.mark.parametrize("name", ["fedavg", "dynamicfl"])
+def test_process_shares_evaluation_batches_with_the_same_numbers(tmp_path, name, monkeypatch):
+    """With several evaluation batches the server evaluates the last run of them and a worker the
+    rest; the per-batch numbers are added in batch order, so the metrics equal local's bit for bit."""
+    from fedhetero.context import ClientContext
+
+    def cfg(backend):
+        return from_dict({
+            "seed": 2, "threads": 1, "data": {"num_clients": 10},
+            "train": {"rounds": 2, "sample_rate": 0.4, "local_epochs": 1, "eval_batch_size": 40},
+            "algorithm": {"name": name}, "engine": {"backend": backend, "workers": 2},
+        })
+
+    here: list[int] = []
+    original = ClientContext.evaluate_batches
+
+    def counting(self, model, dataset=None, indices=None):
+        out = original(self, model, dataset, indices)
+        here.append(len(out))
+        return out
+
+    a, ra = _run(tmp_path, cfg("local"), "local")
+    monkeypatch.setattr(ClientContext, "evaluate_batches", counting)
+    b, rb = _run(tmp_path, cfg("process"), "process")
+    assert strip_wall(ra.metrics) == strip_wall(rb.metrics)
+    _assert_same_model(a, b)
+    total = -(-len(b.data.test.labels) // 40)
+    assert total >= 4 and here and all(0 < n < total for n in here)  # the server did only its share
+
+
+def test_evaluation_falls_back_to_the_server_when_a_worker_cannot(tmp_path):
+    from _util import ServerOnlyModel
+
+    from fedhetero.context import client_context
+    from fedhetero.engines.process import ProcessBackend
+
+    cfg = from_dict({"threads": 1, "train": {"eval_batch_size": 40}, "engine": {"backend": "process", "workers": 2}})
+    ctx = client_context(cfg)
+    model = ServerOnlyModel(int(torch.tensor(ctx.data.test.images.shape[1:]).prod()), 10)
+    backend = ProcessBackend(cfg, ctx.data)
+    try:
+        backend.start()
+        stats = backend.evaluate_batches(model, "test", None)
+        assert stats == ctx.evaluate_batches(model)  # the worker failed: the server did its batches
+        assert backend._remote_eval is False and backend.evaluate_batches(model, "test", None) is None
+        assert all(w.proc.poll() is None for w in backend._workers)  # the worker lives on
+    finally:
+        backend.close()
