@@ -315,16 +315,16 @@ class ProcessBackend(Backend):
 
     def evaluate_batches(self, model: Any, name: str, indices: Any) -> list[tuple[float, int, int]] | None:
         """An evaluation's batches shared among the executors: contiguous runs of batches, the
-        first runs to idle workers (the model goes with them), the last to the server when it is an
-        executor; the per-batch numbers are put back in batch order, so their sum is the one
+        first runs to idle workers (the model goes with them), the last to the server; the per-batch numbers are put back in batch order, so their sum is the one
         ``local`` computes. None (the server evaluates alone) for a single batch, without idle
-        workers, or with ``threads: null`` (the server's and the workers' thread counts may then
-        differ). A worker that fails leaves its batches to the server."""
+        workers, with ``threads: null`` (the server's and the workers' thread counts may then
+        differ) or with ``engine.client_timeout_s`` (the server then runs no share, and would wait on
+        a worker with no limit). A worker that fails leaves its batches to the server."""
         import numpy as np
         import torch
 
         idle = [w for w in self._workers if w.ready and not w.queue and w.conn is not None]
-        if not idle or self.cfg.threads is None or not self._remote_eval:
+        if not idle or self.cfg.threads is None or not self._remote_eval or not self.in_process:
             return None
         if self._ctx is None:
             from fedhetero.context import client_context
@@ -334,12 +334,12 @@ class ProcessBackend(Backend):
         order = np.arange(len(dataset.labels)) if indices is None else np.asarray(indices)
         size = self.cfg.train.eval_batch_size
         batches = -(-len(order) // size)
-        k = min(batches, len(idle) + int(self.in_process))
+        k = min(batches, len(idle) + 1)
         if k < 2:
             return None
         bounds = [round(i * batches / k) for i in range(k + 1)]
         parts = [order[bounds[i] * size : bounds[i + 1] * size] for i in range(k)]
-        helpers = idle[: k - int(self.in_process)]
+        helpers = idle[: k - 1]
         try:
             messages = [_EVAL + dumps((model, name, part)) for part in parts[: len(helpers)]]
         except Exception:  # a model that does not pickle is evaluated here, from now on
@@ -354,15 +354,14 @@ class ProcessBackend(Backend):
             except (BrokenPipeError, OSError):
                 sent.append(None)
         results: list[Any] = [None] * k
-        if self.in_process:
-            before = torch.get_num_threads()
+        before = torch.get_num_threads()
+        if before != self.threads:
+            torch.set_num_threads(self.threads)
+        try:
+            results[k - 1] = self._ctx.evaluate_batches(model, dataset, parts[k - 1])
+        finally:
             if before != self.threads:
-                torch.set_num_threads(self.threads)
-            try:
-                results[k - 1] = self._ctx.evaluate_batches(model, dataset, parts[k - 1])
-            finally:
-                if before != self.threads:
-                    torch.set_num_threads(before)
+                torch.set_num_threads(before)
         for i, helper in enumerate(sent):
             reply = None
             if helper is not None:

@@ -452,3 +452,19 @@ def test_evaluation_falls_back_to_the_server_when_a_worker_cannot(tmp_path):
         assert all(w.proc.poll() is None for w in backend._workers)  # the worker lives on
     finally:
         backend.close()
+
+
+def test_evaluation_is_not_shared_with_a_time_out_or_free_threads():
+    from fedhetero.context import client_context
+    from fedhetero.engines.process import ProcessBackend
+
+    for extra in ({"engine": {"backend": "process", "workers": 2, "client_timeout_s": 30.0}, "threads": 1},
+                  {"engine": {"backend": "process", "workers": 2}, "threads": None}):
+        cfg = from_dict({"train": {"eval_batch_size": 40}, **extra})
+        ctx = client_context(cfg)
+        backend = ProcessBackend(cfg, ctx.data)
+        try:
+            backend.start()
+            assert backend.evaluate_batches(ctx.build_model(), "test", None) is None
+        finally:
+            backend.close()
