@@ -601,10 +601,9 @@ class UploadStream:
         from fedhetero.algorithms.base import WeightedMean
 
         order = sorted(tasks, key=lambda t: t.cid)
-        self.cids = [t.cid for t in order]
         self.weights = [1.0 if uniform else float(t.num_samples) for t in order]
         self.timeout_s = timeout_s
-        self._index = {cid: i for i, cid in enumerate(self.cids)}
+        self._index = {t.cid: i for i, t in enumerate(order)}
         self._waiting: dict[int, Any] = {}
         self._folded: list[Any] = []  # the results in the mean, in order
         self._next = 0
@@ -615,9 +614,10 @@ class UploadStream:
         """Take one outcome (any order)."""
         if not self.ok:
             return
+        from fedhetero.engines import check_result
+
         res = outcome.result
-        late = self.timeout_s is not None and outcome.seconds > self.timeout_s
-        if outcome.error is not None or res is None or not outcome.checked or late or res.cid not in self._index:
+        if not outcome.checked or check_result(outcome, self.timeout_s) is not None or res.cid not in self._index:
             self.ok = False
             return
         self._waiting[self._index[res.cid]] = res

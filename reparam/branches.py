@@ -495,10 +495,9 @@ class OneByOneKxKBranch(nn.Module):
         if identity_based:
             left[:, :cg].diagonal(dim1=1, dim2=2).add_(t1.view(g, dg))
         left[:, cg].copy_(b1.view(g, dg))
-        # right operand (g, D/g, O/g·taps): W2 with its rows scaled by t2, transposed and cast in
-        # one pass
-        # (cast first, contiguously, then one transposing pass in the compute dtype: a transposing
-        # cast of float32 ran at half that speed)
+        # right operand (g, D/g, O/g·taps): W2 with its rows scaled by t2 and transposed; cast first,
+        # contiguously, then one transposing pass in the compute dtype (a transposing cast of
+        # float32 ran at half that speed)
         right = torch.empty((g, dg, opg, taps), dtype=dtype, device=t1.device)
         w2c = w2.reshape(g, opg, dg, taps).to(dtype)
         torch.mul(w2c.transpose(1, 2), t2.view(g, 1, opg, 1), out=right)

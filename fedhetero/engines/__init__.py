@@ -116,10 +116,7 @@ def run_task(
         result.timers = dict(ctx.timers)
         if fault == "nan":
             _poison(result.state)
-        bad = upload_fault(result)
-        if bad is not None:
-            return Outcome(task, None, bad, time.perf_counter() - t0, checked=True)
-        return Outcome(task, result, None, time.perf_counter() - t0, checked=True)
+        return _checked(task, result, time.perf_counter() - t0)
     except Exception as exc:  # a failing client is dropped from its round, not fatal
         return Outcome(task, None, f"{type(exc).__name__}: {exc}", time.perf_counter() - t0, traceback.format_exc())
 
@@ -155,12 +152,9 @@ def run_together(
     if results is None:
         return None
     share = (time.perf_counter() - t0) / len(ordered)
-    out = []
-    for t, r in zip(ordered, results):
+    for r in results:
         r.timers = {}
-        bad = upload_fault(r)
-        out.append(Outcome(t, None, bad, share, checked=True) if bad is not None else Outcome(t, r, None, share, checked=True))
-    return out
+    return [_checked(t, r, share) for t, r in zip(ordered, results)]
 
 
 def _finite(value: Any) -> bool:
@@ -206,6 +200,12 @@ def upload_fault(result: "ClientResult") -> str | None:
     if not _finite(result.payload):
         return "non-finite upload (payload)"
     return None
+
+
+def _checked(task: "ClientTask", result: "ClientResult", seconds: float) -> Outcome:
+    """The outcome of a finished task, its upload checked here (where the task ran)."""
+    bad = upload_fault(result)
+    return Outcome(task, None if bad else result, bad, seconds, checked=True)
 
 
 def check_result(outcome: Outcome, timeout_s: float | None) -> str | None:

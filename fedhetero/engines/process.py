@@ -22,6 +22,7 @@ already checked that the upload is finite, so neither costs the server anything.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import secrets
@@ -30,7 +31,7 @@ import sys
 import tempfile
 import time
 from multiprocessing.connection import Client, Connection, Listener, wait
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from fedhetero.config import ConfigError, RunConfig, from_dict, to_dict
 from fedhetero.context import RunError
@@ -315,22 +316,18 @@ class ProcessBackend(Backend):
 
     def evaluate_batches(self, model: Any, name: str, indices: Any) -> list[tuple[float, int, int]] | None:
         """An evaluation's batches shared among the executors: contiguous runs of batches, the
-        first runs to idle workers (the model goes with them), the last to the server; the per-batch numbers are put back in batch order, so their sum is the one
-        ``local`` computes. None (the server evaluates alone) for a single batch, without idle
+        first runs to idle workers (the model goes with them), the last to the server; the
+        per-batch numbers are put back in batch order, so their sum is the one ``local`` computes. None (the server evaluates alone) for a single batch, without idle
         workers, with ``threads: null`` (the server's and the workers' thread counts may then
         differ) or with ``engine.client_timeout_s`` (the server then runs no share, and would wait on
         a worker with no limit). A worker that fails leaves its batches to the server."""
         import numpy as np
-        import torch
 
         idle = [w for w in self._workers if w.ready and not w.queue and w.conn is not None]
         if not idle or self.cfg.threads is None or not self._remote_eval or not self.in_process:
             return None
-        if self._ctx is None:
-            from fedhetero.context import client_context
-
-            self._ctx = client_context(self.cfg, self._data)
-        dataset = getattr(self._ctx.data, name)
+        ctx = self._server_context()
+        dataset = getattr(ctx.data, name)
         order = np.arange(len(dataset.labels)) if indices is None else np.asarray(indices)
         size = self.cfg.train.eval_batch_size
         batches = -(-len(order) // size)
@@ -354,14 +351,8 @@ class ProcessBackend(Backend):
             except (BrokenPipeError, OSError):
                 sent.append(None)
         results: list[Any] = [None] * k
-        before = torch.get_num_threads()
-        if before != self.threads:
-            torch.set_num_threads(self.threads)
-        try:
-            results[k - 1] = self._ctx.evaluate_batches(model, dataset, parts[k - 1])
-        finally:
-            if before != self.threads:
-                torch.set_num_threads(before)
+        with self._workers_threads():
+            results[k - 1] = ctx.evaluate_batches(model, dataset, parts[k - 1])
         for i, helper in enumerate(sent):
             reply = None
             if helper is not None:
@@ -372,29 +363,39 @@ class ProcessBackend(Backend):
                     self._replace(helper)
             if not isinstance(reply, list):  # the worker could not: these batches here, and from now on
                 self._remote_eval = False
-                reply = self._ctx.evaluate_batches(model, dataset, parts[i])
+                reply = ctx.evaluate_batches(model, dataset, parts[i])
             results[i] = reply
         return [stat for part in results for stat in part]
 
-    def _run_here(self, algorithm: Any, tasks: list[Any], states: dict[int, Any], finish: Callable[[Any, Outcome], None]) -> None:
-        """The server's own share, on its own client context, at the workers' thread count (so every
-        executor computes alike)."""
+    def _server_context(self) -> Any:
+        """The server's own client context (built once, on the server's data set)."""
+        if self._ctx is None:
+            from fedhetero.context import client_context
+
+            self._ctx = client_context(self.cfg, self._data)
+        return self._ctx
+
+    @contextlib.contextmanager
+    def _workers_threads(self) -> Iterator[None]:
+        """The workers' thread count in this process for a block (so every executor computes alike)."""
         import torch
 
-        from fedhetero.context import client_context
-
-        if self._ctx is None:
-            self._ctx = client_context(self.cfg, self._data)
-        cls, options = type(algorithm), algorithm.options
         before = torch.get_num_threads()
         if before != self.threads:
             torch.set_num_threads(self.threads)
         try:
-            for task in tasks:
-                finish(task, run_task(lambda: cls(options), self._ctx, task, states.get(task.cid)))
+            yield
         finally:
             if before != self.threads:
                 torch.set_num_threads(before)
+
+    def _run_here(self, algorithm: Any, tasks: list[Any], states: dict[int, Any], finish: Callable[[Any, Outcome], None]) -> None:
+        """The server's own share, on its own client context, at the workers' thread count."""
+        ctx = self._server_context()
+        cls, options = type(algorithm), algorithm.options
+        with self._workers_threads():
+            for task in tasks:
+                finish(task, run_task(lambda: cls(options), ctx, task, states.get(task.cid)))
 
     def close(self) -> None:
         for w in self._workers:
