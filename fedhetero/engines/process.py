@@ -267,7 +267,9 @@ class ProcessBackend(Backend):
     def run(self, algorithm, tasks, states, on_done: Callable[[Outcome], None] | None = None):  # type: ignore[no-untyped-def]
         """Tasks in client-id order, dealt round-robin to the executors (neighbouring ids land on
         different ones, which balances tiers): the workers' shares are sent first, then the server
-        runs its own; outcomes returned in client-id order."""
+        runs its own, reading the workers' outcomes that have arrived after each of its tasks (so
+        that the uploads are folded while the round runs, not after it); outcomes returned in
+        client-id order."""
         self.start()
         queue = sorted(tasks, key=lambda t: t.cid)
         done: dict[int, Outcome] = {}
@@ -282,37 +284,48 @@ class ProcessBackend(Backend):
                 on_done(outcome)
 
         if self.in_process:
-            self._run_here(algorithm, queue[0::k], states, finish)
-
+            self._run_here(algorithm, queue[0::k], states, finish, lambda: self._collect(0.0, states, done, finish))
         while any(w.queue for w in self._workers):
-            busy = [w for w in self._workers if w.queue]
             wait_s = None
             if self.timeout is not None:
                 now = time.perf_counter()
-                wait_s = max(0.0, min(w.started + self.timeout - now for w in busy) + 0.01)
-            ready = wait([w.conn for w in busy if w.conn is not None], timeout=wait_s)
-            now = time.perf_counter()
-            for w in busy:
-                task = w.queue[0]
-                if w.conn in ready:
-                    assert w.conn is not None
-                    try:
-                        outcome = Outcome(task, *pickle.loads(w.conn.recv_bytes()))
-                    except (EOFError, OSError):
-                        rest = w.queue[1:]
-                        finish(task, Outcome(task, None, f"worker died (exit code {w.exitcode})", now - w.started))
-                        self._send(self._replace(w), rest, states, done)
-                        continue
-                    w.queue.pop(0)
-                    w.started = now
-                    finish(task, outcome)
-                elif self.timeout is not None and now - w.started > self.timeout:
-                    rest = w.queue[1:]
-                    finish(task, Outcome(
-                        task, None, f"timeout: no answer within engine.client_timeout_s={self.timeout:g} s", now - w.started
-                    ))
-                    self._send(self._replace(w), rest, states, done)
+                wait_s = max(0.0, min(w.started + self.timeout - now for w in self._workers if w.queue) + 0.01)
+            self._collect(wait_s, states, done, finish)
         return [done[t.cid] for t in queue]
+
+    def _collect(
+        self, wait_s: float | None, states: dict[int, Any], done: dict[int, Outcome], finish: Callable[[Any, Outcome], None]
+    ) -> None:
+        """Take the outcomes the busy workers have sent, waiting up to ``wait_s`` seconds (None: until
+        one arrives) for the first; a worker that died or overran the time-out loses its current
+        task and is replaced, and the rest of its share goes to the replacement."""
+        busy = [w for w in self._workers if w.queue]
+        if not busy:
+            return
+        ready = wait([w.conn for w in busy if w.conn is not None], timeout=wait_s)
+        if not ready and wait_s == 0.0:
+            return
+        now = time.perf_counter()
+        for w in busy:
+            task = w.queue[0]
+            if w.conn in ready:
+                assert w.conn is not None
+                try:
+                    outcome = Outcome(task, *pickle.loads(w.conn.recv_bytes()))
+                except (EOFError, OSError):
+                    rest = w.queue[1:]
+                    finish(task, Outcome(task, None, f"worker died (exit code {w.exitcode})", now - w.started))
+                    self._send(self._replace(w), rest, states, done)
+                    continue
+                w.queue.pop(0)
+                w.started = now
+                finish(task, outcome)
+            elif self.timeout is not None and now - w.started > self.timeout:
+                rest = w.queue[1:]
+                finish(task, Outcome(
+                    task, None, f"timeout: no answer within engine.client_timeout_s={self.timeout:g} s", now - w.started
+                ))
+                self._send(self._replace(w), rest, states, done)
 
     def evaluate_batches(self, model: Any, name: str, indices: Any) -> list[tuple[float, int, int]] | None:
         """An evaluation's batches shared among the executors: contiguous runs of batches, the
@@ -389,13 +402,19 @@ class ProcessBackend(Backend):
             if before != self.threads:
                 torch.set_num_threads(before)
 
-    def _run_here(self, algorithm: Any, tasks: list[Any], states: dict[int, Any], finish: Callable[[Any, Outcome], None]) -> None:
-        """The server's own share, on its own client context, at the workers' thread count."""
+    def _run_here(
+        self, algorithm: Any, tasks: list[Any], states: dict[int, Any], finish: Callable[[Any, Outcome], None],
+        between: Callable[[], None] | None = None,
+    ) -> None:
+        """The server's own share, on its own client context, at the workers' thread count;
+        ``between`` (if given) runs after each task."""
         ctx = self._server_context()
         cls, options = type(algorithm), algorithm.options
         with self._workers_threads():
             for task in tasks:
                 finish(task, run_task(lambda: cls(options), ctx, task, states.get(task.cid)))
+                if between is not None:
+                    between()
 
     def close(self) -> None:
         for w in self._workers:

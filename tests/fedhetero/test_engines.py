@@ -234,6 +234,39 @@ def test_process_pool_counts_the_server_as_an_executor(tmp_path):
     _assert_same_model(a, c)
 
 
+def test_server_reads_worker_outcomes_between_its_own_tasks(tmp_path, monkeypatch):
+    """While the server runs its share it takes the outcomes the worker has sent (so uploads are
+    folded during the round, not all after it); the numbers stay local's."""
+    import time
+
+    import fedhetero.engines.process as proc
+
+    events: list[tuple[str, int]] = []
+    real_run_task, real_collect = proc.run_task, proc.ProcessBackend._collect
+
+    def slow_here(make, ctx, task, state, **kw):  # the server's own tasks only (workers are other interpreters)
+        time.sleep(1.0)
+        out = real_run_task(make, ctx, task, state, **kw)
+        events.append(("server", task.cid))
+        return out
+
+    def collect(self, wait_s, states, done, finish):
+        before = set(done)
+        real_collect(self, wait_s, states, done, finish)
+        events.extend(("worker", c) for c in sorted(set(done) - before))
+
+    monkeypatch.setattr(proc, "run_task", slow_here)
+    monkeypatch.setattr(proc.ProcessBackend, "_collect", collect)
+    a, ra = _run(tmp_path, _cfg("fedavg", "local", rounds=1), "local")
+    b, rb = _run(tmp_path, _cfg("fedavg", "process", rounds=1, workers=2), "process")
+    servers = [i for i, (who, _) in enumerate(events) if who == "server"]
+    workers = [i for i, (who, _) in enumerate(events) if who == "worker"]
+    assert len(servers) == 2 and len(workers) == 2
+    assert workers[0] < servers[-1]  # collected before the server's last task ended
+    assert strip_wall(ra.metrics) == strip_wall(rb.metrics)
+    _assert_same_model(a, b)
+
+
 def test_upload_check_runs_where_the_task_ran():
     """run_task checks the upload itself (in a worker, in parallel) and marks the outcome, so the
     server does not check it again; an outcome built elsewhere (Flower) is still checked."""
