@@ -13,17 +13,18 @@ every parameter and BatchNorm statistic of the expanded model as training would.
 
 Rows:
 
-* whole-model merge of the perturbed expanded model: ``reparam.merge(model, inplace=True)`` (float64
-  arithmetic, the library default) next to :func:`upstream_switch_to_deploy`, a re-implementation of
+* whole-model merge of the perturbed expanded model: ``reparam.merge(model, inplace=True)`` (the
+  library default: arithmetic in the model's dtype, float32 here, as upstream's) next to
+  :func:`upstream_switch_to_deploy`, a re-implementation of
   the deploy conversion of the upstream Diverse Branch Block code (its ``dbb_transforms`` and
   ``DiverseBranchBlock.get_equivalent_kernel_bias`` / ``switch_to_deploy``, float32, block by
   block, autograd on, as upstream runs it), timed on copies of the same model; the ratio of the two
-  is the target row (≤ 0.5). Beside them: the float64 matrix products of the ``1x1_kxk``
-  compositions alone (:func:`float64_products`, the least time of any float64 merge here; over
-  upstream's time it is the least ratio float64 arithmetic can reach on the machine),
-  ``reparam.merge(model)`` with its deep copy and the merge with float32 arithmetic
-  (``compute_dtype=torch.float32``, not the default); both merged models are checked against the
-  expanded one;
+  is the target row (≤ 0.5). Beside them: the same merge with float64 arithmetic
+  (``compute_dtype=torch.float64``: correctly rounded float32 weights), the float64 matrix products
+  of its ``1x1_kxk`` compositions alone (:func:`float64_products`, the least time of any float64
+  merge here; over upstream's time it is the least ratio float64 arithmetic can reach on the
+  machine) and ``reparam.merge(model)`` with its deep copy; every merged model is checked against
+  the expanded one;
 * inference time (eval mode, ``no_grad``) of the merged, the expanded and the plain original model;
 * training-step time (forward, backward, SGD step) of the expanded and the plain model, next to
   their forward-MAC ratio, and the overhead per MAC = step-time ratio ÷ MAC ratio. Measured twice:
@@ -320,7 +321,7 @@ def _merge_times(
     variants: dict[str, Callable[[nn.Module], Any]] = {
         "ours": lambda m: reparam.merge(m, inplace=True),
         "upstream": lambda m: upstream_switch_to_deploy(m, pairs),
-        "ours_float32_arithmetic": lambda m: reparam.merge(m, inplace=True, compute_dtype=torch.float32),
+        "ours_float64_arithmetic": lambda m: reparam.merge(m, inplace=True, compute_dtype=torch.float64),
     }
     products = float64_products(expanded)
     samples: dict[str, list[float]] = {k: [] for k in (*variants, "ours_with_copy", "float64_products")}
@@ -415,14 +416,14 @@ def run_benchmark(
         merge = _merge_times(expanded, pairs, merge_repeats, log)
         merged = reparam.merge(expanded)
         upstream = upstream_switch_to_deploy(copy.deepcopy(expanded), pairs)
-        merged_f32 = reparam.merge(expanded, compute_dtype=torch.float32)
-        merged.eval(), upstream.eval(), merged_f32.eval()
+        merged_f64 = reparam.merge(expanded, compute_dtype=torch.float64)
+        merged.eval(), upstream.eval(), merged_f64.eval()
         with torch.no_grad():
             ref = expanded(x[:8])
             err = {
                 "ours": rel_err(merged(x[:8]), ref),
                 "upstream": rel_err(upstream(x[:8]), ref),
-                "ours_float32_arithmetic": rel_err(merged_f32(x[:8]), ref),
+                "ours_float64_arithmetic": rel_err(merged_f64(x[:8]), ref),
             }
 
         infer = _interleaved(
@@ -472,7 +473,8 @@ def run_benchmark(
         "merge_upstream_ms": merge["upstream"] * 1e3,
         "merge_over_upstream": merge["ours"] / merge["upstream"],
         "merge_with_copy_ms": merge["ours_with_copy"] * 1e3,
-        "merge_float32_arithmetic_ms": merge["ours_float32_arithmetic"] * 1e3,
+        "merge_float64_arithmetic_ms": merge["ours_float64_arithmetic"] * 1e3,
+        "merge_float64_arithmetic_over_upstream": merge["ours_float64_arithmetic"] / merge["upstream"],
         "float64_products_ms": merge["float64_products"] * 1e3,
         "float64_products_over_upstream": merge["float64_products"] / merge["upstream"],
         "merge_rel_err": err,
@@ -521,15 +523,16 @@ def _print_table(res: dict) -> None:
               f"{res['merge_upstream_ms']:.1f} (measured)")
     t.add_row("  merge time ours / upstream", f"{res['merge_over_upstream']:.2f}", "<= 0.5",
               ok(res["merge_over_upstream"], TARGETS["merge_over_upstream"]), "")
-    t.add_row("  its float64 matrix products alone (ms)", f"{res['float64_products_ms']:.1f}", "", "", "")
-    t.add_row("  float64 products alone / upstream (least ratio in float64)",
-              f"{res['float64_products_over_upstream']:.2f}", "", "", "")
     t.add_row("  reparam.merge(model), deep copy incl. (ms)", f"{res['merge_with_copy_ms']:.1f}", "", "", "")
-    t.add_row("  ours with float32 arithmetic, not the default (ms)", f"{res['merge_float32_arithmetic_ms']:.1f}",
-              "", "", "")
     t.add_row("  merged vs expanded rel. err (float32 model)", f"{err['ours']:.1e}", "", "",
               f"{err['upstream']:.1e}")
-    t.add_row("  same, ours with float32 arithmetic", f"{err['ours_float32_arithmetic']:.1e}", "", "", "")
+    t.add_row("  with float64 arithmetic, compute_dtype=torch.float64 (ms)", f"{res['merge_float64_arithmetic_ms']:.1f}",
+              "", "", "")
+    t.add_row("    / upstream", f"{res['merge_float64_arithmetic_over_upstream']:.2f}", "", "", "")
+    t.add_row("    its float64 matrix products alone (ms)", f"{res['float64_products_ms']:.1f}", "", "", "")
+    t.add_row("    float64 products alone / upstream (least ratio in float64)",
+              f"{res['float64_products_over_upstream']:.2f}", "", "", "")
+    t.add_row("    merged vs expanded rel. err, float64 arithmetic", f"{err['ours_float64_arithmetic']:.1e}", "", "", "")
     t.add_row("inference plain (ms)", f"{inf['plain']:.1f}", "", "", "")
     t.add_row("inference expanded (ms)", f"{inf['expanded']:.1f}", "", "", "")
     t.add_row("inference merged (ms)", f"{inf['merged']:.1f}", "", "", "")

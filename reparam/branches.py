@@ -459,11 +459,16 @@ class OneByOneKxKBranch(nn.Module):
           whose residual ``R`` is exactly zero (a freshly grown branch): the composition is then an
           elementwise scale of ``W2``, ``K[o, c, :] = t2[o]·t1[c]·W2[o, c, :]``, and no matrix
           product is needed.
-        * ``("gemm", P, b)`` otherwise (a trained residual or a plain first stage): ``P`` holds
-          ``t2[o]·Σ_d W2[o, d, tap]·t1[d]·A[d, c]`` for every group, computed by **one** batched
-          matrix product over the groups (a single GEMM for a dense conv) with the taps and output
-          rows as the long dimension. The first stage's bias goes through the same product as one
-          extra row, so ``b`` already holds ``Σ_d,taps W2·b1``.
+        * ``("gemm", left, W2, t2, b)`` otherwise (a trained residual or a plain first stage):
+          ``left`` (per group ``(C/g + 1) × D/g``) holds ``(A·diag(t1))ᵀ`` with ``b1`` as its last
+          row. :meth:`accumulate_` multiplies it, for the output rows of its chunk, by ``W2`` with
+          its rows scaled by ``t2`` (taps and output rows as the long dimension): one matrix product
+          per chunk and group, whose extra row is ``Σ_d W2·b1`` per tap for the bias. Computing the
+          product chunk by chunk keeps its operands and result in cache, where the transposing
+          passes around it cost a fraction of what they cost on whole kernels. For a dense conv in
+          float32 on the CPU the same product is a 1×1 convolution of ``W2`` (its ``O`` rows as a
+          batch of ``D``-channel images of the kernel's size) with ``left`` as the weight
+          (:func:`_compose_by_conv`).
         """
         g = geometry.groups
         o, cg = geometry.out_channels, geometry.in_channels // g
@@ -495,15 +500,7 @@ class OneByOneKxKBranch(nn.Module):
         if identity_based:
             left[:, :cg].diagonal(dim1=1, dim2=2).add_(t1.view(g, dg))
         left[:, cg].copy_(b1.view(g, dg))
-        # right operand (g, D/g, O/g·taps): W2 with its rows scaled by t2 and transposed; cast first,
-        # contiguously, then one transposing pass in the compute dtype (a transposing cast of
-        # float32 ran at half that speed)
-        right = torch.empty((g, dg, opg, taps), dtype=dtype, device=t1.device)
-        w2c = w2.reshape(g, opg, dg, taps).to(dtype)
-        torch.mul(w2c.transpose(1, 2), t2.view(g, 1, opg, 1), out=right)
-        prod = torch.bmm(left, right.view(g, dg, opg * taps)).view(g, cg + 1, opg, taps)
-        bias = bias + prod[:, cg].sum(-1).reshape(o)
-        return ("gemm", prod[:, :cg], bias)
+        return ("gemm", left, w2, t2, bias)
 
     @torch.no_grad()
     def accumulate_(
@@ -514,8 +511,9 @@ class OneByOneKxKBranch(nn.Module):
         ``rows`` lies inside one group or covers whole groups).
 
         With an identity-based first stage whose residual is zero the composition is an elementwise
-        multiply-add; otherwise the product computed once by :meth:`merge_terms` is added with its
-        output rows moved in front of the input channels."""
+        multiply-add; otherwise the product for the chunk's output rows is computed here from the
+        operands :meth:`merge_terms` prepared, and added with its output rows moved in front of the
+        input channels."""
         dt = bias.dtype
         g = geometry.groups
         o_all = geometry.out_channels
@@ -533,10 +531,20 @@ class OneByOneKxKBranch(nn.Module):
                 gn = (stop - start) // opg
         terms = terms or self.merge_terms(geometry, dt)
         if terms[0] == "gemm":
-            _, prod, b = terms
-            (b,) = _take(rows, b)
-            bias.add_(b)
-            src = prod[g0 : g0 + gn, :, r0:r1].transpose(1, 2)  # (gn, rows per group, C/g, taps)
+            _, left, w2, t2, b = terms
+            w2, t2, b = _take(rows, w2, t2, b)
+            if g == 1 and _compose_by_conv(dt, bias.device):
+                return _add_composed_by_conv(acc, bias, left[0], w2, t2, b, (o, cg, kh, kw))
+            dg, taps, n = w2.shape[1], w2.shape[2] * w2.shape[3], r1 - r0  # n: rows per group here
+            # right operand (gn, D/g, n·taps): the chunk's W2 rows scaled by t2 and transposed; cast
+            # first, contiguously, then one transposing pass in the compute dtype (a transposing
+            # cast of float32 ran at half that speed)
+            right = torch.empty((gn, dg, n, taps), dtype=dt, device=bias.device)
+            w2c = w2.reshape(gn, n, dg, taps).to(dt)
+            torch.mul(w2c.transpose(1, 2), t2.view(gn, 1, n, 1), out=right)
+            prod = torch.bmm(left[g0 : g0 + gn], right.view(gn, dg, n * taps)).view(gn, cg + 1, n, taps)
+            bias.add_(b + prod[:, cg].sum(-1).reshape(o))
+            src = prod[:, :cg].transpose(1, 2)  # (gn, rows per group, C/g, taps)
             if acc is None or tuple(acc.shape) != (o, cg, kh, kw):
                 base = acc
                 acc = torch.empty((o, cg, kh, kw), dtype=dt, device=bias.device)
@@ -554,6 +562,34 @@ class OneByOneKxKBranch(nn.Module):
         through = torch.bmm(w2.view(gn, opg, dg * kh * kw), b1_taps[g0 : g0 + gn]).view(o)
         bias.add_(b).addcmul_(t2, through)
         return acc
+
+
+def _compose_by_conv(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether the ``1x1_kxk`` composition of a dense conv runs as a convolution: float32 on a CPU
+    with oneDNN, whose convolution (vectorised for the machine, e.g. AVX-512) ran the product at
+    twice the speed of the BLAS matrix product here. float64 (no oneDNN kernel) and other devices
+    (where a float32 convolution may use TF32) use the matrix product."""
+    return dtype == torch.float32 and device.type == "cpu" and torch.backends.mkldnn.is_available()
+
+
+def _add_composed_by_conv(
+    acc: Tensor | None, bias: Tensor, left: Tensor, w2: Tensor, t2: Tensor, b: Tensor, shape: tuple[int, int, int, int],
+) -> Tensor:
+    """Add ``t2[o]·Σ_d W2[o, d, :]·left[c, d]`` to ``acc`` (``shape``) and its bias row to ``bias``.
+
+    ``W2`` (``n × D × K_h × K_w``) in channels-last layout is a batch of ``n`` images of ``D``
+    channels; ``left`` (``(C + 1) × D``) is the weight of a 1×1 convolution over them, whose output
+    channel ``c`` at each tap is the composed kernel and whose channel ``C`` is ``Σ_d W2·b1``."""
+    cg = shape[1]
+    x = w2.to(torch.float32).contiguous(memory_format=torch.channels_last)
+    y = F.conv2d(x, left.reshape(left.shape[0], left.shape[1], 1, 1))
+    bias.add_(b + t2 * y[:, cg].sum((1, 2)))
+    scale = t2.view(-1, 1, 1, 1)
+    if acc is None:
+        return torch.mul(y[:, :cg], scale, out=torch.empty(shape, dtype=bias.dtype, device=bias.device))
+    if tuple(acc.shape) != shape:
+        return torch.addcmul(acc, y[:, :cg], scale, out=torch.empty(shape, dtype=bias.dtype, device=bias.device))
+    return acc.addcmul_(y[:, :cg], scale)
 
 
 class AvgBranch(nn.Module):

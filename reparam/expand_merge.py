@@ -5,7 +5,9 @@ Guarantees:
 * :func:`expand` is **bit-exact in train and eval mode** (zero-γ growth): the expanded model
   computes exactly what the input model computed, and its anchor BNs update exactly the same
   running statistics.
-* :func:`merge` is **exact in eval mode** (float64 computation, rounding only). ``target="deploy"``
+* :func:`merge` is **exact in eval mode** (rounding only; computed in the model's dtype, at least
+  float32: ~1e-15 relative for float64 models, the float32 forward's own rounding for float32
+  ones; ``compute_dtype=torch.float64`` gives correctly rounded float32 weights). ``target="deploy"``
   leaves no BatchNorm after any conv (every block merged, every remaining conv+BN pair folded, BN
   slots become ``nn.Identity``) and folds every BN-only identity branch (RepVGG's
   ``conv(x) + ... + bn(x)``) into the conv it is summed with (its slot becomes
@@ -31,7 +33,7 @@ from .block import DiverseBranchBlock
 from .errors import NotMergeableError, ReparamError, ReparamModeError
 from .geometry import ConvGeometry
 from .pairs import _identity_fits, find_conv_bn_pairs
-from .transforms import bn_impurity, bn_stats, check_identity, fuse_bn
+from .transforms import bn_impurity, bn_stats, check_identity, fuse_bn, merge_dtype
 
 __all__ = ["FoldedIdentity", "expand", "merge"]
 
@@ -281,8 +283,9 @@ def expand(
 # merge
 
 
-def _fold_pair(conv: nn.Conv2d, bn: nn.Module, compute_dtype: torch.dtype) -> nn.Conv2d:
+def _fold_pair(conv: nn.Conv2d, bn: nn.Module, compute_dtype: torch.dtype | None) -> nn.Conv2d:
     geometry = ConvGeometry.from_conv(conv)
+    compute_dtype = merge_dtype(conv.weight.dtype, compute_dtype)
     with torch.no_grad():
         w = conv.weight.to(compute_dtype)
         b = None if conv.bias is None else conv.bias.to(compute_dtype)
@@ -321,9 +324,10 @@ def _current_pairs(model: nn.Module, example_input: Any) -> tuple[dict[str, str]
     return scan.pairs, dict(scan.identity)
 
 
-def _fold_identity(conv: nn.Conv2d, bn: nn.Module, compute_dtype: torch.dtype) -> nn.Conv2d:
+def _fold_identity(conv: nn.Conv2d, bn: nn.Module, compute_dtype: torch.dtype | None) -> nn.Conv2d:
     """A biased conv computing ``conv(x) + bn(x)`` in eval mode (identity kernel through the BN)."""
     geometry = ConvGeometry.from_conv(conv)
+    compute_dtype = merge_dtype(conv.weight.dtype, compute_dtype)
     check_identity(geometry)
     s = bn_stats(bn)
     with torch.no_grad():
@@ -354,9 +358,9 @@ def merge(
     target: str = "deploy",
     require_eval: bool = True,
     example_input: Any = None,
-    compute_dtype: torch.dtype = torch.float64,
+    compute_dtype: torch.dtype | None = None,
 ) -> nn.Module:
-    """Merge every block of ``model`` (eval-exact; float64 computation).
+    """Merge every block of ``model`` (eval-exact, rounding only).
 
     Args:
         target: ``"deploy"``: every block becomes one biased ``Conv2d`` at its path, every remaining
@@ -370,6 +374,9 @@ def merge(
         inplace: modify ``model`` instead of a deep copy. The result keeps the train/eval flags.
         require_eval: raise ``ReparamModeError`` when a BN that takes part is in training mode.
         example_input: forward-probe input for untraceable models (pair discovery).
+        compute_dtype: the arithmetic's dtype; default: each layer's parameter dtype, at least
+            float32 (:func:`reparam.transforms.merge_dtype`). ``torch.float64`` on a float32 model
+            gives correctly rounded merged weights at twice the arithmetic cost.
 
     Idempotent: merging a merged model changes nothing.
     """
@@ -439,7 +446,7 @@ def merge(
 
 
 def _fold_identities(
-    model: nn.Module, identity: Mapping[str, str], unfolded: set[str], require_eval: bool, compute_dtype: torch.dtype
+    model: nn.Module, identity: Mapping[str, str], unfolded: set[str], require_eval: bool, compute_dtype: torch.dtype | None
 ) -> None:
     """Fold each BN-only identity branch into its conv (deploy merge, after the pairs are folded);
     the BN slot becomes :class:`FoldedIdentity`. Branches that no longer fit are left and logged."""

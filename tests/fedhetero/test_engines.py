@@ -237,17 +237,21 @@ def test_process_pool_counts_the_server_as_an_executor(tmp_path):
 def test_server_reads_worker_outcomes_between_its_own_tasks(tmp_path, monkeypatch):
     """While the server runs its share it takes the outcomes the worker has sent (so uploads are
     folded during the round, not all after it); the numbers stay local's."""
-    import time
-
     import fedhetero.engines.process as proc
 
     events: list[tuple[str, int]] = []
-    real_run_task, real_collect = proc.run_task, proc.ProcessBackend._collect
+    backends: list[proc.ProcessBackend] = []
+    real_run, real_run_task, real_collect = proc.ProcessBackend.run, proc.run_task, proc.ProcessBackend._collect
 
-    def slow_here(make, ctx, task, state, **kw):  # the server's own tasks only (workers are other interpreters)
-        time.sleep(1.0)
+    def run(self, *args, **kw):
+        backends.append(self)
+        return real_run(self, *args, **kw)
+
+    def run_here(make, ctx, task, state, **kw):  # the server's own tasks only (workers are other interpreters)
         out = real_run_task(make, ctx, task, state, **kw)
         events.append(("server", task.cid))
+        if len(events) == 1:  # after its first task, until the worker's first outcome has arrived
+            assert backends[-1]._workers[0].conn.poll(120)
         return out
 
     def collect(self, wait_s, states, done, finish):
@@ -255,14 +259,15 @@ def test_server_reads_worker_outcomes_between_its_own_tasks(tmp_path, monkeypatc
         real_collect(self, wait_s, states, done, finish)
         events.extend(("worker", c) for c in sorted(set(done) - before))
 
-    monkeypatch.setattr(proc, "run_task", slow_here)
+    monkeypatch.setattr(proc.ProcessBackend, "run", run)
+    monkeypatch.setattr(proc, "run_task", run_here)
     monkeypatch.setattr(proc.ProcessBackend, "_collect", collect)
     a, ra = _run(tmp_path, _cfg("fedavg", "local", rounds=1), "local")
     b, rb = _run(tmp_path, _cfg("fedavg", "process", rounds=1, workers=2), "process")
     servers = [i for i, (who, _) in enumerate(events) if who == "server"]
     workers = [i for i, (who, _) in enumerate(events) if who == "worker"]
     assert len(servers) == 2 and len(workers) == 2
-    assert workers[0] < servers[-1]  # collected before the server's last task ended
+    assert workers[0] < servers[-1]  # taken before the server's last task ended
     assert strip_wall(ra.metrics) == strip_wall(rb.metrics)
     _assert_same_model(a, b)
 

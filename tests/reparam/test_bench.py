@@ -90,10 +90,11 @@ def test_float64_products_are_the_merge_products() -> None:
         for name in block.branch_names:
             br = block.branches[name]
             if isinstance(br, OneByOneKxKBranch):
-                kind, prod, _ = br.merge_terms(block.geometry, torch.float64)
+                kind, left, w2, _, _ = br.merge_terms(block.geometry, torch.float64)
                 assert kind == "gemm"  # a trained residual: the product is computed
-                g, cg, opg, taps = prod.shape
-                expected.append((g, cg + 1, opg * taps))
+                g, cg1, dg = left.shape
+                o, _, kh, kw = w2.shape
+                expected.append((g, cg1, (o // g) * kh * kw))
     got = [tuple(torch.bmm(left, right).shape) for left, right in products.operands]
     assert got == expected and len(got) >= 3
     assert all(left.dtype == right.dtype == torch.float64 for left, right in products.operands)

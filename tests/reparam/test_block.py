@@ -139,6 +139,45 @@ def test_block_merge_float32(case, gen) -> None:
     assert_merge_exact(block, x, gen, tol=1e-5)
 
 
+@pytest.mark.parametrize("case", GEOMS, ids=GEOM_IDS)
+def test_float32_merge_computes_in_float32_to_the_float64_reference(case, gen, monkeypatch) -> None:
+    """A float32 block merges in float32 by default (the 1x1_kxk product of a dense conv as a
+    oneDNN convolution, else a matrix product), in place or not, to float32 rounding of the
+    float64 reference; float64 arithmetic stays available and no more accurate at the output."""
+    import reparam.branches as branches
+    from reparam.transforms import merge_dtype
+
+    assert merge_dtype(torch.float32) == torch.float32 and merge_dtype(torch.float64) == torch.float64
+    assert merge_dtype(torch.bfloat16) == torch.float32 and merge_dtype(torch.float32, torch.float64) == torch.float64
+    conv, bn, x = make_layer(case, gen)
+    block = perturb_(DiverseBranchBlock.from_conv(conv, bn, "all"), gen).eval()
+    with torch.no_grad():
+        ref = block(x)  # float64 reference
+    block32 = copy.deepcopy(block).float()
+    x32 = x.float()
+    outs = {}
+    with torch.no_grad():
+        outs["default"] = block32.merge()(x32)
+        outs["float64 arithmetic"] = block32.merge(compute_dtype=torch.float64)(x32)
+        monkeypatch.setattr(branches, "_compose_by_conv", lambda dtype, device: False)
+        outs["matrix product"] = block32.merge()(x32)
+        monkeypatch.undo()
+        deployed = copy.deepcopy(block32)
+        deployed.switch_to_deploy()  # in place: the anchor's storage is reused
+        outs["in place"] = deployed(x32)
+        forward32 = rel_err(block32(x32), ref)  # the float32 forward's own rounding
+    errs = {k: rel_err(v, ref) for k, v in outs.items()}
+    assert all(v.dtype == torch.float32 for v in outs.values())
+    assert max(errs.values()) <= 2e-6, errs
+    assert errs["default"] <= 4 * max(forward32, 1e-7), (errs, forward32)
+    assert torch.equal(outs["default"], outs["in place"])
+    dense = ConvGeometry.from_conv(conv).groups == 1
+    assert branches._compose_by_conv(torch.float32, torch.device("cpu")) == torch.backends.mkldnn.is_available()
+    assert branches._compose_by_conv(torch.float64, torch.device("cpu")) is False
+    if not (dense and torch.backends.mkldnn.is_available()):  # the same matrix product both times
+        assert torch.equal(outs["default"], outs["matrix product"])
+
+
 def _random_subsets(n: int = 20):
     rng = random.Random(7)
     out = []
