@@ -568,8 +568,16 @@ def _compose_by_conv(dtype: torch.dtype, device: torch.device) -> bool:
     """Whether the ``1x1_kxk`` composition of a dense conv runs as a convolution: float32 on a CPU
     with oneDNN, whose convolution (vectorised for the machine, e.g. AVX-512) ran the product at
     twice the speed of the BLAS matrix product here. float64 (no oneDNN kernel) and other devices
-    (where a float32 convolution may use TF32) use the matrix product."""
-    return dtype == torch.float32 and device.type == "cpu" and torch.backends.mkldnn.is_available()
+    (where a float32 convolution may use TF32) use the matrix product, as does a process that
+    disabled oneDNN or allowed it reduced float32 precision (``fp32_precision`` bf16/tf32)."""
+    if dtype != torch.float32 or device.type != "cpu":
+        return False
+    onednn = torch.backends.mkldnn
+    if not (onednn.is_available() and onednn.enabled):
+        return False
+    full = ("none", "ieee")
+    conv = getattr(onednn, "conv", None)
+    return getattr(onednn, "fp32_precision", "none") in full and getattr(conv, "fp32_precision", "none") in full
 
 
 def _add_composed_by_conv(

@@ -174,6 +174,8 @@ def test_float32_merge_computes_in_float32_to_the_float64_reference(case, gen, m
     dense = ConvGeometry.from_conv(conv).groups == 1
     assert branches._compose_by_conv(torch.float32, torch.device("cpu")) == torch.backends.mkldnn.is_available()
     assert branches._compose_by_conv(torch.float64, torch.device("cpu")) is False
+    with torch.backends.mkldnn.flags(enabled=False):  # a process without oneDNN: the matrix product
+        assert branches._compose_by_conv(torch.float32, torch.device("cpu")) is False
     if not (dense and torch.backends.mkldnn.is_available()):  # the same matrix product both times
         assert torch.equal(outs["default"], outs["matrix product"])
 
