@@ -292,8 +292,9 @@ def float64_products(model: nn.Module, seed: int = 0) -> _Products:
     them on random operands of the same shapes (``.operands`` holds them).
 
     Each ``1x1_kxk`` branch composes its two convolutions: ``Σ_d W2[o, d, tap]·A[d, c]`` for every
-    output row, tap and input channel, one ``(C/g + 1) × D/g × (O/g·taps)`` product per group (the
-    extra row carries the first stage's bias). Every other step of a merge is element-wise. The time
+    output row, tap and input channel, a ``(C/g + 1) × D/g × (O/g·taps)`` product per group (the
+    extra row carries the first stage's bias), here as one call per branch (a float64 merge computes
+    the same multiply-adds in chunks of output rows). Every other step of a merge is element-wise. The time
     of these products alone is the least time any float64 merge of this model takes on this
     machine; the benchmark shows it beside upstream's whole (float32) merge."""
     gen = torch.Generator().manual_seed(seed)

@@ -534,24 +534,10 @@ class OneByOneKxKBranch(nn.Module):
             _, left, w2, t2, b = terms
             w2, t2, b = _take(rows, w2, t2, b)
             if g == 1 and _compose_by_conv(dt, bias.device):
-                return _add_composed_by_conv(acc, bias, left[0], w2, t2, b, (o, cg, kh, kw))
-            dg, taps, n = w2.shape[1], w2.shape[2] * w2.shape[3], r1 - r0  # n: rows per group here
-            # right operand (gn, D/g, n·taps): the chunk's W2 rows scaled by t2 and transposed; cast
-            # first, contiguously, then one transposing pass in the compute dtype (a transposing
-            # cast of float32 ran at half that speed)
-            right = torch.empty((gn, dg, n, taps), dtype=dt, device=bias.device)
-            w2c = w2.reshape(gn, n, dg, taps).to(dt)
-            torch.mul(w2c.transpose(1, 2), t2.view(gn, 1, n, 1), out=right)
-            prod = torch.bmm(left[g0 : g0 + gn], right.view(gn, dg, n * taps)).view(gn, cg + 1, n, taps)
-            bias.add_(b + prod[:, cg].sum(-1).reshape(o))
-            src = prod[:, :cg].transpose(1, 2)  # (gn, rows per group, C/g, taps)
-            if acc is None or tuple(acc.shape) != (o, cg, kh, kw):
-                base = acc
-                acc = torch.empty((o, cg, kh, kw), dtype=dt, device=bias.device)
-                acc.view(src.shape).copy_(src)
-                return acc if base is None else acc.add_(base)
-            acc.view(src.shape).add_(src)
-            return acc
+                term, row_scale = _composed_by_conv(bias, left[0], w2, t2, b, cg)
+            else:
+                term, row_scale = _composed_by_product(bias, left[g0 : g0 + gn], w2, t2, b, r1 - r0), None
+            return _add_term(acc, term, (o, cg, kh, kw), row_scale)
         _, w2, t2, scale, b, b1_taps = terms
         w2, t2, scale, b = _take(rows, w2, t2, scale, b)
         w2 = w2.to(dt)  # once per chunk: used by the identity part and the bias
@@ -580,24 +566,55 @@ def _compose_by_conv(dtype: torch.dtype, device: torch.device) -> bool:
     return getattr(onednn, "fp32_precision", "none") in full and getattr(conv, "fp32_precision", "none") in full
 
 
-def _add_composed_by_conv(
-    acc: Tensor | None, bias: Tensor, left: Tensor, w2: Tensor, t2: Tensor, b: Tensor, shape: tuple[int, int, int, int],
-) -> Tensor:
-    """Add ``t2[o]·Σ_d W2[o, d, :]·left[c, d]`` to ``acc`` (``shape``) and its bias row to ``bias``.
+def _composed_by_conv(
+    bias: Tensor, left: Tensor, w2: Tensor, t2: Tensor, b: Tensor, cg: int
+) -> tuple[Tensor, Tensor]:
+    """The composed kernel ``Σ_d W2[o, d, :]·left[c, d]`` (``n × C × K_h × K_w``, to be scaled by the
+    returned ``t2`` per output row) by a convolution; its bias row goes into ``bias`` here.
 
     ``W2`` (``n × D × K_h × K_w``) in channels-last layout is a batch of ``n`` images of ``D``
     channels; ``left`` (``(C + 1) × D``) is the weight of a 1×1 convolution over them, whose output
     channel ``c`` at each tap is the composed kernel and whose channel ``C`` is ``Σ_d W2·b1``."""
-    cg = shape[1]
     x = w2.to(torch.float32).contiguous(memory_format=torch.channels_last)
     y = F.conv2d(x, left.reshape(left.shape[0], left.shape[1], 1, 1))
     bias.add_(b + t2 * y[:, cg].sum((1, 2)))
-    scale = t2.view(-1, 1, 1, 1)
-    if acc is None:
-        return torch.mul(y[:, :cg], scale, out=torch.empty(shape, dtype=bias.dtype, device=bias.device))
-    if tuple(acc.shape) != shape:
-        return torch.addcmul(acc, y[:, :cg], scale, out=torch.empty(shape, dtype=bias.dtype, device=bias.device))
-    return acc.addcmul_(y[:, :cg], scale)
+    return y[:, :cg], t2.view(-1, 1, 1, 1)
+
+
+def _composed_by_product(bias: Tensor, left: Tensor, w2: Tensor, t2: Tensor, b: Tensor, n: int) -> Tensor:
+    """The composed kernel, rows scaled by ``t2``, by a batched matrix product over the ``gn``
+    groups of ``left`` (``gn × (C/g + 1) × D/g``), as a ``(gn, n, C/g, taps)`` view (``n`` output rows
+    per group); its bias row goes into ``bias`` here."""
+    gn, cg1, dg = left.shape
+    taps = w2.shape[2] * w2.shape[3]
+    # right operand (gn, D/g, n·taps): W2's rows scaled by t2 and transposed; cast first,
+    # contiguously, then one transposing pass in the compute dtype (a transposing cast of float32
+    # ran at half that speed)
+    right = torch.empty((gn, dg, n, taps), dtype=left.dtype, device=left.device)
+    torch.mul(w2.reshape(gn, n, dg, taps).to(left.dtype).transpose(1, 2), t2.view(gn, 1, n, 1), out=right)
+    prod = torch.bmm(left, right.view(gn, dg, n * taps)).view(gn, cg1, n, taps)
+    bias.add_(b + prod[:, cg1 - 1].sum(-1).reshape(-1))
+    return prod[:, : cg1 - 1].transpose(1, 2)
+
+
+def _add_term(acc: Tensor | None, term: Tensor, shape: tuple[int, ...], row_scale: Tensor | None = None) -> Tensor:
+    """``acc + term`` (times ``row_scale`` when given), ``term`` laid out as ``shape`` once viewed
+    through its own shape. ``acc`` may be None or a broadcast ``(O, C/g, 1, 1)`` term: a new
+    full-size accumulator is returned then; otherwise ``acc`` is added to in place."""
+    full = acc is not None and tuple(acc.shape) == tuple(shape)
+    out = acc if full else torch.empty(shape, dtype=term.dtype, device=term.device)
+    view = out.view(term.shape)
+    if full:
+        if row_scale is None:
+            view.add_(term)
+        else:
+            view.addcmul_(term, row_scale)
+        return out
+    if row_scale is None:
+        view.copy_(term)
+    else:
+        torch.mul(term, row_scale, out=view)
+    return out if acc is None else out.add_(acc)
 
 
 class AvgBranch(nn.Module):

@@ -330,10 +330,12 @@ class ProcessBackend(Backend):
     def evaluate_batches(self, model: Any, name: str, indices: Any) -> list[tuple[float, int, int]] | None:
         """An evaluation's batches shared among the executors: contiguous runs of batches, the
         first runs to idle workers (the model goes with them), the last to the server; the
-        per-batch numbers are put back in batch order, so their sum is the one ``local`` computes. None (the server evaluates alone) for a single batch, without idle
-        workers, with ``threads: null`` (the server's and the workers' thread counts may then
-        differ) or with ``engine.client_timeout_s`` (the server then runs no share, and would wait on
-        a worker with no limit). A worker that fails leaves its batches to the server."""
+        per-batch numbers are put back in batch order, so their sum is the one ``local`` computes.
+
+        None (the server evaluates alone) for a single batch, without idle workers, with
+        ``threads: null`` (the server's and the workers' thread counts may then differ) or with
+        ``engine.client_timeout_s`` (the server then runs no share, and would wait on a worker with
+        no limit). A worker that fails leaves its batches to the server."""
         import numpy as np
 
         idle = [w for w in self._workers if w.ready and not w.queue and w.conn is not None]

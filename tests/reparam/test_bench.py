@@ -79,8 +79,8 @@ def test_benchmark_times_a_perturbed_model() -> None:
 
 
 def test_float64_products_are_the_merge_products() -> None:
-    """The floor row times products of exactly the shapes the merge computes: one per 1x1_kxk
-    branch, the composed kernel plus the bias row."""
+    """The floor row times the products the merge computes (it splits them by output rows): one
+    per 1x1_kxk branch, the composed kernel plus the bias row."""
     from reparam.branches import OneByOneKxKBranch
 
     expanded = perturb_(reparam.expand(_net().double()), torch.Generator().manual_seed(2)).eval()
