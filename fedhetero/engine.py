@@ -251,7 +251,9 @@ class Engine:
     def client_info(self, cid: int, rnd: int) -> ClientInfo:
         tier = self.tiers[cid]
         base_ratio = self.ctx.tier_ratio[tier]
-        ratio, after = self.schedule.ratios(cid, base_ratio, rnd, self._participation[cid], self.ctx.rng("budget", rnd, cid))
+        # a static budget draws nothing: no generator to build (ten per round otherwise)
+        rng = self.ctx.rng("budget", rnd, cid) if self.schedule.dynamic else None
+        ratio, after = self.schedule.ratios(cid, base_ratio, rnd, self._participation[cid], rng)
         return ClientInfo(
             cid=cid,
             tier=tier,

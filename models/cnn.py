@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ._common import ConvBNAct, apply_init, check_spatial, conv_out, resolve_options
+from ._common import ConvBNAct, MaxPool2x2, apply_init, check_spatial, conv_out, resolve_options
 from .groups import CLASSES, INPUT, ChannelGroups, GroupLayout
 
 __all__ = ["CNN"]
@@ -52,7 +52,7 @@ class CNN(nn.Module):
         self.conv1 = ConvBNAct(in_channels, c1, 3, opts=o)
         self.conv2 = ConvBNAct(c1, c2, 3, opts=o)
         self.conv3 = ConvBNAct(c2, c3, 3, opts=o)
-        self.pool = nn.MaxPool2d(2)
+        self.pool = MaxPool2x2()
         self.fc1 = nn.Linear(c3 * self._flat_hw, f1)
         self.fc2 = nn.Linear(f1, num_classes)
         self.relu = nn.ReLU()

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ._common import ConvBNAct, apply_init, check_spatial, conv_out, resolve_options
+from ._common import ConvBNAct, MaxPool2x2, apply_init, check_spatial, conv_out, resolve_options
 from .groups import CLASSES, INPUT, ChannelGroups, GroupLayout
 
 __all__ = ["LeNet5"]
@@ -54,7 +54,7 @@ class LeNet5(nn.Module):
         c1, c2, f1, f2 = o.ch(6), o.ch(16), o.ch(120), o.ch(84)
         self.conv1 = ConvBNAct(in_channels, c1, 5, opts=o)
         self.conv2 = ConvBNAct(c1, c2, 5, opts=o)
-        self.pool = nn.MaxPool2d(2)
+        self.pool = MaxPool2x2()
         self.fc1 = nn.Linear(c2 * self._flat_hw, f1)
         self.fc2 = nn.Linear(f1, f2)
         self.fc3 = nn.Linear(f2, num_classes)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ._common import ConvBNAct, apply_init, check_spatial, resolve_options
+from ._common import ConvBNAct, MaxPool2x2, apply_init, check_spatial, resolve_options
 from .groups import CLASSES, INPUT, ChannelGroups, GroupLayout
 
 __all__ = ["SVHNCNN"]
@@ -54,7 +54,7 @@ class SVHNCNN(nn.Module):
         self.conv3 = ConvBNAct(c1, c2, 3, padding=1, opts=o)
         self.conv4 = ConvBNAct(c2, c2, 3, padding=1, opts=o)
         self.conv5 = ConvBNAct(c2, c3, 3, padding=1, opts=o)
-        self.pool = nn.MaxPool2d(2)
+        self.pool = MaxPool2x2()
         self.fc1 = nn.Linear(c3 * self._flat_hw, f1)
         self.drop = nn.Dropout(dropout)
         self.fc2 = nn.Linear(f1, num_classes)

@@ -42,6 +42,7 @@ __all__ = [
     "ClientTask",
     "ClientUpdate",
     "NoOptions",
+    "packed_copy",
     "payload_bytes",
     "state_bytes",
     "WeightedMean",
@@ -112,6 +113,40 @@ def state_bytes(state: dict[str, torch.Tensor]) -> int:
     return int(sum(t.numel() * t.element_size() for t in state.values()))
 
 
+def packed_copy(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A detached copy of ``state`` whose tensors of each (dtype, device) are consecutive views of
+    one new flat buffer, in key order (contiguous layout). One copy per buffer instead of one per
+    tensor, and what a flat consumer wants: :class:`WeightedMean` folds such a state without
+    gathering it, and the process back end sends each buffer as one piece."""
+    from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors  # one call each (DDP's)
+
+    groups: dict[tuple[Any, Any], list[str]] = {}
+    for key, v in state.items():
+        groups.setdefault((v.dtype, v.device), []).append(key)
+    out: dict[str, torch.Tensor] = {}
+    with torch.no_grad():
+        for keys in groups.values():
+            tensors = [state[k] for k in keys]
+            out.update(zip(keys, _unflatten_dense_tensors(_flatten_dense_tensors(tensors), tensors)))
+    return {k: out[k] for k in state}
+
+
+def _flat_run(state: dict[str, torch.Tensor], keys: list[str]) -> torch.Tensor | None:
+    """The tensors of ``keys`` as one flat view when they lie back to back, in this order, in one
+    contiguous buffer (as :func:`packed_copy` leaves them); else None."""
+    first = state[keys[0]]
+    storage = first.untyped_storage().data_ptr()
+    end = first.data_ptr()
+    total = 0
+    for key in keys:
+        t = state[key]
+        if t.data_ptr() != end or not t.is_contiguous() or t.untyped_storage().data_ptr() != storage:
+            return None
+        end += t.numel() * t.element_size()
+        total += t.numel()
+    return first.as_strided((total,), (1,), first.storage_offset())
+
+
 def payload_bytes(payload: Any) -> int:
     """Bytes of every tensor in a (nested) task payload: what the server sent."""
     if isinstance(payload, torch.Tensor):
@@ -166,7 +201,10 @@ class WeightedMean:
                         raise ValueError(f"weighted_average: {key!r} has shape {tuple(state[key].shape)} in one "
                                          f"state and {tuple(self._ref[key].shape)} in another")
         for keys, acc in self._groups:
-            acc.add_(torch.cat([state[k].reshape(-1) for k in keys]), alpha=alpha)
+            flat = _flat_run(state, keys)
+            if flat is None:
+                flat = torch.cat([state[k].reshape(-1) for k in keys])
+            acc.add_(flat, alpha=alpha)
         self.count += 1
 
     def result(self) -> dict[str, torch.Tensor]:
@@ -176,10 +214,11 @@ class WeightedMean:
         ref = self._ref
         out = {key: v.clone() for key, v in ref.items() if not torch.is_floating_point(v)}
         for keys, acc in self._groups:
+            flat = acc.to(ref[keys[0]].dtype)  # one (dtype, device) per group
             start = 0
             for key in keys:
                 n = ref[key].numel()
-                out[key] = acc[start : start + n].view(ref[key].shape).to(ref[key].dtype)
+                out[key] = flat[start : start + n].view(ref[key].shape)
                 start += n
         return {key: out[key] for key in ref}
 
@@ -328,9 +367,10 @@ class Algorithm:
         return ctx.train(model, task, ctx.cfg.train.local_epochs)
 
     def upload(self, ctx: "ClientContext", task: ClientTask, model: nn.Module, result: dict[str, Any]) -> ClientResult:
-        """What travels to the server (default: a copy of the full state dict; the default
-        :meth:`client_model` reuses one model instance per process)."""
-        state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        """What travels to the server (default: a copy of the full state dict, packed into one
+        buffer per dtype by :func:`packed_copy`; the default :meth:`client_model` reuses one model
+        instance per process)."""
+        state = packed_copy(model.state_dict())
         return ClientResult(
             cid=task.cid,
             num_samples=task.num_samples,

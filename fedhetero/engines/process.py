@@ -36,14 +36,13 @@ from typing import Any, Callable, Iterator
 from fedhetero.config import ConfigError, RunConfig, from_dict, to_dict
 from fedhetero.context import RunError
 from fedhetero.engines import Backend, Outcome, run_task
-from fedhetero.engines.wire import dumps
+from fedhetero.engines.wire import Channel
 
 __all__ = ["ProcessBackend"]
 
 _STARTUP_S = 300.0  # seconds a worker may take to import torch and build the data set
 
 
-_EVAL = b"E"  # first byte of an evaluation message (a pickle starts with b"\x80")
 _SOCKET_BUFFER = 8 << 20  # bytes: a model state goes through in one write instead of many wake-ups
 
 
@@ -91,26 +90,27 @@ def _worker_main(conn: Connection) -> None:
         conn.send_bytes(pickle.dumps(("error", f"{type(exc).__name__}: {exc}")))
         return
     conn.send_bytes(pickle.dumps(("ready", os.getpid())))
+    chan = Channel(conn)  # every later message, both ways
+    chan.share_rings(first=False)
     while True:
         try:
-            msg = conn.recv_bytes()
+            kind, *body = chan.recv()
         except (EOFError, OSError):
             return
-        if msg[:1] == _EVAL:  # (model, data set name, indices): some evaluation batches
+        if kind == "eval":  # (model, data set name, indices): some evaluation batches
             try:
-                model, name, indices = pickle.loads(msg[1:])
+                model, name, indices = body
                 stats: Any = ctx.evaluate_batches(model, getattr(ctx.data, name), indices)
             except Exception as exc:  # the server evaluates these batches itself
                 stats = f"{type(exc).__name__}: {exc}"
-            conn.send_bytes(pickle.dumps(stats))
+            chan.send(stats)
             continue
-        batch = pickle.loads(msg)
-        if batch is None:
+        if kind == "stop":
             return
-        for task, state in batch:  # one outcome message per task, as soon as it is done
+        for task, state in body[0]:  # one outcome message per task, as soon as it is done
             o = run_task(lambda: cls(options), ctx, task, state, hang_seconds=3600.0)
             # the server has the task: only the rest travels back (the task holds the global model)
-            conn.send_bytes(dumps((o.result, o.error, o.seconds, o.detail, o.checked)))
+            chan.send((o.result, o.error, o.seconds, o.detail, o.checked))
 
 
 class _Worker:
@@ -128,6 +128,7 @@ class _Worker:
         )
         self._init = pickle.dumps((cfg_data, threads, list(sys.path)))
         self.conn: Connection | None = None
+        self.chan: Channel | None = None  # the connection after the start-up handshake
         self.ready = False
         self.queue: list[Any] = []  # tasks sent and not yet answered, in the order it runs them
         self.started = 0.0  # when the first task of ``queue`` started (as far as the server knows)
@@ -159,6 +160,8 @@ class _Worker:
             self.proc.wait(timeout=10)
         except subprocess.TimeoutExpired:  # pragma: no cover
             pass
+        if self.chan is not None:
+            self.chan.close()
         if self.conn is not None:
             self.conn.close()
         else:
@@ -229,6 +232,11 @@ class ProcessBackend(Backend):
         if kind == "error":
             worker.kill()
             raise ConfigError(f"engine.backend=process: a worker could not set up the client side: {value}")
+        worker.chan = Channel(worker.conn)
+        try:
+            worker.chan.share_rings(first=True)
+        except (EOFError, OSError):
+            raise RunError(f"engine.backend=process: a worker died while starting (exit code {worker.exitcode})") from None
         worker.ready = True
 
     def _replace(self, worker: _Worker) -> _Worker:
@@ -243,10 +251,9 @@ class ProcessBackend(Backend):
         payload tensors (the global model), which pickle then carries once per worker."""
         while batch:
             self._await_ready(w)
-            assert w.conn is not None  # connected by _await_ready
-            data = dumps([(t, states.get(t.cid)) for t in batch])
+            assert w.chan is not None  # connected by _await_ready
             try:
-                w.conn.send_bytes(data)
+                w.chan.send(("tasks", [(t, states.get(t.cid)) for t in batch]))
             except (BrokenPipeError, OSError):
                 done[batch[0].cid] = Outcome(batch[0], None, f"worker died (exit code {w.exitcode})")
                 batch = batch[1:]
@@ -309,9 +316,9 @@ class ProcessBackend(Backend):
         for w in busy:
             task = w.queue[0]
             if w.conn in ready:
-                assert w.conn is not None
+                assert w.chan is not None
                 try:
-                    outcome = Outcome(task, *pickle.loads(w.conn.recv_bytes()))
+                    outcome = Outcome(task, *w.chan.recv())
                 except (EOFError, OSError):
                     rest = w.queue[1:]
                     finish(task, Outcome(task, None, f"worker died (exit code {w.exitcode})", now - w.started))
@@ -338,7 +345,7 @@ class ProcessBackend(Backend):
         no limit). A worker that fails leaves its batches to the server."""
         import numpy as np
 
-        idle = [w for w in self._workers if w.ready and not w.queue and w.conn is not None]
+        idle = [w for w in self._workers if w.ready and not w.queue and w.chan is not None]
         if not idle or self.cfg.threads is None or not self._remote_eval or not self.in_process:
             return None
         ctx = self._server_context()
@@ -351,19 +358,16 @@ class ProcessBackend(Backend):
             return None
         bounds = [round(i * batches / k) for i in range(k + 1)]
         parts = [order[bounds[i] * size : bounds[i + 1] * size] for i in range(k)]
-        helpers = idle[: k - 1]
-        try:
-            messages = [_EVAL + dumps((model, name, part)) for part in parts[: len(helpers)]]
-        except Exception:  # a model that does not pickle is evaluated here, from now on
-            self._remote_eval = False
-            return None
         sent: list[_Worker | None] = []
-        for w, msg in zip(helpers, messages):
+        for w, part in zip(idle[: k - 1], parts):
+            assert w.chan is not None
             try:
-                assert w.conn is not None
-                w.conn.send_bytes(msg)
+                w.chan.send(("eval", model, name, part))
                 sent.append(w)
             except (BrokenPipeError, OSError):
+                sent.append(None)
+            except Exception:  # a model that does not pickle (nothing was written): evaluated here, from now on
+                self._remote_eval = False
                 sent.append(None)
         results: list[Any] = [None] * k
         with self._workers_threads():
@@ -372,8 +376,8 @@ class ProcessBackend(Backend):
             reply = None
             if helper is not None:
                 try:
-                    assert helper.conn is not None
-                    reply = pickle.loads(helper.conn.recv_bytes())
+                    assert helper.chan is not None
+                    reply = helper.chan.recv()
                 except (EOFError, OSError):
                     self._replace(helper)
             if not isinstance(reply, list):  # the worker could not: these batches here, and from now on
@@ -421,8 +425,8 @@ class ProcessBackend(Backend):
     def close(self) -> None:
         for w in self._workers:
             try:
-                if w.proc.poll() is None and w.conn is not None:
-                    w.conn.send_bytes(pickle.dumps(None))
+                if w.proc.poll() is None and w.chan is not None:
+                    w.chan.send(("stop",))
             except (BrokenPipeError, OSError):
                 pass
         for w in self._workers:

@@ -321,6 +321,44 @@ def test_weighted_average_matches_the_per_tensor_mean():
         weighted_average(states, weights)
 
 
+def test_packed_states_fold_without_gathering_and_give_the_same_bits(monkeypatch):
+    """A packed upload (one flat buffer per dtype) is folded straight from its buffer; the mean is
+    bit for bit the one of the same states unpacked, also when packed and unpacked states mix."""
+    import fedhetero.algorithms.base as base
+
+    g = torch.Generator().manual_seed(1)
+    shapes = {"w": (4, 3), "n": (), "b": (4,), "h": (2, 2)}
+    states = []
+    for _ in range(5):
+        st = {k: torch.randn(s, generator=g) for k, s in shapes.items() if k != "n"}
+        st["n"] = torch.tensor(3)
+        st["h"] = st["h"].double()
+        states.append({k: st[k] for k in shapes})
+    packed = [base.packed_copy(st) for st in states]
+    for st, pk in zip(states, packed):
+        assert list(pk) == list(st)
+        assert all(torch.equal(pk[k], st[k]) and pk[k].dtype == st[k].dtype for k in st)
+        assert pk["w"].untyped_storage().data_ptr() == pk["b"].untyped_storage().data_ptr()  # one float32 buffer
+        assert pk["w"].untyped_storage().data_ptr() != st["w"].untyped_storage().data_ptr()  # a copy
+        flat = base._flat_run(pk, ["w", "b"])
+        assert flat is not None and torch.equal(flat, torch.cat([st["w"].reshape(-1), st["b"]]))
+        assert base._flat_run(st, ["w", "b"]) is None and base._flat_run(pk, ["b", "w"]) is None
+    weights = [2.0, 5.0, 1.0, 3.0, 4.0]
+    reference = base.weighted_average(states, weights)
+    gathered = []
+    real_cat = torch.cat
+    monkeypatch.setattr(base.torch, "cat", lambda *a, **k: gathered.append(1) or real_cat(*a, **k))
+    for mixed in (packed, [packed[i] if i % 2 else states[i] for i in range(5)]):
+        gathered.clear()
+        out = base.weighted_average(mixed, weights)
+        assert all(torch.equal(out[k], reference[k]) and out[k].dtype == reference[k].dtype for k in reference)
+        # only the float32 pair of an unpacked state is gathered (a lone tensor is its own flat run)
+        assert len(gathered) == sum(1 for st in mixed if any(st is s for s in states))
+    monkeypatch.undo()
+    with pytest.raises(ValueError, match="'b' has shape"):
+        base.weighted_average([packed[0], base.packed_copy({**states[1], "b": torch.zeros(5)})], [1.0, 1.0])
+
+
 def test_server_share_runs_at_the_workers_thread_count(monkeypatch):
     """threads: null leaves the server's own thread count alone, but its share of the tasks runs
     at the workers' count (1), like every other executor; the count is restored afterwards."""

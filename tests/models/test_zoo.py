@@ -227,3 +227,40 @@ def test_fx_traceable(name: str) -> None:
     for n in convs:
         users = list(n.users)
         assert len(users) == 1 and isinstance(gm.get_submodule(users[0].target), nn.BatchNorm2d)
+
+
+@pytest.mark.parametrize("shape", [(64, 6, 28, 28), (40, 16, 11, 13), (8, 32, 9, 9), (1, 6, 28, 28)])
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_fast_pool_equals_max_pool(shape: tuple[int, int, int, int], channels_last: bool) -> None:
+    """The zoo's 2x2 pool gives nn.MaxPool2d's values, NaN and infinities included, with and
+    without gradient; where no gradient is recorded on a large enough input it takes the strided
+    path (no pooling kernel call), else the kernel."""
+    from models._common import MaxPool2x2
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(shape, generator=g)
+    x.view(-1)[:: 97] = float("nan")
+    x.view(-1)[5:: 101] = float("inf")
+    x.view(-1)[7:: 103] = float("-inf")
+    x = torch.relu(x) if shape[0] == 40 else x  # ties at zero
+    if channels_last:
+        x = x.contiguous(memory_format=torch.channels_last)
+    fast, ref = MaxPool2x2(), nn.MaxPool2d(2)
+    calls: list[int] = []
+    real = torch.nn.functional.max_pool2d
+    try:
+        torch.nn.functional.max_pool2d = lambda *a, **k: calls.append(1) or real(*a, **k)  # type: ignore[assignment]
+        with torch.no_grad():
+            out = fast(x)
+        strided = not calls
+        assert strided == (x.numel() >= MaxPool2x2._MIN_ELEMENTS)
+    finally:
+        torch.nn.functional.max_pool2d = real  # type: ignore[assignment]
+    expected = ref(x)
+    assert out.shape == expected.shape
+    assert torch.equal(out.isnan(), expected.isnan())
+    assert torch.equal(torch.nan_to_num(out), torch.nan_to_num(expected))
+    xg, xr = x.clone().requires_grad_(), x.clone().requires_grad_()
+    fast(xg).nan_to_num().sum().backward()
+    ref(xr).nan_to_num().sum().backward()
+    assert torch.equal(xg.grad, xr.grad)
