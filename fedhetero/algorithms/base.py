@@ -127,7 +127,10 @@ def packed_copy(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     with torch.no_grad():
         for keys in groups.values():
             tensors = [state[k] for k in keys]
-            out.update(zip(keys, _unflatten_dense_tensors(_flatten_dense_tensors(tensors), tensors)))
+            flat = _flatten_dense_tensors(tensors)
+            if len(tensors) == 1:  # flattening a single tensor returns a view of it, not a copy
+                flat = flat.clone()
+            out.update(zip(keys, _unflatten_dense_tensors(flat, tensors)))
     return {k: out[k] for k in state}
 
 

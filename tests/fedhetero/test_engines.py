@@ -335,6 +335,8 @@ def test_packed_states_fold_without_gathering_and_give_the_same_bits(monkeypatch
         st["h"] = st["h"].double()
         states.append({k: st[k] for k in shapes})
     packed = [base.packed_copy(st) for st in states]
+    lone = base.packed_copy({"n": states[0]["n"], "h": states[0]["h"]})  # one tensor per buffer: still copies
+    assert all(lone[k].data_ptr() != states[0][k].data_ptr() and torch.equal(lone[k], states[0][k]) for k in lone)
     for st, pk in zip(states, packed):
         assert list(pk) == list(st)
         assert all(torch.equal(pk[k], st[k]) and pk[k].dtype == st[k].dtype for k in st)
