@@ -7,7 +7,9 @@ stopped at the time-out (or crash, e.g. in native code, without ending the run).
 
 Each worker is a fresh interpreter started once per run (``python -m fedhetero.engines.process``,
 connected over a local socket: no forked OpenMP or allocator state, and the caller's ``__main__``
-is never re-imported, so scripts need no ``if __name__ == "__main__"`` guard). It builds the data
+is never re-imported, so scripts need no ``if __name__ == "__main__"`` guard; messages travel as
+:class:`~fedhetero.engines.wire.Channel` writes them, tensor data through a shared-memory ring
+where the platform has one). It builds the data
 set and a :class:`~fedhetero.context.ClientContext` from the config alone, and then runs the
 client tasks it is sent. Tasks are dealt in client-id order, round-robin; outcomes come back in
 any order and are returned sorted by client id, so the server reduces them in exactly the

@@ -546,3 +546,19 @@ def test_evaluation_is_not_shared_with_a_time_out_or_free_threads():
             assert backend.evaluate_batches(ctx.build_model(), "test", None) is None
         finally:
             backend.close()
+
+
+def test_bench_engines_runs_and_reports_every_row(tmp_path, capsys):
+    from fedhetero.bench import engines_main
+
+    out = tmp_path / "b.json"
+    rc = engines_main(["--clients", "4", "--per-round", "2", "--rounds", "2", "--repeats", "2", "--no-flower",
+                       "--heavy-epochs", "2", "--json", str(out)])
+    text = capsys.readouterr().out
+    assert rc == 0
+    for row in ("process / local throughput", "process / local, median of pairs", "local / bare loop time",
+                "worker start-up"):
+        assert row in text, row
+    data = json.loads(out.read_text())
+    assert all(len(data["samples"][k]) == 2 and min(data["samples"][k]) > 0 for k in
+               ("local", "process", "bare", "heavy_local", "heavy_process"))

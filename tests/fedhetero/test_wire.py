@@ -151,3 +151,12 @@ def test_ring_bookkeeping_never_overwrites_unread_data():
     assert ring.reserve(300) == 1400  # fits after the unread span [1000, 1400) ≡ [0, 400)
     assert ring.reserve(700) is None  # would wrap onto it
     ring.close()
+
+
+def test_one_storage_seen_as_two_dtypes(pair):
+    ca, cb = pair
+    raw = torch.arange(1, 11, dtype=torch.uint8)  # 10 bytes: not a whole number of float32s
+    as_float = raw[:8].view(torch.float32)
+    out = _transfer(ca, cb, {"raw": raw, "f": as_float})
+    assert torch.equal(out["raw"], raw) and out["f"].view(torch.uint8).equal(raw[:8])
+    assert out["raw"].data_ptr() == out["f"].data_ptr()
