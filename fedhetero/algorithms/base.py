@@ -145,7 +145,7 @@ def _flat_run(state: dict[str, torch.Tensor], keys: list[str]) -> torch.Tensor |
         t = state[key]
         if t.data_ptr() != end or not t.is_contiguous() or t.untyped_storage().data_ptr() != storage:
             return None
-        end += t.numel() * t.element_size()
+        end += t.nbytes
         total += t.numel()
     return first.as_strided((total,), (1,), first.storage_offset())
 

@@ -412,17 +412,16 @@ class ProcessBackend(Backend):
 
     def _run_here(
         self, algorithm: Any, tasks: list[Any], states: dict[int, Any], finish: Callable[[Any, Outcome], None],
-        between: Callable[[], None] | None = None,
+        between: Callable[[], None],
     ) -> None:
         """The server's own share, on its own client context, at the workers' thread count;
-        ``between`` (if given) runs after each task."""
+        ``between`` runs after each task."""
         ctx = self._server_context()
         cls, options = type(algorithm), algorithm.options
         with self._workers_threads():
             for task in tasks:
                 finish(task, run_task(lambda: cls(options), ctx, task, states.get(task.cid)))
-                if between is not None:
-                    between()
+                between()
 
     def close(self) -> None:
         for w in self._workers:

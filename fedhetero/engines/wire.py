@@ -19,7 +19,7 @@ import pickle
 import socket
 import struct
 import threading
-from typing import Any
+from typing import Any, Iterator
 
 __all__ = ["Channel"]
 
@@ -157,7 +157,6 @@ class _Ring:
 
         import numpy as np
 
-        self.size = size
         self._map = mmap.mmap(fd, size)
         whole = np.frombuffer(self._map, dtype=np.uint8)
         self._consumed = whole[:8].view(np.uint64)
@@ -181,6 +180,34 @@ class _Ring:
     def consumed(self, count: int) -> None:
         """Record that the reader is done with everything before ``count``."""
         self._consumed[0] = count
+
+    def _pieces(self, views: list[memoryview], at: int) -> Iterator[tuple[Any, Any]]:
+        """``(ring bytes, buffer bytes)`` of each non-empty buffer of a span laid out from ``at``."""
+        import numpy as np
+
+        offsets, _ = _layout([v.nbytes for v in views])
+        for v, off in zip(views, offsets):
+            if v.nbytes:
+                yield self.data[at + off : at + off + v.nbytes], np.frombuffer(v, dtype=np.uint8)
+
+    def write(self, views: list[memoryview]) -> tuple[int, int] | None:
+        """Copy ``views`` into the ring as one span: ``(its offset, the count after it)`` for the
+        reader, or None when they do not fit now (nothing written)."""
+        _, span = _layout([v.nbytes for v in views])
+        start = self.reserve(span) if span else None
+        if start is None:
+            return None
+        at = start % self.capacity
+        for ring, src in self._pieces(views, at):
+            ring[:] = src
+        self.produced = start + span
+        return at, self.produced
+
+    def read(self, views: list[memoryview], at: int, end: int) -> None:
+        """Fill ``views`` from the span the writer put at ``at``, and free it (up to ``end``)."""
+        for ring, dst in self._pieces(views, at):
+            dst[:] = ring
+        self.consumed(end)
 
     def close(self) -> None:
         self.data = self._consumed = None  # type: ignore[assignment]
@@ -255,21 +282,8 @@ class Channel:
         pickler.dump(obj)
         head = buf.getbuffer()
         described, views = pickler.plan()
-        sizes = [v.nbytes for v in views]
-        offsets, span = _layout(sizes)
-        start = None if self._out is None or not span else self._out.reserve(span)
-        ring = None
-        if start is not None:
-            assert self._out is not None
-            import numpy as np
-
-            at = start % self._out.capacity
-            for v, off in zip(views, offsets):
-                if v.nbytes:
-                    self._out.data[at + off : at + off + v.nbytes] = np.frombuffer(v, dtype=np.uint8)
-            self._out.produced = start + span
-            ring = (at, start + span)
-        table = pickle.dumps((described, sizes, ring), protocol=pickle.HIGHEST_PROTOCOL)
+        ring = None if self._out is None else self._out.write(views)
+        table = pickle.dumps((described, [v.nbytes for v in views], ring), protocol=pickle.HIGHEST_PROTOCOL)
         prefix = _PREFIX.pack(len(table), head.nbytes)
         self._sendall([memoryview(prefix), memoryview(table), head, *(views if ring is None else ())])
 
@@ -305,17 +319,10 @@ class Channel:
             _RECEIVING.tensors = None
         if ring is None:
             self._read(views)
+        elif self._in is None:
+            raise OSError("malformed message: data in a shared ring that was never set up")
         else:
-            import numpy as np
-
-            if self._in is None:
-                raise OSError("malformed message: data in a shared ring that was never set up")
-            at, end = ring
-            offsets, _ = _layout(sizes)
-            for v, off in zip(views, offsets):
-                if v.nbytes:
-                    np.frombuffer(v, dtype=np.uint8)[:] = self._in.data[at + off : at + off + v.nbytes]
-            self._in.consumed(end)
+            self._in.read(views, *ring)
         return obj
 
     def close(self) -> None:

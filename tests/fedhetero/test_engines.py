@@ -382,7 +382,7 @@ def test_server_share_runs_at_the_workers_thread_count(monkeypatch):
     torch.set_num_threads(2)
     try:
         done = []
-        backend._run_here(Algorithm(), [SimpleNamespace(cid=0), SimpleNamespace(cid=2)], {}, lambda t, o: done.append(t.cid))
+        backend._run_here(Algorithm(), [SimpleNamespace(cid=0), SimpleNamespace(cid=2)], {}, lambda t, o: done.append(t.cid), lambda: None)
         assert seen == [1, 1] and done == [0, 2]
         assert torch.get_num_threads() == 2
     finally:
