@@ -4,8 +4,10 @@
                             same training (same data, clients, order, model); and the share of a
                             DynamicFL round spent in REP, DYMM and merge.
 ``fedhetero bench engines`` the same FedAvg job on the ``process`` back end vs ``local`` (client
-                            throughput), ``local`` vs a bare loop, and, with the ``flower`` extra,
-                            our Flower back end vs Flower's own FedAvg strategy.
+                            throughput; beside it two independent ``local`` runs at once, the
+                            machine's ceiling, and the bound for free messages), ``local`` vs a
+                            bare loop, and, with the ``flower`` extra, our Flower back end vs
+                            Flower's own FedAvg strategy.
 ``fedhetero bench memory``  peak resident memory of 1000 clients at 1 % sampling vs 100 clients at
                             10 % sampling (each in a fresh subprocess), showing that memory follows
                             the clients sampled per round, not the clients that exist.
@@ -209,6 +211,66 @@ def _timed_run(cfg, backend: Any = None) -> tuple[float, list[dict[str, Any]]]:
     return sum(r["wall_s"] for r in res.metrics), res.metrics
 
 
+def _client_phase(rows: list[dict[str, Any]]) -> float:
+    """Seconds the back end spent running client tasks in these metrics rows."""
+    return float(sum(r.get("timers", {}).get("client_phase", 0.0) for r in rows))
+
+
+def _twin_main() -> None:
+    """A second process running the ``local`` job on demand (``fedhetero bench engines``' ceiling
+    row): reads ``{"cfg": config}`` as one JSON line, warms up, says ``ready``, then answers every ``go``
+    line with the job's seconds in rounds."""
+    from fedhetero.config import from_dict
+
+    init = json.loads(sys.stdin.readline())
+    cfg = from_dict(init["cfg"])
+    torch.set_num_threads(1)
+    _timed_run(cfg)
+    print("ready", flush=True)
+    for line in sys.stdin:
+        if line.strip() != "go":
+            break
+        print(_timed_run(cfg)[0], flush=True)
+
+
+class _Twin:
+    """The :func:`_twin_main` process: the same ``local`` job started at the same moment as ours."""
+
+    def __init__(self, cfg_data: dict[str, Any]) -> None:
+        import os
+
+        env = dict(os.environ, OMP_NUM_THREADS="1")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", "import sys, json; sys.path[:0] = json.loads(sys.argv[1]); "
+             "from fedhetero.bench import _twin_main; _twin_main()", json.dumps(sys.path)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
+        )
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write(json.dumps({"cfg": cfg_data}) + "\n")
+        self.proc.stdin.flush()
+        if self.proc.stdout.readline().strip() != "ready":
+            self.close()
+            raise RuntimeError("the second local process did not start")
+
+    def start(self) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write("go\n")
+        self.proc.stdin.flush()
+
+    def seconds(self) -> float:
+        assert self.proc.stdout is not None
+        return float(self.proc.stdout.readline())
+
+    def close(self) -> None:
+        if self.proc.stdin is not None:
+            self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:  # pragma: no cover
+            self.proc.kill()
+            self.proc.wait()
+
+
 def engines_main(argv: list[str] | None = None) -> int:
     """``fedhetero bench engines``: back ends side by side on one FedAvg job."""
     from rich.console import Console
@@ -221,9 +283,10 @@ def engines_main(argv: list[str] | None = None) -> int:
         prog="fedhetero bench engines",
         description="The same FedAvg job (digits, LeNet-5, 100 clients, 10 per round, 1 local epoch, "
         "10 rounds; evaluation after the last round) on each back end, measured side by side: "
-        "process/local client throughput, local vs a bare hand-written loop and, with the flower "
-        "extra, our Flower back end vs Flower's own FedAvg strategy. Worker start-up is timed apart "
-        "from the rounds.",
+        "process/local client throughput (also for the client phase alone, beside two independent "
+        "local runs at once and the bound a back end with free messages could reach on this "
+        "machine), local vs a bare hand-written loop and, with the flower extra, our Flower back end "
+        "vs Flower's own FedAvg strategy. Worker start-up is timed apart from the rounds.",
     )
     p.add_argument("--clients", type=int, default=100)
     p.add_argument("--per-round", type=int, default=10)
@@ -261,22 +324,36 @@ def engines_main(argv: list[str] | None = None) -> int:
     pool = started(proc_cfg)
     startup = time.perf_counter() - t0
     heavy_pool = started(heavy_proc)
-    samples: dict[str, list[float]] = {"local": [], "process": [], "bare": [], "heavy_local": [], "heavy_process": []}
+    twin = _Twin(to_dict(local_cfg))
+    samples: dict[str, list[float]] = {
+        "local": [], "process": [], "bare": [], "heavy_local": [], "heavy_process": [],
+        "local_clients": [], "process_clients": [], "two_local": [],
+    }
     try:
         _timed_run(local_cfg)  # warm-up of this process and of the workers (their first task
         _timed_run(proc_cfg, backend=pool)  # builds caches: a one-time cost, like start-up)
         _timed_run(heavy_proc, backend=heavy_pool)
         for _ in range(args.repeats):  # interleaved so machine noise hits all alike
-            samples["local"].append(_timed_run(local_cfg)[0])
-            samples["process"].append(_timed_run(proc_cfg, backend=pool)[0])
+            for name, cfg, backend in (("local", local_cfg, None), ("process", proc_cfg, pool)):
+                seconds, rows = _timed_run(cfg, backend=backend)
+                samples[name].append(seconds)
+                samples[f"{name}_clients"].append(_client_phase(rows))
             samples["bare"].append(bare_fedavg(local_cfg, args.rounds))
             samples["heavy_local"].append(_timed_run(heavy_local)[0])
             samples["heavy_process"].append(_timed_run(heavy_proc, backend=heavy_pool)[0])
+            twin.start()  # the same local job in two processes at once: one per core
+            ours = _timed_run(local_cfg)[0]
+            samples["two_local"].append(max(ours, twin.seconds()))
     finally:
         pool.close()
         heavy_pool.close()
+        twin.close()
     best = {k: min(v) for k, v in samples.items() if v}
     tasks = args.rounds * args.per_round
+    # what a back end with free messages could reach: the serial part of a local run stays, its
+    # client phase runs on two cores, each as much slower as two independent runs at once make it
+    serial = max(best["local"] - best["local_clients"], 0.0)
+    bound = best["local"] / (serial + best["local_clients"] / 2 * best["two_local"] / best["local"])
     rows = [
         ("local: client tasks / s", f"{tasks / best['local']:.1f}", ""),
         (f"process (engine.workers={args.workers}: this process + {args.workers - 1} worker"
@@ -285,6 +362,14 @@ def engines_main(argv: list[str] | None = None) -> int:
         ("process / local, median of pairs",
          f"{statistics.median(a / b for a, b in zip(samples['local'], samples['process'])):.2f}×",
          "(each repeat runs both back to back)"),
+        ("process / local, client phase",
+         f"{best['local_clients'] / best['process_clients']:.2f}×",
+         "(time in the back end's run of the tasks only: the server's serial work left out)"),
+        ("two local runs at once / one",
+         f"{2 * best['local'] / best['two_local']:.2f}×",
+         "(throughput of two independent local runs, one per core: the machine's ceiling)"),
+        ("process / local bound, no message cost", f"{bound:.2f}×",
+         "(the server's serial work alone, the client phase halved at the slowdown of two busy cores)"),
         (f"process / local throughput, {args.heavy_epochs} local epochs",
          f"{best['heavy_local'] / best['heavy_process']:.2f}×", "(more work per client task)"),
         ("local / bare loop time", f"{best['local'] / best['bare']:.3f}", "≤ 1.05"),

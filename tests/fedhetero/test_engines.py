@@ -56,6 +56,9 @@ def test_process_backend_is_bit_identical_to_local(tmp_path, name):
     assert strip_wall(ra.metrics) == strip_wall(rb.metrics)
     _assert_same_model(a, b)
     assert ra.summary["final_accuracy"] == rb.summary["final_accuracy"]
+    # every round records the wall time its client tasks took, a part of the round's
+    for rows in (ra.metrics, rb.metrics):
+        assert all(0 < r["timers"]["client_phase"] < r["wall_s"] + 1e-4 for r in rows)
 
 
 def test_resume_on_process_backend_equals_uninterrupted(tmp_path):
@@ -557,8 +560,15 @@ def test_bench_engines_runs_and_reports_every_row(tmp_path, capsys):
     text = capsys.readouterr().out
     assert rc == 0
     for row in ("process / local throughput", "process / local, median of pairs", "local / bare loop time",
-                "worker start-up"):
+                "worker start-up", "process / local, client phase", "two local runs at once / one",
+                "process / local bound"):
         assert row in text, row
     data = json.loads(out.read_text())
-    assert all(len(data["samples"][k]) == 2 and min(data["samples"][k]) > 0 for k in
-               ("local", "process", "bare", "heavy_local", "heavy_process"))
+    samples = data["samples"]
+    assert all(len(samples[k]) == 2 and min(samples[k]) > 0 for k in
+               ("local", "process", "bare", "heavy_local", "heavy_process", "local_clients", "process_clients",
+                "two_local"))
+    # the client phase is part of each run's rounds; two runs at once take at least as long as one
+    assert all(c < t for c, t in zip(samples["local_clients"], samples["local"]))
+    assert all(c < t for c, t in zip(samples["process_clients"], samples["process"]))
+    assert min(samples["two_local"]) >= 0.5 * min(samples["local"])
