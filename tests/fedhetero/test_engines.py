@@ -551,6 +551,23 @@ def test_evaluation_is_not_shared_with_a_time_out_or_free_threads():
             backend.close()
 
 
+def test_bench_engines_without_the_second_process_still_reports_the_rest(tmp_path, capsys, monkeypatch):
+    import fedhetero.bench as bench
+
+    def fail(*args, **kwargs):
+        raise OSError("no second process here")
+
+    monkeypatch.setattr(bench, "_Twin", fail)
+    out = tmp_path / "b.json"
+    rc = bench.engines_main(["--clients", "4", "--per-round", "2", "--rounds", "1", "--repeats", "1", "--no-flower",
+                             "--heavy-epochs", "1", "--json", str(out)])
+    text = capsys.readouterr().out
+    assert rc == 0
+    assert "no second process here" in text and "skipped" in text
+    samples = json.loads(out.read_text())["samples"]
+    assert samples["two_local"] == [] and len(samples["process"]) == 1 and min(samples["process"]) > 0
+
+
 def test_bench_engines_runs_and_reports_every_row(tmp_path, capsys):
     from fedhetero.bench import engines_main
 
