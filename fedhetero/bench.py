@@ -223,8 +223,7 @@ def _twin_main() -> None:
     from fedhetero.config import from_dict
 
     init = json.loads(sys.stdin.readline())
-    cfg = from_dict(init["cfg"])
-    torch.set_num_threads(1)
+    cfg = from_dict(init["cfg"])  # its ``threads`` (1) is applied by the engine
     _timed_run(cfg)
     print("ready", flush=True)
     for line in sys.stdin:
@@ -237,13 +236,10 @@ class _Twin:
     """The :func:`_twin_main` process: the same ``local`` job started at the same moment as ours."""
 
     def __init__(self, cfg_data: dict[str, Any]) -> None:
-        import os
-
-        env = dict(os.environ, OMP_NUM_THREADS="1")
         self.proc = subprocess.Popen(
             [sys.executable, "-c", "import sys, json; sys.path[:0] = json.loads(sys.argv[1]); "
              "from fedhetero.bench import _twin_main; _twin_main()", json.dumps(sys.path)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
         )
         assert self.proc.stdin is not None and self.proc.stdout is not None
         self.proc.stdin.write(json.dumps({"cfg": cfg_data}) + "\n")
@@ -361,9 +357,9 @@ def engines_main(argv: list[str] | None = None) -> int:
     tasks = args.rounds * args.per_round
     # what a back end with free messages could reach: the serial part of a local run stays, its
     # client phase runs on two cores, each as much slower as two independent runs at once make it
-    serial = max(best["local"] - best["local_clients"], 0.0)
     ceiling = bound = "skipped"
     if "two_local" in best:
+        serial = max(best["local"] - best["local_clients"], 0.0)
         ceiling = f"{2 * best['local'] / best['two_local']:.2f}×"
         bound = f"{best['local'] / (serial + best['local_clients'] / 2 * best['two_local'] / best['local']):.2f}×"
     rows = [

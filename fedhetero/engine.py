@@ -195,11 +195,10 @@ class Engine:
                 progress(outcome.task.cid)
 
         self.ctx.stream = None
-        t0 = time.perf_counter()
-        outcomes = self.backend.run(algorithm, tasks, states, on_done=on_done)
-        # wall seconds the back end spent on the round's client tasks (the rest of ``wall_s`` is
-        # the server's own work: sampling, configuring, aggregating, evaluating)
-        self.ctx.timers["client_phase"] = self.ctx.timers.get("client_phase", 0.0) + time.perf_counter() - t0
+        # the back end's wall time on the round's client tasks (the rest of ``wall_s`` is the
+        # server's own work: sampling, configuring, aggregating, evaluating)
+        with self.ctx.timer("client_phase"):
+            outcomes = self.backend.run(algorithm, tasks, states, on_done=on_done)
         self.ctx.stream = stream
         ok: list[ClientResult] = []
         for outcome in outcomes:

@@ -363,6 +363,9 @@ class ProcessBackend(Backend):
         sent: list[_Worker | None] = []
         for w, part in zip(idle[: k - 1], parts):
             assert w.chan is not None
+            if not self._remote_eval:  # the model did not pickle for an earlier helper
+                sent.append(None)
+                continue
             try:
                 w.chan.send(("eval", model, name, part))
                 sent.append(w)

@@ -59,7 +59,7 @@ class _Pickler(pickle.Pickler):
         import torch
 
         super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
-        self.tensors: list[Any] = []  # (detached tensor, requires_grad, storage), numbered as met
+        self.tensors: list[Any] = []  # (detached tensor, requires_grad, storage, its address), numbered as met
         self._seen: dict[int, Any] = {}  # id of a tensor met -> what it pickles to
         self._keep: list[Any] = []  # the tensors met (their ids stay unique while they live)
         self._names = _dtypes()
