@@ -211,9 +211,20 @@ def _timed_run(cfg, backend: Any = None) -> tuple[float, list[dict[str, Any]]]:
     return sum(r["wall_s"] for r in res.metrics), res.metrics
 
 
-def _client_phase(rows: list[dict[str, Any]]) -> float:
-    """Seconds the back end spent running client tasks in these metrics rows."""
-    return float(sum(r.get("timers", {}).get("client_phase", 0.0) for r in rows))
+def _timer(rows: list[dict[str, Any]], name: str) -> float:
+    """Seconds under ``timers[name]`` in these metrics rows (``client_phase``: running client tasks;
+    ``evaluate``: evaluating the global model)."""
+    return float(sum(r.get("timers", {}).get(name, 0.0) for r in rows))
+
+
+def parallel_bound(local: float, clients: float, evaluation: float, two_local: float, split_eval: bool) -> float:
+    """process/local throughput a back end with free messages could reach with two executors on
+    this machine: a ``local`` run of ``local`` seconds keeps its serial part, and its parallel part
+    (the client phase, and the evaluation when the back end shares its batches) runs halved, each
+    half as much slower as two independent runs at once (``two_local`` seconds) make one."""
+    parallel = clients + (evaluation if split_eval else 0.0)
+    serial = max(local - parallel, 0.0)
+    return local / (serial + parallel / 2 * two_local / local)
 
 
 def _twin_main() -> None:
@@ -314,6 +325,12 @@ def engines_main(argv: list[str] | None = None) -> int:
     base["train"]["local_epochs"] = args.heavy_epochs
     heavy_local, heavy_proc = cfg_for(backend="local"), cfg_for(backend="process", workers=args.workers)
     torch.set_num_threads(1)
+    # the process back end shares an evaluation of several batches among its executors
+    from fedhetero.context import client_context
+
+    test_size = len(client_context(local_cfg).data.test.labels)
+    split_eval = args.workers >= 2 and test_size > local_cfg.train.eval_batch_size
+
     def started(cfg: Any) -> ProcessBackend:
         backend = ProcessBackend(cfg)
         backend.start()
@@ -326,7 +343,7 @@ def engines_main(argv: list[str] | None = None) -> int:
     twin: _Twin | None = None
     samples: dict[str, list[float]] = {
         "local": [], "process": [], "bare": [], "heavy_local": [], "heavy_process": [],
-        "local_clients": [], "process_clients": [], "two_local": [],
+        "local_clients": [], "process_clients": [], "local_eval": [], "process_eval": [], "two_local": [],
     }
     try:
         try:
@@ -340,7 +357,8 @@ def engines_main(argv: list[str] | None = None) -> int:
             for name, cfg, backend in (("local", local_cfg, None), ("process", proc_cfg, pool)):
                 seconds, rows = _timed_run(cfg, backend=backend)
                 samples[name].append(seconds)
-                samples[f"{name}_clients"].append(_client_phase(rows))
+                samples[f"{name}_clients"].append(_timer(rows, "client_phase"))
+                samples[f"{name}_eval"].append(_timer(rows, "evaluate"))
             samples["bare"].append(bare_fedavg(local_cfg, args.rounds))
             samples["heavy_local"].append(_timed_run(heavy_local)[0])
             samples["heavy_process"].append(_timed_run(heavy_proc, backend=heavy_pool)[0])
@@ -355,13 +373,10 @@ def engines_main(argv: list[str] | None = None) -> int:
             twin.close()
     best = {k: min(v) for k, v in samples.items() if v}
     tasks = args.rounds * args.per_round
-    # what a back end with free messages could reach: the serial part of a local run stays, its
-    # client phase runs on two cores, each as much slower as two independent runs at once make it
     ceiling = bound = "skipped"
     if "two_local" in best:
-        serial = max(best["local"] - best["local_clients"], 0.0)
         ceiling = f"{2 * best['local'] / best['two_local']:.2f}×"
-        bound = f"{best['local'] / (serial + best['local_clients'] / 2 * best['two_local'] / best['local']):.2f}×"
+        bound = f"{parallel_bound(best['local'], best['local_clients'], best['local_eval'], best['two_local'], split_eval):.2f}×"
     rows = [
         ("local: client tasks / s", f"{tasks / best['local']:.1f}", ""),
         (f"process (engine.workers={args.workers}: this process + {args.workers - 1} worker"
@@ -376,8 +391,9 @@ def engines_main(argv: list[str] | None = None) -> int:
         ("two local runs at once / one", ceiling,
          "(throughput of two independent local runs, one per core: the machine's ceiling)"),
         ("process / local bound, no message cost", bound,
-         "(the server's serial work alone, the client phase halved at the slowdown of two busy cores)"),
-        (f"process / local throughput, {args.heavy_epochs} local epochs",
+         "(the server's serial work alone, the client phase"
+         f"{' and the evaluation' if split_eval else ''} halved at the slowdown of two busy cores)"),
+        (f"process / local throughput, {args.heavy_epochs} local epoch{'s' if args.heavy_epochs != 1 else ''}",
          f"{best['heavy_local'] / best['heavy_process']:.2f}×", "(more work per client task)"),
         ("local / bare loop time", f"{best['local'] / best['bare']:.3f}", "≤ 1.05"),
         ("process worker start-up (once per run)", f"{startup:.2f} s", ""),

@@ -439,7 +439,8 @@ class Engine:
                 row["dropped"] = list(self._dropped)
                 row.update(self.algorithm.round_metrics(self.ctx))
                 if not skip and (rnd % self.cfg.train.eval_every == 0 or rnd == rounds):
-                    row.update(self._evaluate())
+                    with self.ctx.timer("evaluate"):
+                        row.update(self._evaluate())
                 by_cid = {c.cid: c for c in clients}
                 row["clients"] = [
                     {

@@ -57,8 +57,13 @@ def test_process_backend_is_bit_identical_to_local(tmp_path, name):
     _assert_same_model(a, b)
     assert ra.summary["final_accuracy"] == rb.summary["final_accuracy"]
     # every round records the wall time its client tasks took, a part of the round's
+    # and the rounds that evaluate record how long that took, apart from the client tasks
     for rows in (ra.metrics, rb.metrics):
         assert all(0 < r["timers"]["client_phase"] < r["wall_s"] + 1e-4 for r in rows)
+        evaluated = [r for r in rows if "accuracy" in r]
+        assert evaluated and all(0 < r["timers"]["evaluate"] < r["wall_s"] - r["timers"]["client_phase"] + 1e-4
+                                 for r in evaluated)
+        assert all("evaluate" not in r["timers"] for r in rows if "accuracy" not in r)
 
 
 def test_resume_on_process_backend_equals_uninterrupted(tmp_path):
@@ -568,6 +573,18 @@ def test_bench_engines_without_the_second_process_still_reports_the_rest(tmp_pat
     assert samples["two_local"] == [] and len(samples["process"]) == 1 and min(samples["process"]) > 0
 
 
+def test_parallel_bound_halves_only_what_two_executors_can_share():
+    from fedhetero.bench import parallel_bound
+
+    # 100 s local run: 80 s of client tasks, 10 s evaluation, 10 s other serial work
+    assert parallel_bound(100.0, 80.0, 10.0, 100.0, split_eval=False) == pytest.approx(100 / (20 + 40))
+    assert parallel_bound(100.0, 80.0, 10.0, 100.0, split_eval=True) == pytest.approx(100 / (10 + 45))
+    # two runs at once 20 % slower than one: every shared second costs 1.2
+    assert parallel_bound(100.0, 80.0, 10.0, 120.0, split_eval=True) == pytest.approx(100 / (10 + 45 * 1.2))
+    # no serial part and no slowdown: exactly two
+    assert parallel_bound(50.0, 50.0, 0.0, 50.0, split_eval=False) == pytest.approx(2.0)
+
+
 def test_bench_engines_runs_and_reports_every_row(tmp_path, capsys):
     from fedhetero.bench import engines_main
 
@@ -584,8 +601,9 @@ def test_bench_engines_runs_and_reports_every_row(tmp_path, capsys):
     samples = data["samples"]
     assert all(len(samples[k]) == 2 and min(samples[k]) > 0 for k in
                ("local", "process", "bare", "heavy_local", "heavy_process", "local_clients", "process_clients",
-                "two_local"))
+                "local_eval", "process_eval", "two_local"))
     # the client phase is part of each run's rounds; two runs at once take at least as long as one
     assert all(c < t for c, t in zip(samples["local_clients"], samples["local"]))
     assert all(c < t for c, t in zip(samples["process_clients"], samples["process"]))
+    assert all(c + e < t for c, e, t in zip(samples["local_clients"], samples["local_eval"], samples["local"]))
     assert min(samples["two_local"]) >= 0.5 * min(samples["local"])
