@@ -325,12 +325,6 @@ def engines_main(argv: list[str] | None = None) -> int:
     base["train"]["local_epochs"] = args.heavy_epochs
     heavy_local, heavy_proc = cfg_for(backend="local"), cfg_for(backend="process", workers=args.workers)
     torch.set_num_threads(1)
-    # the process back end shares an evaluation of several batches among its executors
-    from fedhetero.context import client_context
-
-    test_size = len(client_context(local_cfg).data.test.labels)
-    split_eval = args.workers >= 2 and test_size > local_cfg.train.eval_batch_size
-
     def started(cfg: Any) -> ProcessBackend:
         backend = ProcessBackend(cfg)
         backend.start()
@@ -339,6 +333,7 @@ def engines_main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     pool = started(proc_cfg)
     startup = time.perf_counter() - t0
+    split_eval = pool.evaluation_shares() >= 2  # the back end shares an evaluation of several batches
     heavy_pool = started(heavy_proc)
     twin: _Twin | None = None
     samples: dict[str, list[float]] = {

@@ -348,14 +348,14 @@ class ProcessBackend(Backend):
         import numpy as np
 
         idle = [w for w in self._workers if w.ready and not w.queue and w.chan is not None]
-        if not idle or self.cfg.threads is None or not self._remote_eval or not self.in_process:
+        if not self._can_share(len(idle)):
             return None
         ctx = self._server_context()
         dataset = getattr(ctx.data, name)
         order = np.arange(len(dataset.labels)) if indices is None else np.asarray(indices)
         size = self.cfg.train.eval_batch_size
         batches = -(-len(order) // size)
-        k = min(batches, len(idle) + 1)
+        k = self._shares(len(order), len(idle))
         if k < 2:
             return None
         bounds = [round(i * batches / k) for i in range(k + 1)]
@@ -390,6 +390,22 @@ class ProcessBackend(Backend):
                 reply = ctx.evaluate_batches(model, dataset, parts[i])
             results[i] = reply
         return [stat for part in results for stat in part]
+
+    def _can_share(self, helpers: int) -> bool:
+        """Whether an evaluation may be shared with ``helpers`` idle workers (see
+        :meth:`evaluate_batches` for when it may not)."""
+        return helpers > 0 and self.cfg.threads is not None and self._remote_eval and self.in_process
+
+    def _shares(self, samples: int, helpers: int) -> int:
+        """Executors an evaluation of ``samples`` shares its batches among (1: the server alone)."""
+        if not self._can_share(helpers):
+            return 1
+        return min(-(-samples // self.cfg.train.eval_batch_size), helpers + 1)
+
+    def evaluation_shares(self, name: str = "test") -> int:
+        """Executors that share an evaluation of the server's ``name`` data set (``test`` or
+        ``train``) when every worker is idle, as after a round (1: the server evaluates alone)."""
+        return self._shares(len(getattr(self._server_context().data, name).labels), self.size - 1)
 
     def _server_context(self) -> Any:
         """The server's own client context (built once, on the server's data set)."""

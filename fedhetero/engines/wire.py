@@ -181,11 +181,11 @@ class _Ring:
         """Record that the reader is done with everything before ``count``."""
         self._consumed[0] = count
 
-    def _pieces(self, views: list[memoryview], at: int) -> Iterator[tuple[Any, Any]]:
-        """``(ring bytes, buffer bytes)`` of each non-empty buffer of a span laid out from ``at``."""
+    def _pieces(self, views: list[memoryview], at: int, offsets: list[int]) -> Iterator[tuple[Any, Any]]:
+        """``(ring bytes, buffer bytes)`` of each non-empty buffer of a span laid out from ``at``
+        (``offsets``: the span's :func:`_layout`)."""
         import numpy as np
 
-        offsets, _ = _layout([v.nbytes for v in views])
         for v, off in zip(views, offsets):
             if v.nbytes:
                 yield self.data[at + off : at + off + v.nbytes], np.frombuffer(v, dtype=np.uint8)
@@ -193,19 +193,19 @@ class _Ring:
     def write(self, views: list[memoryview]) -> tuple[int, int] | None:
         """Copy ``views`` into the ring as one span: ``(its offset, the count after it)`` for the
         reader, or None when they do not fit now (nothing written)."""
-        _, span = _layout([v.nbytes for v in views])
+        offsets, span = _layout([v.nbytes for v in views])
         start = self.reserve(span) if span else None
         if start is None:
             return None
         at = start % self.capacity
-        for ring, src in self._pieces(views, at):
+        for ring, src in self._pieces(views, at, offsets):
             ring[:] = src
         self.produced = start + span
         return at, self.produced
 
     def read(self, views: list[memoryview], at: int, end: int) -> None:
         """Fill ``views`` from the span the writer put at ``at``, and free it (up to ``end``)."""
-        for ring, dst in self._pieces(views, at):
+        for ring, dst in self._pieces(views, at, _layout([v.nbytes for v in views])[0]):
             dst[:] = ring
         self.consumed(end)
 

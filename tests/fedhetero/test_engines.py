@@ -532,9 +532,11 @@ def test_evaluation_falls_back_to_the_server_when_a_worker_cannot(tmp_path):
     backend = ProcessBackend(cfg, ctx.data)
     try:
         backend.start()
+        assert backend.evaluation_shares() == 2
         stats = backend.evaluate_batches(model, "test", None)
         assert stats == ctx.evaluate_batches(model)  # the worker failed: the server did its batches
         assert backend._remote_eval is False and backend.evaluate_batches(model, "test", None) is None
+        assert backend.evaluation_shares() == 1
         assert all(w.proc.poll() is None for w in backend._workers)  # the worker lives on
     finally:
         backend.close()
@@ -552,8 +554,21 @@ def test_evaluation_is_not_shared_with_a_time_out_or_free_threads():
         try:
             backend.start()
             assert backend.evaluate_batches(ctx.build_model(), "test", None) is None
+            assert backend.evaluation_shares() == 1
         finally:
             backend.close()
+
+
+def test_evaluation_shares_follow_the_batches_and_the_executors():
+    from fedhetero.context import client_context
+    from fedhetero.engines.process import ProcessBackend
+
+    data = client_context(from_dict({})).data
+    n = len(data.test.labels)  # 359 digits test images
+    for batch, workers, expected in ((512, 2, 1), (n - 1, 2, 2), (40, 2, 2), (40, 3, 3), (40, 1, 1)):
+        cfg = from_dict({"threads": 1, "train": {"eval_batch_size": batch},
+                         "engine": {"backend": "process", "workers": workers}})
+        assert ProcessBackend(cfg, data).evaluation_shares() == expected, (batch, workers)
 
 
 def test_bench_engines_without_the_second_process_still_reports_the_rest(tmp_path, capsys, monkeypatch):
