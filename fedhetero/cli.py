@@ -114,9 +114,14 @@ def print_summary(console: Any, summary: dict[str, Any], out: Path | None = None
     from rich.table import Table
 
     table = Table(title=f"{summary['algorithm']}: final accuracy {_fmt_acc(summary['final_accuracy'])} %")
-    for col in ("tier", "ratio", "budget MMACs", "trained MMACs", "fits", "client-rounds", "sent up", "sent down", "accuracy %"):
+    drops = bool(summary.get("dropped_clients"))
+    cols = ["tier", "ratio", "budget MMACs", "trained MMACs", "fits", "client-rounds", "sent up", "sent down", "accuracy %"]
+    if drops:
+        cols[6:6] = ["dropped", "internal errors"]
+    for col in cols:
         table.add_column(col, justify="right")
     for name, t in summary["tiers"].items():
+        extra = [str(t.get("dropped", 0)), str(t.get("internal_errors", 0))] if drops else []
         table.add_row(
             name,
             f"{t['ratio']:g}×",
@@ -124,18 +129,21 @@ def print_summary(console: Any, summary: dict[str, Any], out: Path | None = None
             _fmt_macs(t["macs"]),
             "—" if t["fits_budget"] is None else ("yes" if t["fits_budget"] else "NO"),
             str(t["client_rounds"]),
+            *extra,
             _fmt_bytes(t.get("bytes_up", 0)),
             _fmt_bytes(t.get("bytes_down", 0)),
             _fmt_acc(t["accuracy"]),
         )
     console.print(table)
     dropped = summary.get("dropped_clients") or 0
+    errors = summary.get("internal_errors") or 0
     console.print(
         f"best accuracy {_fmt_acc(summary['best_accuracy'])} %, mean of last 5 "
         f"{_fmt_acc(summary['mean_last5_accuracy'])} %, sent {_fmt_bytes(summary.get('bytes_up', 0))} up + "
         f"{_fmt_bytes(summary.get('bytes_down', 0))} down, plain model {_fmt_macs(summary['plain_macs'])} MMACs "
         f"per sample (multiply-accumulates), wall {summary['wall_s']:.1f} s"
         + (f", {dropped} client-rounds dropped (see metrics.jsonl)" if dropped else "")
+        + (f", of which {errors} by an internal error (a bug: please report it)" if errors else "")
         + (f"; run directory {out}" if out else ""),
         markup=False,
     )

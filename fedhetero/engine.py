@@ -25,6 +25,7 @@ Guarantees:
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import time
 from dataclasses import dataclass, field
@@ -40,7 +41,7 @@ from fedhetero.algorithms.base import Algorithm, ClientInfo, ClientResult, Clien
 from fedhetero.config import ConfigError, RunConfig, config_hash, dump_config, load_config
 from fedhetero.context import Context, RunError, UploadStream, build_data
 from fedhetero.data import save_partition
-from fedhetero.engines import Backend, Outcome, check_result, make_backend
+from fedhetero.engines import Backend, Outcome, check_result, drop_kind, make_backend
 from fedhetero.rundir import (
     RunDirError,
     RunLock,
@@ -55,6 +56,9 @@ from fedhetero.sessions import session_summary
 from fedhetero.store import ClientStateStore, atomic_save
 from fedhetero.timemodel import ClientCost, TimeModel, smoothed_final_accuracy
 from reparam.allocator import tune_malloc
+
+#: environment variable that turns internal errors from dropped clients into a stopped run
+STRICT_ENV = "FEDHETERO_STRICT"
 
 _TIME_MODEL = TimeModel()
 
@@ -205,9 +209,19 @@ class Engine:
             task = outcome.task
             reason = check_result(outcome, self.cfg.engine.client_timeout_s)
             if reason is not None:
-                self._dropped.append({"cid": task.cid, "step": task.step, "tier": task.tier, "reason": reason})
+                kind = drop_kind(self.cfg, outcome, reason)
+                self._dropped.append({"cid": task.cid, "step": task.step, "tier": task.tier, "kind": kind, "reason": reason})
+                if kind == "internal_error" and strict_mode():
+                    raise RunError(
+                        f"round {task.round}: client {task.cid} raised an internal error ({STRICT_ENV} is set): "
+                        f"{reason}" + (f"\n{outcome.detail}" if outcome.detail else "")
+                    )
                 if self.console is not None and self.progress:
-                    self.console.print(f"round {task.round}: client {task.cid} dropped: {reason}", markup=False, highlight=False, soft_wrap=True, style="yellow")
+                    what = "internal error (a bug; please report it)" if kind == "internal_error" else "dropped"
+                    self.console.print(
+                        f"round {task.round}: client {task.cid} {what}: {reason}",
+                        markup=False, highlight=False, soft_wrap=True, style="red" if kind == "internal_error" else "yellow",
+                    )
                 continue
             res = outcome.result
             assert res is not None
@@ -574,6 +588,10 @@ def summarize(cfg: RunConfig, history: list[dict[str, Any]], plain_macs: int, wa
             "bytes_up": int(sum(c["bytes_up"] for c in rows)),
             "bytes_down": int(sum(c["bytes_down"] for c in rows)),
             "accuracy": evals[-1]["tier_accuracy"].get(t.name) if evals else None,
+            "dropped": sum(1 for r in history for d in r.get("dropped", ()) if d.get("tier") == t.name),
+            "internal_errors": sum(
+                1 for r in history for d in r.get("dropped", ()) if d.get("tier") == t.name and d.get("kind") == "internal_error"
+            ),
         }
     k = min(5, len(accs))
     client_macs = [c["macs"] for r in history for c in r["clients"]]
@@ -610,9 +628,29 @@ def summarize(cfg: RunConfig, history: list[dict[str, Any]], plain_macs: int, wa
         "bytes_down": int(sum(r["bytes_down"] for r in history)),
         "all_fit_budget": bool(all(c["fits_budget"] for r in history for c in r["clients"])),
         "dropped_clients": int(sum(len(r.get("dropped", ())) for r in history)),
+        # drops by class (see fedhetero.engines.DROP_KINDS); internal errors are bugs, not faults
+        "dropped_by_kind": _dropped_by_kind(history),
+        "internal_errors": _dropped_by_kind(history).get("internal_error", 0),
         "wall_s": round(wall, 3),
         **(session_summary(history, cfg.sessions.transition_window) if cfg.sessions.count else {}),
     }
+
+
+def _dropped_by_kind(history: list[dict[str, Any]]) -> dict[str, int]:
+    """Dropped client-rounds counted by class; a row written before drops had a class counts its
+    drops as ``unclassified``."""
+    out: dict[str, int] = {}
+    for r in history:
+        for d in r.get("dropped", ()):
+            k = str(d.get("kind", "unclassified"))
+            out[k] = out.get(k, 0) + 1
+    return out
+
+
+def strict_mode() -> bool:
+    """Whether an internal error stops the run (``FEDHETERO_STRICT=1``; the test suite sets it,
+    so that a test fails on any exception from the project's own code instead of a dropped client)."""
+    return os.environ.get(STRICT_ENV, "") not in ("", "0")
 
 
 def _val_summary(evals: list[dict[str, Any]]) -> dict[str, Any]:

@@ -28,7 +28,7 @@ from . import _compat
 
 _compat._auto_install()
 
-from . import testing, transforms
+from . import invariants, testing, transforms
 from .block import ANCHOR_NORMS, DEFAULT_BRANCHES, DEPTHWISE_BRANCHES, DiverseBranchBlock
 from .branches import (
     KINDS,
@@ -47,6 +47,7 @@ from .pairs import ConvScan, find_conv_bn_pairs, find_identity_branches
 from .rep import rep_to_local
 from .spec import build, detect_form, merge_state_dict, strip_prefixes, structure
 from .errors import AlignmentError, NotMergeableError, ReparamError, ReparamModeError
+from .invariants import InvariantError
 from .geometry import ConvGeometry
 from . import kinds
 from .branches import CentredConvKind
@@ -59,6 +60,8 @@ __all__ = [
     "AlignmentError",
     "NotMergeableError",
     "ReparamModeError",
+    "InvariantError",
+    "invariants",
     # geometry, transforms, branches
     "ConvGeometry",
     "transforms",
@@ -115,8 +118,14 @@ from . import convert, dymm, flops, planning, saliency  # reparam.dymm.dymm(...)
 from .dymm import DymmReport, classify_branches, plan_bottom_up, shrink_to_budget, update_optimizer
 from .flops import block_macs, branch_macs, conv_macs, input_sizes, model_macs, train_macs
 from .saliency import SaliencyMeter
+from . import hostforms  # conv subclasses and norm+activation BatchNorms (timm's StdConv2d, BatchNormAct2d ...)
+from .hostforms import NormActTail, SamePadConv2d, conv_form
 
 __all__ += [
+    "hostforms",
+    "NormActTail",
+    "SamePadConv2d",
+    "conv_form",
     "convert",
     "dymm",
     "flops",

@@ -13,6 +13,7 @@ from torch import nn
 
 from .block import DiverseBranchBlock
 from .errors import ReparamError
+from .hostforms import ConvForm, conv_form, is_genuine_conv
 
 __all__ = ["iter_blocks"]
 
@@ -31,7 +32,19 @@ def _is_bn_like(m: nn.Module) -> bool:
 
 
 def _is_plain_conv(m: nn.Module) -> bool:
+    """A genuine ``nn.Conv2d``: torch's ``forward`` and ``_conv_forward``, no parametrized weight (a
+    subclass that overrides them may compute anything; see :mod:`reparam.hostforms`)."""
+    return type(m) is not DiverseBranchBlock and is_genuine_conv(m)
+
+
+def _is_conv(m: nn.Module) -> bool:
+    """Any ``nn.Conv2d`` (subclasses included) outside the blocks' own types."""
     return type(m) is not DiverseBranchBlock and isinstance(m, nn.Conv2d)
+
+
+def _conv_support(m: nn.Module) -> ConvForm | str:
+    """The form of a conv (:func:`reparam.hostforms.conv_form`) or why it is left plain."""
+    return conv_form(m)
 
 
 def _host_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:

@@ -27,6 +27,7 @@ up in the branch-kind registry, so a registered custom kind works in a block lik
 
 from __future__ import annotations
 
+import copy
 import logging
 from typing import Any, Iterable, Mapping, Sequence
 
@@ -46,6 +47,7 @@ from .kinds import default_kinds, get_kind, is_kind, kind_names
 from .changes import StructureChange
 from .errors import AlignmentError, NotMergeableError, ReparamError, ReparamModeError
 from .geometry import ConvGeometry
+from .hostforms import ConvForm, as_same_pad, conv_form, is_genuine_conv, pad_same
 from .transforms import BNStats, add_branches, bn_impurity, bn_stats, fuse_bn, merge_dtype
 
 __all__ = ["DiverseBranchBlock", "DEFAULT_BRANCHES", "DEPTHWISE_BRANCHES", "ANCHOR_NORMS", "ANCHOR_STATS", "INITS"]
@@ -57,6 +59,12 @@ DEPTHWISE_BRANCHES: tuple[str, ...] = ("kxk", "1x1_kxk", "1x1_avg", "identity")
 ANCHOR_NORMS: tuple[str, ...] = ("frozen_identity", "calibrated", "batchnorm")
 INITS: tuple[str, ...] = ("zero_gamma", "random_resolve")
 ANCHOR_STATS: tuple[str, ...] = ("keep", "adopt", "identity")
+
+
+_WS_ANCHOR = (
+    "the anchor conv is weight-standardised (its kernel is standardised per output channel, hence has zero "
+    "mean and a fixed norm per channel), so it cannot be made to hold another kernel"
+)
 
 
 def _is_bn(m: nn.Module) -> bool:
@@ -114,9 +122,33 @@ class DiverseBranchBlock(nn.Module):
             classic rule (unpadded convs then admit only ``1x1_kxk`` and ``1x1_avg``).
         gamma_floor: γ guard of the anchor inverse: re-solving the anchor divides by its BN's γ,
             so ``|γ|`` is kept at least this large.
+        same_pad: the host conv pads with TensorFlow's ``SAME`` rule at every call (timm's
+            ``Conv2dSame``; :mod:`reparam.hostforms`): the anchor (the host conv) pads itself, the
+            other branches read the input padded the same way, and the merged conv is a
+            :class:`~reparam.hostforms.SamePadConv2d`.
+
+    What code reads from a conv, a block answers like the conv it replaced (as timm's
+    re-parameterisable blocks keep ``in_chs`` / ``out_chs`` and their convs' hyper-parameters):
+    ``in_channels``, ``out_channels``, ``kernel_size``, ``stride``, ``padding``, ``dilation``,
+    ``groups``, ``padding_mode`` from :attr:`geometry` (tuples, as ``nn.Conv2d`` stores them), and
+    ``weight`` / ``bias``: the anchor conv's own parameters (the host conv's, same objects; after
+    :meth:`switch_to_deploy`, the merged conv's). So ``block.weight.device`` / ``.dtype`` /
+    ``.shape`` are the conv's, and code that collects ``module.weight`` for an optimizer group or a
+    weight-decay rule still finds the host parameter. They are *not* the block's equivalent kernel
+    (the sum of all branches): that is :meth:`get_equivalent_kernel_bias`. ``bias`` is ``None``
+    when the host conv had none (conv+BN blocks), although the block's function has a bias.
 
     State-dict keys: ``branches.<kind>.<sub>.<param>``, e.g. ``branches.1x1_kxk.bn2.running_var``.
     """
+
+    #: TF "same" padding of the input at each call (set from the host conv; see the class docstring)
+    same_pad: bool = False
+    #: the form of the host conv (:class:`~reparam.hostforms.ConvForm`), recorded at construction
+    host_form: ConvForm | None = None
+    #: conv mode with a new bias (``new_bias``): the BatchNorms downstream that absorb the merged
+    #: bias in the host layout, ``[{"bn": path, "offset": int, "through": 1x1 conv path | None}]``
+    #: (set by ``reparam.expand``, see :func:`reparam.pairs.find_bias_sinks`; empty: none)
+    bias_sink: tuple[dict[str, Any], ...] = ()
 
     #: the built-in kinds; registered custom kinds are listed by :func:`reparam.kinds.kind_names`
     KINDS: tuple[str, ...] = KINDS
@@ -203,9 +235,14 @@ class DiverseBranchBlock(nn.Module):
                 no BN without ``allow_new_bias``.
             AlignmentError: an explicitly requested branch is not applicable.
         """
+        form = conv_form(conv)
+        if isinstance(form, str):
+            raise NotMergeableError(form)
         geometry = ConvGeometry.from_conv(conv)
         if init not in INITS:
             raise ReparamError(f"init must be one of {INITS}, got {init!r}")
+        if init == "random_resolve" and form.standardized:
+            raise NotMergeableError(_WS_ANCHOR + " (init='random_resolve' re-solves it); use init='zero_gamma'")
         p = conv.weight
         factory: dict[str, Any] = {"device": p.device, "dtype": p.dtype}
         if bn is not None:
@@ -258,6 +295,7 @@ class DiverseBranchBlock(nn.Module):
             new_bias=new_bias,
             crop=crop,
         )
+        block.same_pad, block.host_form = form.same_pad, form
         block._set_mode_flag(conv.training)
         target = None
         if init == "random_resolve":
@@ -286,6 +324,15 @@ class DiverseBranchBlock(nn.Module):
             bn = None
             if conv.bias is None and spec.get("new_bias", False):
                 conv.bias = nn.Parameter(torch.zeros(conv.out_channels, device=conv.weight.device, dtype=conv.weight.dtype))
+        form = conv_form(conv)
+        if isinstance(form, str):
+            raise NotMergeableError(form)
+        recorded_form = dict(spec.get("host_form", {}) or {})
+        if recorded_form != ({} if form.plain else form.to_dict()):
+            raise ReparamError(
+                f"the conv is {form.describe()} but the block spec records "
+                f"{ConvForm(**recorded_form).describe() if recorded_form else 'a plain conv'}"
+            )
         geometry = ConvGeometry.from_conv(conv)
         recorded = spec.get("geometry")
         if recorded is not None and ConvGeometry.from_dict(recorded) != geometry:
@@ -316,6 +363,8 @@ class DiverseBranchBlock(nn.Module):
             # specs written before input windows existed hold only kinds that need none
             crop=bool(spec.get("crop", True)),
         )
+        block.same_pad, block.host_form = form.same_pad, form
+        block.bias_sink = tuple(dict(s) for s in spec.get("bias_sink", ()) or ())
         block._set_mode_flag(conv.training)
         unknown = [k for k in branch_specs if not is_kind(k)]
         if unknown:
@@ -442,6 +491,20 @@ class DiverseBranchBlock(nn.Module):
         self._order = tuple(self.branches.keys())
         return branch
 
+    def _anchor_standardized(self) -> bool:
+        """Whether the anchor conv is a weight-standardised host conv (:mod:`reparam.hostforms`)."""
+        if self.reparam_conv is not None or "kxk" not in self.branches:
+            return False
+        conv = self.branches["kxk"].conv
+        if type(conv) is nn.Conv2d or hasattr(conv, "_equivalent"):
+            return False
+        form = conv_form(conv)
+        return isinstance(form, ConvForm) and form.standardized
+
+    def _require_writable_anchor(self, what: str) -> None:
+        if self._anchor_standardized():
+            raise NotMergeableError(f"{what}: {_WS_ANCHOR}; merge with target='deploy' instead")
+
     # ------------------------------------------------------------------------------ properties
     @property
     def anchor(self) -> ConvBNBranch:
@@ -478,6 +541,8 @@ class DiverseBranchBlock(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         if self.reparam_conv is not None:
             return self.reparam_conv(x)
+        if self.same_pad:
+            return self._forward_same_pad(x)
         if self.training and len(self._order) > 1 and fused.usable(self, x):
             return fused.block_forward(self, x)
         order = self._order
@@ -487,6 +552,70 @@ class DiverseBranchBlock(nn.Module):
             for name in order[2:]:
                 out = out.add_(self.branches[name](x))
         return out
+
+    def _forward_same_pad(self, x: Tensor) -> Tensor:
+        """The anchor (the host conv, which pads itself) on ``x``, every other branch on ``x``
+        padded by TensorFlow's ``SAME`` rule (then a padding-0 conv's input); same sum order."""
+        order = self._order
+        xp = pad_same(x, self.geometry.kernel_size, self.geometry.stride, self.geometry.dilation) if len(order) > 1 else x
+        outs = (self.branches[n](x if n == "kxk" else xp) for n in order)
+        out = next(outs)
+        if len(order) > 1:
+            out = out + next(outs)  # a fresh tensor: later sums accumulate in place
+            for y in outs:
+                out = out.add_(y)
+        return out
+
+    # ------------------------------------------------------------------------------ conv attributes
+    @property
+    def in_channels(self) -> int:
+        return self.geometry.in_channels
+
+    @property
+    def out_channels(self) -> int:
+        return self.geometry.out_channels
+
+    @property
+    def kernel_size(self) -> tuple[int, int]:
+        return self.geometry.kernel_size
+
+    @property
+    def stride(self) -> tuple[int, int]:
+        return self.geometry.stride
+
+    @property
+    def padding(self) -> tuple[int, int]:
+        return self.geometry.padding
+
+    @property
+    def dilation(self) -> tuple[int, int]:
+        return self.geometry.dilation
+
+    @property
+    def groups(self) -> int:
+        return self.geometry.groups
+
+    @property
+    def padding_mode(self) -> str:
+        return self.geometry.padding_mode
+
+    def _host_conv_module(self) -> nn.Module:
+        if self.reparam_conv is not None:
+            return self.reparam_conv
+        conv = self.branches["kxk"].conv
+        while hasattr(conv, "_equivalent"):  # nested block: its own anchor
+            conv = conv._host_conv_module()
+        return conv
+
+    @property
+    def weight(self) -> Tensor:
+        """The anchor conv's weight (the host conv's parameter; see the class docstring)."""
+        return self._host_conv_module().weight
+
+    @property
+    def bias(self) -> Tensor | None:
+        """The anchor conv's bias, ``None`` when it has none (see the class docstring)."""
+        return self._host_conv_module().bias
 
     # ------------------------------------------------------------------------------ equivalent pairs
     def _equivalent(self, dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor]:
@@ -601,7 +730,8 @@ class DiverseBranchBlock(nn.Module):
     def merge(
         self, *, require_eval: bool = True, compute_dtype: torch.dtype | None = None, consume: bool = False
     ) -> nn.Conv2d:
-        """The plain ``nn.Conv2d`` (with bias) equal to this block in eval mode.
+        """The plain ``nn.Conv2d`` (with bias) equal to this block in eval mode (a
+        :class:`~reparam.hostforms.SamePadConv2d` when the host conv pads with TF's "same" rule).
 
         Built with keyword arguments from :attr:`geometry`, computed in ``compute_dtype`` (default:
         the parameter dtype, at least float32; see :func:`reparam.transforms.merge_dtype`) and cast
@@ -626,6 +756,8 @@ class DiverseBranchBlock(nn.Module):
             storage = self._consumable_anchor_weight(factory) if consume else None
             conv = self.geometry.make_conv(bias=True, initialize=False, weight=storage, **factory)
             self._merged_pair(merge_dtype(conv.weight.dtype, compute_dtype), out=(conv.weight, conv.bias))
+        if self.same_pad:
+            as_same_pad(conv)
         conv.train(self.training)
         return conv
 
@@ -656,6 +788,7 @@ class DiverseBranchBlock(nn.Module):
     # ------------------------------------------------------------------------------ anchor solve
     def _solve_anchor(self, k_t: Tensor, b_t: Tensor, stats: str | BNStats = "keep", conv_bias_t: Tensor | None = None) -> list[nn.Parameter]:
         """Set the anchor so that its eval pair is ``(k_t, b_t)`` (float64). Returns overwritten params."""
+        self._require_writable_anchor("re-solving the anchor")
         anchor = self.anchor
         conv, bn = anchor.conv, anchor.bn
         overwritten: list[nn.Parameter] = []
@@ -762,7 +895,8 @@ class DiverseBranchBlock(nn.Module):
             return conv_w
         bn = self.anchor.bn
         is_weight = getattr(owner, "weight", None) is p
-        candidates = [getattr(bn, "weight", None)] if is_weight else [getattr(bn, "bias", None), getattr(conv, "bias", None)]
+        conv_bias = None if hasattr(conv, "_equivalent") else getattr(conv, "bias", None)  # not a nested block's
+        candidates = [getattr(bn, "weight", None)] if is_weight else [getattr(bn, "bias", None), conv_bias]
         for c in candidates:
             if isinstance(c, nn.Parameter):
                 return c
@@ -833,6 +967,7 @@ class DiverseBranchBlock(nn.Module):
         if name == "kxk":
             raise ReparamError("the anchor branch 'kxk' cannot be removed")
         self._require_branch(name)
+        self._require_writable_anchor(f"removing branch {name!r}")
         k_a, b_a = self._merged_pair(torch.float64, ["kxk"])
         k_r, b_r = self._merged_pair(torch.float64, [name])
         branch = self._delete(name)
@@ -847,6 +982,7 @@ class DiverseBranchBlock(nn.Module):
         others = [n for n in self._order if n != "kxk"]
         if not others:
             return StructureChange(paths=self._path_list())
+        self._require_writable_anchor("folding the branches into the anchor")
         k, b = self._merged_pair(torch.float64)
         removed: list[nn.Parameter] = []
         for n in others:
@@ -881,6 +1017,7 @@ class DiverseBranchBlock(nn.Module):
         """
         if anchor_stats not in ANCHOR_STATS:
             raise ReparamError(f"anchor_stats must be one of {ANCHOR_STATS}, got {anchor_stats!r}")
+        self._require_writable_anchor("load_plain")
         shape = self.geometry.weight_shape
         if tuple(weight.shape) != shape:
             raise ReparamError(f"weight has shape {tuple(weight.shape)}, expected {shape}")
@@ -930,7 +1067,7 @@ class DiverseBranchBlock(nn.Module):
         for name in self._order:
             attr = get_kind(name).nested_conv
             conv = getattr(self.branches[name], attr, None) if attr is not None else None
-            if isinstance(conv, nn.Conv2d) and not hasattr(conv, "_equivalent") and max(conv.kernel_size) > 1:
+            if is_genuine_conv(conv) and max(conv.kernel_size) > 1:
                 out.append(name)
         return out
 
@@ -957,9 +1094,17 @@ class DiverseBranchBlock(nn.Module):
         conv = getattr(branch, attr)
         if not isinstance(conv, nn.Conv2d) or hasattr(conv, "_equivalent"):
             raise ReparamError(f"the conv of branch {name!r} is already nested")
+        if not is_genuine_conv(conv):
+            raise NotMergeableError(
+                f"the conv of branch {name!r} is a {type(conv).__name__} (a host conv subclass with its own forward); "
+                "nested growth needs a plain nn.Conv2d"
+            )
         if max(conv.kernel_size) <= 1:
             raise ReparamError("only KxK convs with max(K) > 1 can be grown")
         had_bias = conv.bias is not None
+        # taken before wrapping: a bias-free conv gets a new bias *on the same module*, and that
+        # bias is new to every optimizer even though it is a parameter of ``conv`` afterwards
+        before = {id(p) for p in conv.parameters()}
         if spec is not None:
             nested = DiverseBranchBlock.from_spec(conv, None, {**dict(spec), "new_bias": not had_bias})
         else:
@@ -972,7 +1117,7 @@ class DiverseBranchBlock(nn.Module):
         nested.max_depth = self.max_depth
         setattr(branch, attr, nested)
         added = [(p, self._reference(p, m)) for m in nested.modules() for p in m.parameters(recurse=False)
-                 if not any(p is q for q in conv.parameters())]
+                 if id(p) not in before]
         return StructureChange(added=added, paths=self._path_list())
 
     def add_nested_branch(
@@ -1006,7 +1151,9 @@ class DiverseBranchBlock(nn.Module):
     def flatten_nested(self, name: str) -> StructureChange:
         """Merge the nested block of branch ``name`` back into a plain conv (eval-exact).
 
-        The host conv object is kept (its weight is overwritten). When the nested block gave a
+        The host conv object is kept (its weight is overwritten) when the nested block's anchor is
+        that conv; when the anchor is itself nested (or the block was deployed), a new conv takes
+        its place and is reported as added. When the nested block gave a
         bias-free conv a bias, that bias is absorbed into the branch BN's running mean
         (``μ ← μ − b``, exact in eval mode; in train mode a per-channel constant before a BN cancels).
         """
@@ -1019,9 +1166,11 @@ class DiverseBranchBlock(nn.Module):
             raise ReparamError(f"branch {name!r} has no nested block")
         k, b = nested._merged_pair(torch.float64)
         host = None if nested.is_merged else nested.anchor.conv
+        kept: set[int] = set()  # a new conv (the nested anchor is nested itself, or deployed): all new
         if host is None or hasattr(host, "_equivalent"):
             host = nested.geometry.make_conv(bias=not nested.new_bias, initialize=False, **nested._factory())
-        kept = {id(p) for p in host.parameters()}
+        else:
+            kept = {id(p) for p in host.parameters()}
         removed = [p for p in nested.parameters() if id(p) not in kept]
         with torch.no_grad():
             host.weight.copy_(k)
@@ -1034,9 +1183,10 @@ class DiverseBranchBlock(nn.Module):
             else:
                 host.bias.copy_(b)
         host.train(nested.training)
+        # references before the swap: a new conv may replace the anchor's own (nested) conv
+        added = [(p, self._reference(p, host)) for p in host.parameters() if id(p) not in kept]
         setattr(branch, attr, host)
         overwritten = [p for p in host.parameters() if id(p) in kept]
-        added = [(p, self._reference(p, host)) for p in host.parameters() if id(p) not in kept]
         return StructureChange(added=added, removed=removed, overwritten=overwritten, paths=self._path_list())
 
     # ------------------------------------------------------------------------------ host form
@@ -1044,8 +1194,19 @@ class DiverseBranchBlock(nn.Module):
         """In place: the host layer(s) this block replaced, holding the block's function (eval-exact).
 
         ``conv_bn`` mode: every branch is folded into the anchor (its BN statistics untouched) and
-        ``(anchor conv, anchor BN)`` is returned; ``conv`` mode: ``(biased conv, None)``.
+        ``(anchor conv, anchor BN)`` is returned; ``conv`` mode: ``(biased conv, None)``, also for a
+        block with a :attr:`bias_sink` (``reparam.merge(model, target="host")`` then moves the bias
+        into the sink BatchNorms and drops it). A host conv of a subclass with its own forward (TF
+        "same" padding, :mod:`reparam.hostforms`) comes back as that class (the anchor itself, or a
+        copy of it holding the merged kernel); only a deployed block gives a
+        :class:`~reparam.hostforms.SamePadConv2d` instead.
+
+        Raises:
+            NotMergeableError: the anchor conv is weight-standardised (timm's ``StdConv2d``,
+                ``ScaledStdConv2d``): a standardised kernel cannot hold the merged kernel, so the
+                host layout cannot be restored exactly; :meth:`merge` (``target="deploy"``) can.
         """
+        self._require_writable_anchor("restoring the host layout")
         if require_eval:
             self._check_eval()
         if self.reparam_conv is not None:
@@ -1053,6 +1214,8 @@ class DiverseBranchBlock(nn.Module):
             if self.mode == "conv":
                 return conv, None
             host_conv = self.geometry.make_conv(**self._factory())
+            if self.same_pad:
+                as_same_pad(host_conv)
             bn = nn.BatchNorm2d(self.geometry.out_channels, **self._factory())
             with torch.no_grad():
                 host_conv.weight.copy_(conv.weight)
@@ -1064,7 +1227,15 @@ class DiverseBranchBlock(nn.Module):
             bn.train(self.training)
             return host_conv, bn
         if self.mode == "conv":
-            return self.merge(require_eval=False), None
+            merged = self.merge(require_eval=False)
+            anchor_conv = self.anchor.conv
+            if isinstance(anchor_conv, nn.Conv2d) and not is_genuine_conv(anchor_conv) and anchor_conv.bias is not None:
+                host = copy.deepcopy(anchor_conv)  # the host class (it pads itself), holding the merged pair
+                with torch.no_grad():
+                    host.weight.copy_(merged.weight)
+                    host.bias.copy_(merged.bias)
+                return host, None
+            return merged, None
         if hasattr(self.anchor.conv, "_equivalent"):
             self.flatten_nested("kxk")
         self.fold_all()
@@ -1099,4 +1270,8 @@ class DiverseBranchBlock(nn.Module):
             "nested": nested,
             "deployed": self.is_merged,
         }
+        if self.host_form is not None and not self.host_form.plain:
+            out["host_form"] = self.host_form.to_dict()
+        if self.bias_sink:
+            out["bias_sink"] = [dict(s) for s in self.bias_sink]
         return out

@@ -48,6 +48,7 @@ from torch import Tensor, nn
 
 from .errors import AlignmentError, ReparamError
 from .geometry import ConvGeometry
+from .hostforms import _standardized, standardized_kernel
 from .kinds import BranchKind, _register_builtin, get_kind, is_kind, kind_names
 from .transforms import (
     Window,
@@ -193,8 +194,9 @@ class IdentityBasedConv1x1(nn.Conv2d):
 def conv_kernel_bias(
     module: nn.Module, dtype: torch.dtype | None = None, *, fast: bool = False
 ) -> tuple[Tensor, Tensor | None]:
-    """Effective ``(weight, bias)`` of a conv-like module: a plain ``Conv2d``, an
-    :class:`IdentityBasedConv1x1` (``R + I``) or a nested block (its equivalent pair; ``fast`` uses
+    """Effective ``(weight, bias)`` of a conv-like module: a plain ``Conv2d`` (for a
+    weight-standardised host conv, the standardised kernel it applies, see
+    :mod:`reparam.hostforms`), an :class:`IdentityBasedConv1x1` (``R + I``) or a nested block (its equivalent pair; ``fast`` uses
     the non-differentiable float64 accumulation of :meth:`DiverseBranchBlock.merge`)."""
     if hasattr(module, "_equivalent"):  # nested DiverseBranchBlock
         if fast:
@@ -205,6 +207,9 @@ def conv_kernel_bias(
         b = None
     elif isinstance(module, nn.Conv2d):
         w, b = module.weight, module.bias
+        if type(module) is not nn.Conv2d and _standardized(module):
+            # the kernel a weight-standardised host conv applies, in the merge dtype (fast: float64)
+            w = standardized_kernel(module, dtype if dtype is not None else (torch.float64 if fast else None))
     else:
         raise ReparamError(f"expected a conv module, got {type(module).__name__}")
     if dtype is not None:

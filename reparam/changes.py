@@ -97,14 +97,6 @@ def _contains(params: Iterable[torch.Tensor], p: torch.Tensor) -> bool:
     return any(q is p for q in params)
 
 
-def _group_index(optimizer: torch.optim.Optimizer, p: torch.Tensor) -> int | None:
-    for gi, group in enumerate(optimizer.param_groups):
-        for q in group["params"]:
-            if q is p:
-                return gi
-    return None
-
-
 def apply_to_optimizer(
     optimizer: torch.optim.Optimizer,
     change: StructureChange,
@@ -124,7 +116,8 @@ def apply_to_optimizer(
             e.g. a frozen part of the model) or ``"first_group"`` (append it to group 0).
 
     Groups are resolved before anything is removed, so a reference parameter removed by the same
-    change still places its replacement. Adding a parameter that the optimizer already holds is a
+    change still places its replacement; a reference parameter added by the same change (in any
+    order) places the parameters that refer to it in its own group. Adding a parameter that the optimizer already holds is a
     no-op (idempotent). ``add_param_group`` is never called.
     """
     if not isinstance(optimizer, torch.optim.Optimizer):
@@ -138,23 +131,42 @@ def apply_to_optimizer(
 
     removed_ids = {id(p) for p in change.removed}
 
-    # 1. resolve the target group of every added parameter first
+    # 1. resolve the target group of every added parameter first. A reference may itself be added
+    #    by the same change (a nested block's new anchor bias, then a branch grown beside it), in
+    #    any order: resolve repeatedly until nothing more can be placed.
+    where: dict[int, int] = {}
+    for gi, group in enumerate(optimizer.param_groups):
+        for q in group["params"]:
+            where.setdefault(id(q), gi)
+    pending = [(p, ref) for p, ref in change.added if id(p) not in removed_ids and id(p) not in where]
     placements: list[tuple[nn.Parameter, int]] = []
-    for p, ref in change.added:
-        if id(p) in removed_ids or _group_index(optimizer, p) is not None:
-            continue
-        gi = _group_index(optimizer, ref)
-        if gi is None:
-            if missing_reference == "error":
-                raise ReparamError(
-                    "apply_to_optimizer: the reference parameter of an added parameter "
-                    f"(shape {tuple(ref.shape)}) is in no optimizer group; pass "
-                    "missing_reference='skip' or 'first_group' to place it otherwise"
-                )
-            if missing_reference == "skip":
+    while pending:
+        left: list[tuple[nn.Parameter, nn.Parameter]] = []
+        for p, ref in pending:
+            if id(p) in where:  # listed twice
                 continue
-            gi = 0
-        placements.append((p, gi))
+            target = where.get(id(ref))
+            if target is None:
+                left.append((p, ref))
+                continue
+            where[id(p)] = target
+            placements.append((p, target))
+        if len(left) == len(pending):
+            break
+        pending = left
+    for p, ref in pending:
+        if id(p) in where:
+            continue
+        if missing_reference == "error":
+            raise ReparamError(
+                "apply_to_optimizer: the reference parameter of an added parameter "
+                f"(shape {tuple(ref.shape)}) is in no optimizer group and is not added by the change; "
+                "pass missing_reference='skip' or 'first_group' to place it otherwise"
+            )
+        if missing_reference == "skip":
+            continue
+        where[id(p)] = 0
+        placements.append((p, 0))
 
     # 2. removed: delete by identity, with their state
     if removed_ids:

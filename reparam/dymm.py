@@ -198,6 +198,8 @@ def _expandable_convs(
         conv = convs[path]
         if not (1 < max(_pair(conv.kernel_size)) <= 5) or calls[path] != 1:
             continue
+        if path not in pairs:  # a conv subclass whose form reparam does not know (never expanded)
+            continue
         if conv.bias is None and pairs.get(path) is None:
             continue
         result.append((path, conv, hw[path]))

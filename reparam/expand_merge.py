@@ -11,9 +11,19 @@ Guarantees:
   leaves no BatchNorm after any conv (every block merged, every remaining conv+BN pair folded, BN
   slots become ``nn.Identity``) and folds every BN-only identity branch (RepVGG's
   ``conv(x) + ... + bn(x)``) into the conv it is summed with (its slot becomes
-  :class:`FoldedIdentity`); BatchNorms with a built-in activation are never folded;
-  ``target="host"`` restores the host model's layer layout and state-dict keys (strict load into a
-  freshly built original model).
+  :class:`FoldedIdentity`); BatchNorms with a built-in activation are folded only as part of a
+  block (their activation stays, as a :class:`~reparam.hostforms.NormActTail`), never as a
+  remaining pair; ``target="host"`` restores the host model's layer layout and state-dict keys
+  (strict load into a freshly built original model), except for weight-standardised host convs,
+  which it refuses (:mod:`reparam.hostforms`).
+* Conv subclasses with their own forward (timm's ``StdConv2d``, ``Conv2dSame`` ...) are expanded
+  only when :func:`reparam.hostforms.conv_form` identifies what they compute; the others are left
+  plain with the reason in ``structure(model)["skipped"]``.
+* A bias-free conv without a BatchNorm of its own is expanded (conv mode, with a new zero bias)
+  when every consumer of its output leads to a BatchNorm that absorbs a per-channel constant (a
+  *bias sink*, :func:`reparam.pairs.find_bias_sinks`: through channel concatenations, as in MixNet
+  and DenseNet, or through a bias-free 1×1 conv, as in VoVNet); ``target="host"`` moves the merged
+  bias into those BatchNorms' running means, so the host keys stay the original ones.
 
 Conv → BN pairs come from :mod:`reparam.pairs`.
 """
@@ -28,10 +38,13 @@ from typing import Any, Callable, Iterable, Mapping
 import torch
 from torch import Tensor, nn
 
-from ._tree import _INFO_ATTR, _info, _is_block, _is_bn_like, _is_plain_conv, _set_info, _set_module, iter_blocks
+from ._tree import (
+    _INFO_ATTR, _conv_support, _info, _is_block, _is_bn_like, _is_conv, _is_plain_conv, _set_info, _set_module, iter_blocks,
+)
 from .block import DiverseBranchBlock
 from .errors import NotMergeableError, ReparamError, ReparamModeError
 from .geometry import ConvGeometry
+from .hostforms import ConvForm, NormActTail, as_same_pad, effective_kernel, split_norm_act
 from .pairs import _identity_fits, find_conv_bn_pairs
 from .transforms import bn_impurity, bn_stats, check_identity, fuse_bn, merge_dtype
 
@@ -160,9 +173,23 @@ def expand(
     Every conv that is left plain is reported with the reason (INFO log and the ``"skipped"``
     mapping ``conv path → reason`` of :func:`structure`): outside the default kernel range
     (1×1, or larger than 5×5 such as ConvNeXt's 7×7 depthwise convs), filtered out by
-    ``include``/``exclude`` or the plan, never called, or not expandable exactly. A conv that the
-    plan names explicitly and that cannot be expanded raises the reason instead. A conv paired with a BN is expanded together with it (the BN slot becomes
-    ``nn.Identity``). Convs that are already blocks are left alone (a second expand is a no-op).
+    ``include``/``exclude`` or the plan, never called, a conv subclass whose computation
+    :func:`reparam.hostforms.conv_form` cannot identify, or not expandable exactly. A conv that the
+    plan names explicitly and that cannot be expanded raises the reason instead. A conv paired with
+    a BN is expanded together with it (the BN slot becomes ``nn.Identity``; for a norm+activation
+    BN such as timm's ``BatchNormAct2d``, a :class:`~reparam.hostforms.NormActTail` that applies
+    its activation and drop after the block). Weight-standardised convs (timm's ``StdConv2d``,
+    ``ScaledStdConv2d``) and convs with TF "same" padding (``Conv2dSame``) are expanded exactly
+    (see :mod:`reparam.hostforms`). Convs that are already blocks are left alone (a second expand
+    is a no-op).
+
+    A bias-free conv without a BN of its own is expanded in ``conv`` mode with a new bias when its
+    output reaches only *bias sinks* (:func:`reparam.pairs.find_bias_sinks`, ``torch.fx`` models
+    only): BatchNorms behind channel concatenations or behind one bias-free 1×1 conv, which absorb
+    the merged bias exactly; the block records them (``bias_sink``, also in its spec) and
+    ``merge(target="host")`` moves the bias there. A 1×1 conv that carries a block's bias to its
+    sink is not expanded later (skipped with the reason); expanding it in the same call leaves the
+    conv without a sink. Other bias-free convs without BN need ``allow_new_bias=True``.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
@@ -190,6 +217,9 @@ def expand(
         if unknown_blocks:
             logger.info("already expanded, left unchanged: %s", unknown_blocks)
         unknown = [p for p in unknown if p not in unknown_blocks]
+        unsupported = {p: scan.unsupported[p] for p in unknown if p in scan.unsupported}
+        if unsupported:
+            raise NotMergeableError(f"plan names convs whose form reparam does not know: {unsupported}")
         if unknown:
             raise ReparamError(f"plan names paths that are not plain Conv2d modules of the model: {unknown}")
     not_requested: dict[str, str] = {}  # conv path -> why it is left plain
@@ -219,9 +249,15 @@ def expand(
                 requests.append((path, branches, False))
             else:
                 not_requested[path] = reason
-    for path, reason in not_requested.items():
+    for path, reason in {**scan.unsupported, **not_requested}.items():
         logger.info("conv %s left unexpanded: %s", path, reason)
         info["skipped"][path] = reason
+    requested = {p for p, _, _ in requests}
+    # 1x1 convs that carry an existing block's bias to its sink BatchNorm stay plain
+    carriers = {
+        str(s["through"]): (bpath, str(s["bn"]))
+        for bpath, blk in iter_blocks(model) for s in blk.bias_sink if s.get("through")
+    }
     calib: dict[str, list[Tensor]] = {}
     if anchor_norm == "calibrated":
         need = [p for p, _, _ in requests if scan.convs[p] is None]
@@ -238,8 +274,17 @@ def expand(
             reason = "the conv is not called in the model's forward pass"
         elif bn is None and scan.calls.get(path, 0) > 1 and anchor_norm == "calibrated":
             reason = "a conv called more than once cannot be calibrated"
+        elif path in carriers:
+            reason = (
+                f"it carries the bias of block {carriers[path][0]} to that block's bias sink {carriers[path][1]} "
+                "(see reparam.pairs.find_bias_sinks); expanding it would leave that bias nowhere to go"
+            )
+        sinks = _usable_sinks(conv, bn, scan.sinks.get(path), requested)  # type: ignore[arg-type]
         block: DiverseBranchBlock | None = None
+        tail: NormActTail | None = None
         if reason is None:
+            if bn is not None and bn_path in scan.norm_act:
+                tail = split_norm_act(bn)  # act/drop stay after the block; the BN is absorbed
             try:
                 block = DiverseBranchBlock.from_conv(
                     conv,  # type: ignore[arg-type]
@@ -248,11 +293,15 @@ def expand(
                     anchor_norm=anchor_norm,
                     calibration_input=calib.get(path),
                     init=init,
-                    allow_new_bias=allow_new_bias,
+                    allow_new_bias=allow_new_bias or bool(sinks),
                     generator=generator,
                     crop=crop,
                 )
+                if sinks and block.new_bias:
+                    block.bias_sink = tuple(sinks)
             except ReparamError as exc:
+                if tail is not None:
+                    tail.restore_into(bn)  # type: ignore[arg-type]
                 note = f"{scan.notes[path]}; " if bn is None and path in scan.notes else ""
                 if explicit:
                     raise type(exc)(f"{path}: {note}{exc}") from exc
@@ -267,9 +316,12 @@ def expand(
         block.bn_path = bn_path
         _set_module(model, path, block)
         if bn_path:
-            _set_module(model, bn_path, nn.Identity())
+            _set_module(model, bn_path, tail if tail is not None else nn.Identity())
         info["skipped"].pop(path, None)
-    info["pairs"] = {c: b for c, b in scan.pairs.items() if not _is_block(model.get_submodule(c))}
+    info["pairs"] = {
+        c: b for c, b in scan.pairs.items()
+        if b not in scan.norm_act and _foldable_conv(model.get_submodule(c))
+    }
     if scan.method == "fx":
         info["identity_bns"] = _identity_record(model, scan.identity)
     else:
@@ -279,21 +331,48 @@ def expand(
     return model
 
 
+def _usable_sinks(
+    conv: nn.Conv2d, bn: nn.Module | None, sinks: list[dict[str, Any]] | None, requested: set[str]
+) -> list[dict[str, Any]]:
+    """The bias sinks a block expanded from ``conv`` records: those of the scan for a bias-free conv
+    without BN, unless a sink's 1x1 conv is itself expanded now (then none: every consumer of the
+    conv's output must absorb the bias)."""
+    if bn is not None or conv.bias is not None or not sinks:
+        return []
+    if any(s.get("through") in requested for s in sinks):
+        return []
+    return [dict(s) for s in sinks]
+
+
 # ---------------------------------------------------------------------------------------------
 # merge
 
 
+def _foldable_conv(m: nn.Module) -> bool:
+    """A conv whose remaining BN pair a deploy merge may fold: any conv of known form except a
+    weight-standardised one (its BN is left, like its unexpanded conv; see :mod:`reparam.hostforms`)."""
+    if not _is_conv(m):
+        return False
+    form = _conv_support(m)
+    return isinstance(form, ConvForm) and not form.standardized
+
+
 def _fold_pair(conv: nn.Conv2d, bn: nn.Module, compute_dtype: torch.dtype | None) -> nn.Conv2d:
+    form = _conv_support(conv)
+    if isinstance(form, str) or form.standardized:
+        raise NotMergeableError(form if isinstance(form, str) else "a weight-standardised conv keeps its BatchNorm")
     geometry = ConvGeometry.from_conv(conv)
     compute_dtype = merge_dtype(conv.weight.dtype, compute_dtype)
     with torch.no_grad():
-        w = conv.weight.to(compute_dtype)
+        w = effective_kernel(conv, compute_dtype)
         b = None if conv.bias is None else conv.bias.to(compute_dtype)
         k, bias = fuse_bn(w, b, bn)
         new = geometry.make_conv(bias=True, initialize=False, device=conv.weight.device, dtype=conv.weight.dtype)
         new.weight.copy_(k)
         assert new.bias is not None  # built with bias=True
         new.bias.copy_(bias)
+    if form.same_pad:
+        as_same_pad(new)
     new.train(conv.training)
     return new
 
@@ -311,9 +390,9 @@ def _current_pairs(model: nn.Module, example_input: Any) -> tuple[dict[str, str]
             except AttributeError:
                 valid = False
                 break
-            if isinstance(bm, nn.Identity) or _is_block(cm):
+            if isinstance(bm, (nn.Identity, NormActTail)) or _is_block(cm):
                 continue
-            if not (_is_plain_conv(cm) and _is_bn_like(bm)) or bn_impurity(bm) is not None:
+            if not (_foldable_conv(cm) and _is_bn_like(bm)) or bn_impurity(bm) is not None:
                 valid = False
                 break
             pairs[c] = b
@@ -321,7 +400,8 @@ def _current_pairs(model: nn.Module, example_input: Any) -> tuple[dict[str, str]
             identity = {b: str(rec["into"]) for b, rec in dict(info.get("identity_bns", {})).items()}
             return pairs, identity
     scan = find_conv_bn_pairs(model, example_input)
-    return scan.pairs, dict(scan.identity)
+    pairs = {c: b for c, b in scan.pairs.items() if b not in scan.norm_act and _foldable_conv(model.get_submodule(c))}
+    return pairs, dict(scan.identity)
 
 
 def _fold_identity(conv: nn.Conv2d, bn: nn.Module, compute_dtype: torch.dtype | None) -> nn.Conv2d:
@@ -369,8 +449,16 @@ def merge(
             (BN slot → :class:`FoldedIdentity`). A branch whose conv no longer fits is left and
             logged; ``structure(model)["identity_bns"]`` says which were folded.
             ``"host"``: the host layout is restored (``conv_bn`` blocks → the anchor conv at the conv
-            path and the anchor BN, carrying the folded branches, at the BN path; ``conv`` blocks →
-            a biased conv); the state-dict keys equal those of the original model.
+            path and the anchor BN, carrying the folded branches, at the BN path, with the
+            activation / drop of a norm+activation BN put back into it; ``conv`` blocks → a biased
+            conv of the host conv's class, or, for a block with bias sinks, a bias-free one whose
+            bias is subtracted from the sink BatchNorms' running means); the state-dict keys equal
+            those of the original model (except for biases added by ``allow_new_bias=True``).
+            Refused (``NotMergeableError``, before anything is changed) when a block's host conv is
+            weight-standardised (timm's ``StdConv2d`` / ``ScaledStdConv2d``: a standardised kernel
+            cannot hold the merged kernel; ``"deploy"`` merges them exactly into plain convs), when
+            a block deployed with ``switch_to_deploy`` had a norm+activation BN, or when a block's
+            bias sink is no longer in the model.
         inplace: modify ``model`` instead of a deep copy. The result keeps the train/eval flags.
         require_eval: raise ``ReparamModeError`` when a BN that takes part is in training mode.
         example_input: forward-probe input for untraceable models (pair discovery).
@@ -389,6 +477,8 @@ def merge(
         conv, bn = blk.to_host(require_eval=require_eval)  # type: ignore[operator]
         return conv if bn is None else nn.Sequential(conv, bn)
     blocks = list(iter_blocks(model))
+    if target == "host":
+        _check_host(model, blocks)
     if require_eval:
         for path, blk in blocks:
             try:
@@ -412,6 +502,8 @@ def merge(
             _set_module(model, path, conv)
         else:
             conv, bn = blk.to_host(require_eval=False)
+            if bn is None and blk.bias_sink:
+                _move_bias(model, blk.bias_sink, conv)
             _set_module(model, path, conv)
             if bn is not None:
                 if not blk.bn_path:
@@ -419,6 +511,9 @@ def merge(
                         f"{path}: a conv_bn block without a recorded bn_path cannot be restored to the host "
                         "layout; use target='deploy'"
                     )
+                slot = _slot(model, blk.bn_path)
+                if isinstance(slot, NormActTail):
+                    slot.restore_into(bn)
                 _set_module(model, blk.bn_path, bn)
                 info["pairs"][path] = blk.bn_path
     if target == "deploy":
@@ -443,6 +538,87 @@ def merge(
         _fold_identities(model, identity, unfolded, require_eval, compute_dtype)
     _set_info(model, info)
     return model
+
+
+def _slot(model: nn.Module, path: str) -> nn.Module | None:
+    try:
+        return model.get_submodule(path)
+    except AttributeError:
+        return None
+
+
+def _sink_problem(model: nn.Module, blk: DiverseBranchBlock) -> str | None:
+    """Why the bias sinks of ``blk`` (:attr:`DiverseBranchBlock.bias_sink`) cannot take its bias in
+    ``model`` (``None``: they can)."""
+    c = blk.geometry.out_channels
+    for s in blk.bias_sink:
+        bn_path, through = str(s.get("bn")), s.get("through")
+        bn = _slot(model, bn_path)
+        rm = getattr(bn, "running_mean", None)
+        if bn is None or not _is_bn_like(bn) or not isinstance(rm, Tensor) or not rm.is_floating_point():
+            found = type(bn).__name__ if bn is not None else "no module"
+            return f"its bias sink {bn_path!r} is {found}, not a BatchNorm with running statistics"
+        width = c
+        if through:
+            pw = _slot(model, str(through))
+            if not (
+                isinstance(pw, nn.Conv2d) and _is_plain_conv(pw) and pw.bias is None and tuple(pw.kernel_size) == (1, 1)
+                and pw.groups == 1 and pw.in_channels == c
+            ):
+                found = type(pw).__name__ if pw is not None else "no module"
+                return (
+                    f"the 1x1 conv {through!r} that carries its bias to {bn_path!r} is {found}, not a bias-free "
+                    f"1x1 nn.Conv2d with groups=1 and {c} input channels"
+                )
+            width = pw.out_channels
+        offset = int(s.get("offset", 0))
+        if offset < 0 or offset + width > rm.numel():
+            return f"its bias sink {bn_path!r} has {rm.numel()} channels, not {width} from offset {offset}"
+    return None
+
+
+def _move_bias(model: nn.Module, sinks: Iterable[Mapping[str, Any]], conv: nn.Conv2d) -> None:
+    """Host merge of a block with bias sinks: subtract the merged conv's bias ``b`` from the running
+    mean of each sink BatchNorm (``W·b`` through a 1x1 conv ``W``; float64), then drop the bias."""
+    if conv.bias is None:
+        return
+    with torch.no_grad():
+        b = conv.bias.detach().to(torch.float64)
+        for s in sinks:
+            shift = b
+            if s.get("through"):
+                through_w = model.get_submodule(str(s["through"])).weight
+                assert isinstance(through_w, Tensor)
+                w = through_w.detach().to(torch.float64)
+                shift = w.reshape(w.shape[0], -1) @ b.to(w.device)
+            rm: Tensor = model.get_submodule(str(s["bn"])).running_mean  # type: ignore[assignment]
+            seg = rm[int(s.get("offset", 0)):int(s.get("offset", 0)) + shift.numel()]
+            seg.copy_((seg.to(torch.float64) - shift.to(seg.device)).to(rm.dtype))
+    conv.bias = None
+
+
+def _check_host(model: nn.Module, blocks: list[tuple[str, DiverseBranchBlock]]) -> None:
+    """Refuse a host merge that could not restore the host layout exactly (nothing changed yet)."""
+    for path, blk in blocks:
+        if blk.mode == "conv" and blk.bias_sink:
+            problem = _sink_problem(model, blk)
+            if problem is not None:
+                raise NotMergeableError(
+                    f"{path}: target='host' cannot move the block's bias into the host layout: {problem}; "
+                    "use target='deploy'"
+                )
+        if blk._anchor_standardized():
+            raise NotMergeableError(
+                f"{path}: target='host' cannot restore a weight-standardised host conv "
+                f"({type(blk.anchor.conv).__name__}): its kernel is standardised per output channel, so it "
+                "cannot hold the merged kernel exactly; use target='deploy' (a plain conv with the merged "
+                "standardised kernel), or leave such convs unexpanded (expand(..., exclude=...))"
+            )
+        if blk.is_merged and blk.mode == "conv_bn" and blk.bn_path and isinstance(_slot(model, blk.bn_path), NormActTail):
+            raise NotMergeableError(
+                f"{path}: the block was deployed (switch_to_deploy) and its BatchNorm {blk.bn_path} had an "
+                "activation: the host norm+activation layer cannot be rebuilt; merge before deploying blocks"
+            )
 
 
 def _fold_identities(

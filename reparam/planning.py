@@ -33,6 +33,7 @@ from .dymm import applicable_kinds, plan_bottom_up
 from .errors import ReparamError
 from .flops import conv_output_hw, input_sizes, model_macs
 from .geometry import ConvGeometry
+from .hostforms import conv_form
 from .kinds import get_kind, kind_names
 
 __all__ = [
@@ -65,11 +66,13 @@ def _growable(kind: str, kinds: Collection[str] | None) -> bool:
 
 
 def expandable_convs(model: nn.Module) -> list[tuple[str, nn.Conv2d]]:
-    """Convs of a plain model that a first-round plan may expand (1 < max(K) ≤ 5)."""
+    """Convs of a plain model that a first-round plan may expand (1 < max(K) ≤ 5; conv subclasses
+    only when :func:`reparam.hostforms.conv_form` knows their form)."""
     return [
         (path, m)
         for path, m in model.named_modules()
         if isinstance(m, nn.Conv2d) and not isinstance(m, DiverseBranchBlock) and 1 < max(m.kernel_size) <= 5
+        and not isinstance(conv_form(m), str)
     ]
 
 

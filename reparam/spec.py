@@ -18,9 +18,10 @@ from torch import Tensor, nn
 from ._tree import _get_module, _info, _is_block, _is_bn_like, _set_info, _set_module, iter_blocks
 from .block import DiverseBranchBlock
 from .errors import ReparamError
-from .expand_merge import FoldedIdentity
+from .expand_merge import FoldedIdentity, _sink_problem
 from .geometry import ConvGeometry
-from .transforms import BNStats, fuse_bn
+from .hostforms import ConvForm, NormActTail, as_same_pad, conv_form, norm_act_reason, split_norm_act
+from .transforms import BNStats, bn_impurity, fuse_bn
 
 __all__ = ["SPEC_FORMAT", "SPEC_VERSION", "structure", "build", "merge_state_dict", "detect_form", "strip_prefixes"]
 
@@ -93,10 +94,18 @@ def build(model: nn.Module, spec: Mapping[str, Any], *, form: str = "train", inp
                 f"{type(bn).__name__ if bn is not None else 'no module'} at BN path {bn_path!r}; "
                 "build needs the host (plain) layout of the model"
             )
+        tail: NormActTail | None = None
+        if bn is not None and bn_impurity(bn) is not None:
+            why = norm_act_reason(bn)
+            if why is not None:
+                raise ReparamError(f"{path}: the BatchNorm at {bn_path!r} cannot be absorbed by a block: {why}")
+            tail = split_norm_act(bn)  # its act/drop stay at the BN path, as expand left them
         new: nn.Module
         if form == "deploy":
             geometry = ConvGeometry.from_dict(bs["geometry"])
             new = geometry.make_conv(bias=True, device=conv.weight.device, dtype=conv.weight.dtype)
+            if dict(bs.get("host_form", {}) or {}).get("same_pad"):
+                as_same_pad(new)
             new.train(conv.training)
         else:
             blk = DiverseBranchBlock.from_spec(conv, bn, bs)
@@ -105,7 +114,13 @@ def build(model: nn.Module, spec: Mapping[str, Any], *, form: str = "train", inp
             new = blk
         _set_module(model, path, new)
         if bn is not None and bn_path:
-            _set_module(model, bn_path, nn.Identity())
+            _set_module(model, bn_path, tail if tail is not None else nn.Identity())
+    if form == "train":
+        for path in dict(spec["blocks"]):
+            found = _get_module(model, path)
+            problem = _sink_problem(model, found) if _is_block(found) and getattr(found, "bias_sink", None) else None  # type: ignore[arg-type]
+            if problem is not None:
+                raise ReparamError(f"{path}: the spec records bias sinks the model does not have: {problem}")
     pairs = dict(spec.get("pairs", {}))
     if form == "deploy":
         for c, b in pairs.items():
@@ -114,6 +129,9 @@ def build(model: nn.Module, spec: Mapping[str, Any], *, form: str = "train", inp
                 raise ReparamError(f"{c} is a {type(pair_conv).__name__}, expected nn.Conv2d")
             geometry = ConvGeometry.from_conv(pair_conv)
             new = geometry.make_conv(bias=True, device=pair_conv.weight.device, dtype=pair_conv.weight.dtype)
+            pair_form = conv_form(pair_conv)
+            if isinstance(pair_form, ConvForm) and pair_form.same_pad:
+                as_same_pad(new)
             new.train(pair_conv.training)
             _set_module(model, c, new)
             _set_module(model, b, nn.Identity())
@@ -203,8 +221,16 @@ def merge_state_dict(
             continue
         ref = next(iter(sub.values()))
         geometry = ConvGeometry.from_dict(bs["geometry"])
+        host_form = dict(bs.get("host_form", {}) or {})
+        if host_form.get("standardized"):
+            raise ReparamError(
+                f"{path}: the block's host conv is weight-standardised; its kernel depends on the conv's own "
+                "hyper-parameters (eps, scale), not on tensors alone: merge the model with reparam.merge"
+            )
         fk = {"device": ref.device, "dtype": ref.dtype if ref.is_floating_point() else torch.float32}
         conv = geometry.make_conv(bias=geometry.bias and not bs.get("new_bias", False), **fk)
+        if host_form.get("same_pad"):
+            as_same_pad(conv)
         bn = nn.BatchNorm2d(geometry.out_channels, eps=float(bs.get("eps", 1e-5)), **fk) if bs["mode"] == "conv_bn" else None
         blk = DiverseBranchBlock.from_spec(conv, bn, bs)
         try:
@@ -219,7 +245,10 @@ def merge_state_dict(
             out[f"{path}.bias"] = merged.bias.detach()
         else:
             hconv, hbn = blk.to_host()
-            out.update({f"{path}.{k}": v.detach() for k, v in hconv.state_dict().items()})
+            host_sd = {k: v.detach() for k, v in hconv.state_dict().items()}
+            if hbn is None and bs.get("bias_sink") and "bias" in host_sd:
+                _move_bias_sd(out, bs["bias_sink"], host_sd.pop("bias"), path)
+            out.update({f"{path}.{k}": v for k, v in host_sd.items()})
             if hbn is not None:
                 out.update({f"{bs['bn_path']}.{k}": v.detach() for k, v in hbn.state_dict().items()})
     if target == "deploy":
@@ -246,6 +275,30 @@ def merge_state_dict(
             out[f"{c}.weight"] = k.to(w.dtype)
             out[f"{c}.bias"] = bb.to(w.dtype)
     return out
+
+
+def _move_bias_sd(out: dict[str, Any], sinks: Any, bias: Tensor, path: str) -> None:
+    """State-dict form of the host merge's bias move (:func:`reparam.expand_merge._move_bias`):
+    ``running_mean[offset:] −= b`` (``W·b`` through a 1x1 conv ``W``) in each sink BN, in float64."""
+    b = bias.to(torch.float64)
+    for s in sinks:
+        key = f"{s['bn']}.running_mean"
+        if key not in out:
+            raise ReparamError(f"{path}: the state dict has no {key!r} to take the block's bias (its bias sink)")
+        shift = b
+        if s.get("through"):
+            wkey = f"{s['through']}.weight"
+            if wkey not in out:
+                raise ReparamError(f"{path}: the state dict has no {wkey!r} (the 1x1 conv carrying the bias to its sink)")
+            w = out[wkey].to(torch.float64)
+            shift = w.reshape(w.shape[0], -1) @ b.to(w.device)
+        rm = out[key]
+        offset = int(s.get("offset", 0))
+        if offset < 0 or offset + shift.numel() > rm.numel():
+            raise ReparamError(f"{path}: {key!r} has {rm.numel()} channels, not {shift.numel()} from offset {offset}")
+        new = rm.to(torch.float64, copy=True)
+        new[offset:offset + shift.numel()] -= shift.to(new.device)
+        out[key] = new.to(rm.dtype)
 
 
 def _identity_pair(weight: Tensor, bias: Tensor | None, stats: BNStats, sign: float = 1.0) -> tuple[Tensor, Tensor]:

@@ -35,6 +35,7 @@ from torch import Tensor, nn
 
 from .errors import AlignmentError, NotMergeableError, ReparamError
 from .geometry import ConvGeometry
+from .hostforms import verified_norm_act
 
 __all__ = [
     "merge_dtype",
@@ -121,8 +122,9 @@ def bn_impurity(bn: Any) -> str | None:
     ``BatchNormAct2d`` with ``act=ReLU``, ...) is not linear, so it can neither be folded into the
     preceding conv nor serve as the anchor norm of a block; folding it would silently drop the
     activation. Torch's BatchNorm classes, ``FrozenBatchNorm2d`` and subclasses that keep torch's
-    forward are plain; norm+activation layers are plain when their ``act`` and ``drop`` layers are
-    identities; any other subclass that overrides ``forward`` is treated as not plain.
+    forward are plain; norm+activation layers (timm's, or ones whose form
+    :func:`reparam.hostforms.norm_act_reason` proved) are plain when their ``act`` and ``drop``
+    layers are identities; any other subclass that overrides ``forward`` is treated as not plain.
     """
     if isinstance(bn, BNStats):
         return None
@@ -141,7 +143,7 @@ def bn_impurity(bn: Any) -> str | None:
                 f"{name} applies {' and '.join(extra)} after normalising: it is not a linear map, "
                 "so it cannot be folded into the conv (that would drop the activation)"
             )
-        if name in _NORM_ACT_CLASSES:
+        if name in _NORM_ACT_CLASSES or verified_norm_act(bn):
             return None
     if isinstance(bn, nn.modules.batchnorm._BatchNorm) and getattr(cls, "forward", None) not in _TORCH_BN_FORWARDS:
         return f"{name} overrides BatchNorm's forward: it is not known to be a plain per-channel affine map"

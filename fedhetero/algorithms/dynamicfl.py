@@ -48,11 +48,11 @@ from fedhetero.algorithms.base import (
     state_bytes,
     weighted_average,
 )
-from reparam.changes import apply_to_optimizer
+from reparam.changes import StructureChange, apply_to_optimizer
 from reparam.dymm import dymm, shrink_to_budget
+from reparam.invariants import check_gradients, check_optimizer, check_same_function
 from reparam.planning import best_additions, expandable_convs, fill_to_budget, first_plan, grow_to_budget
 from reparam.saliency import SaliencyMeter
-from reparam.testing import rel_err
 
 # the planners moved to reparam.planning; these names stay importable from here
 __all__ = ["DynamicFL", "DynamicFLOptions", "grow_to_budget", "fill_to_budget", "first_plan", "best_additions"]
@@ -87,7 +87,12 @@ class DynamicFLOptions:
     grow_mode: Literal["block", "nested"] = "nested"
     # branch kinds the client models may use besides the anchor (null: every registered kind)
     branches: tuple[str, ...] | None = None
-    verify: bool = False  # record the lossless-transfer errors per client (costs two forwards)
+    # check the structural invariants in every task and stop it with an InvariantError (an internal
+    # error) when one fails: after every structural change the optimizer holds exactly the model's
+    # trainable parameters, the first step after it gives each of them a gradient, the client model
+    # starts equal to the global model and uploads what it trained (eval mode, to the dtype's
+    # tolerance); the two function errors are recorded per client (costs two forwards and a copy)
+    verify: bool = False
 
     def __post_init__(self) -> None:
         from fedhetero.config import ConfigError
@@ -251,19 +256,24 @@ class DynamicFL(Algorithm):
                 reparam.rep_to_local(self._plain, model, anchor_stats="keep" if self.options.bn_stats == "private" else "identity")
         model.train()
         if self.options.verify:
-            self._verify_in = self._check(ctx, model, self._plain)
+            self._verify_in = self._check(ctx, model, self._plain, f"after REP ({self._mode}): client model vs global model")
         return model
 
-    def _check(self, ctx, a: nn.Module, b: nn.Module) -> float:
+    def _check(self, ctx, a: nn.Module, b: nn.Module, where: str) -> float:
+        """Invariants 3 and 4: ``a`` computes ``b``'s function in eval mode on a batch of the
+        client's data, to the tolerance of the run's dtype (on copies; raises InvariantError)."""
         x = next(iter(ctx.client_batches(ctx.current_client.cid, epoch=10_001)))[0].to(ctx.device, ctx.dtype)
-        wa, wb = a.training, b.training
-        a.eval()
-        b.eval()
-        with torch.no_grad():
-            err = rel_err(a(x), b(x))
-        a.train(wa)
-        b.train(wb)
-        return float(err)
+        return float(check_same_function(a, b, x, where=where))
+
+    def _verify_optimizer(self, model: nn.Module, opt, where: str) -> None:
+        """Invariant 1 (with ``verify``): the optimizer holds exactly the model's trainable parameters."""
+        if self.options.verify:
+            check_optimizer(model, opt, where=where)
+
+    def _apply(self, model: nn.Module, opt, change: StructureChange, where: str) -> None:
+        """Bring ``opt`` up to date with a structural change of ``model`` (and check it)."""
+        apply_to_optimizer(opt, change)
+        self._verify_optimizer(model, opt, where)
 
     def _meter(self, model: nn.Module) -> SaliencyMeter:
         gen = None
@@ -305,7 +315,9 @@ class DynamicFL(Algorithm):
         model.train()
         if new_budget < anchors_only * (1 - 1e-9):
             new = self._to_pruned(ctx, client, model, new_budget)
-            return new, ctx.make_optimizer(new)
+            new_opt = ctx.make_optimizer(new)
+            self._verify_optimizer(new, new_opt, "the switch to a pruned sub-model")
+            return new, new_opt
         with ctx.timer("dymm"):
             model.eval()
             if current > new_budget:
@@ -317,7 +329,7 @@ class DynamicFL(Algorithm):
                     kinds=self.options.branches,
                 )
             model.train()
-        apply_to_optimizer(opt, change)
+        self._apply(model, opt, change, "the budget change")
         return model, opt
 
     def local_train(self, ctx, client: ClientInfo, model: nn.Module) -> dict[str, Any]:
@@ -328,6 +340,7 @@ class DynamicFL(Algorithm):
         self._model = model
         report: dict[str, Any] = {"mode": self._mode}
         state = {"model": model, "opt": ctx.make_optimizer(model), "meter": self._meter(model)}
+        self._verify_optimizer(model, state["opt"], f"the optimizer was built ({self._mode})")
         res: dict[str, Any] = {"loss": float("nan")}
 
         def segment(first: int, last: int) -> None:
@@ -335,6 +348,13 @@ class DynamicFL(Algorithm):
             if last <= first:
                 return
             meter = state["meter"]
+            unchecked = [self.options.verify]
+
+            def after_backward(m: nn.Module) -> None:
+                meter.after_backward()
+                if unchecked[0]:  # invariant 2, on the first step after a structural change
+                    unchecked[0] = False
+                    check_gradients(state["model"], where=f"the first backward pass of epoch {first}")
 
             def on_epoch_end(epoch: int, m: nn.Module, opt) -> None:
                 # S_l is the saliency of the last epoch: start it afresh after the earlier ones, but
@@ -348,7 +368,7 @@ class DynamicFL(Algorithm):
                 client,
                 last - first,
                 optimizer=state["opt"],
-                after_backward=lambda _m: meter.after_backward(),
+                after_backward=after_backward,
                 on_epoch_end=on_epoch_end,
                 first_epoch=first,
             )
@@ -384,7 +404,7 @@ class DynamicFL(Algorithm):
                     change = change.extend(filled)
                     report["filled"] = len(filled.added)
                 m.train()
-            apply_to_optimizer(state["opt"], change)
+            self._apply(m, state["opt"], change, "DYMM and the budget fill")
             state["meter"] = self._meter(m)
             report.update(folded=len(rep.folded), grown=len(rep.grown))
             start = 1
@@ -424,7 +444,7 @@ class DynamicFL(Algorithm):
         if self.options.verify:
             if self._verify_in is not None:
                 metrics["lossless_in"] = self._verify_in
-            metrics["lossless_out"] = self._check(ctx, plain, model)
+            metrics["lossless_out"] = self._check(ctx, plain, model, "at upload: merged upload vs trained client model")
         state = dict(plain.state_dict())
         if self._mode == "pruned":
             spec, budget, down = self._spec, float(self._budget), state_bytes(state)  # the sub-model slice

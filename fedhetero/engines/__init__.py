@@ -39,7 +39,9 @@ __all__ = [
     "InjectedFault",
     "LocalBackend",
     "Outcome",
+    "DROP_KINDS",
     "check_result",
+    "drop_kind",
     "injected_fault",
     "make_backend",
     "run_task",
@@ -49,6 +51,14 @@ __all__ = [
 
 class InjectedFault(RuntimeError):
     """Raised by a client task chosen by ``engine.inject_faults`` to fail."""
+
+
+#: Why a client was dropped from a round. ``injected``: ``engine.inject_faults`` chose the task;
+#: ``timeout``: it ran past ``engine.client_timeout_s``; ``lost``: the worker process or Flower node
+#: running it died or could not be reached (what a device failure looks like); ``non_finite``: it
+#: uploaded NaN or infinity (training diverged); ``internal_error``: the task raised an exception
+#: from the project's own code (or a method's) — a bug, never a device fault.
+DROP_KINDS = ("injected", "timeout", "lost", "non_finite", "internal_error")
 
 
 @dataclass
@@ -63,6 +73,8 @@ class Outcome:
     #: True when the process that ran the task already checked that its upload is finite (an
     #: outcome of our own workers; the server then skips the check, which ran in parallel there)
     checked: bool = False
+    #: the class of ``error`` (one of :data:`DROP_KINDS`), set where the error arose
+    kind: str | None = None
 
 
 def injected_fault(cfg: "RunConfig", task: "ClientTask") -> str | None:
@@ -118,7 +130,10 @@ def run_task(
             _poison(result.state)
         return _checked(task, result, time.perf_counter() - t0)
     except Exception as exc:  # a failing client is dropped from its round, not fatal
-        return Outcome(task, None, f"{type(exc).__name__}: {exc}", time.perf_counter() - t0, traceback.format_exc())
+        kind = "injected" if isinstance(exc, InjectedFault) else "internal_error"
+        return Outcome(
+            task, None, f"{type(exc).__name__}: {exc}", time.perf_counter() - t0, traceback.format_exc(), kind=kind
+        )
 
 
 def run_together(
@@ -205,7 +220,7 @@ def upload_fault(result: "ClientResult") -> str | None:
 def _checked(task: "ClientTask", result: "ClientResult", seconds: float) -> Outcome:
     """The outcome of a finished task, its upload checked here (where the task ran)."""
     bad = upload_fault(result)
-    return Outcome(task, None if bad else result, bad, seconds, checked=True)
+    return Outcome(task, None if bad else result, bad, seconds, checked=True, kind="non_finite" if bad else None)
 
 
 def check_result(outcome: Outcome, timeout_s: float | None) -> str | None:
@@ -217,6 +232,17 @@ def check_result(outcome: Outcome, timeout_s: float | None) -> str | None:
     res = outcome.result
     assert res is not None
     return None if outcome.checked else upload_fault(res)
+
+
+def drop_kind(cfg: "RunConfig", outcome: Outcome, reason: str) -> str:
+    """The class (one of :data:`DROP_KINDS`) of a drop that :func:`check_result` gave ``reason``
+    for. A task that ``engine.inject_faults`` chose counts as injected however its fault showed
+    (an exception, a NaN upload, or a hang that timed out)."""
+    if injected_fault(cfg, outcome.task) is not None:
+        return "injected"
+    if outcome.error is None:  # finished, and dropped by the checks of the process that collects it
+        return "timeout" if reason.startswith("timeout") else "non_finite"
+    return outcome.kind or "lost"
 
 
 class Backend(abc.ABC):

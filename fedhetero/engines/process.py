@@ -112,7 +112,7 @@ def _worker_main(conn: Connection) -> None:
         for task, state in body[0]:  # one outcome message per task, as soon as it is done
             o = run_task(lambda: cls(options), ctx, task, state, hang_seconds=3600.0)
             # the server has the task: only the rest travels back (the task holds the global model)
-            chan.send((o.result, o.error, o.seconds, o.detail, o.checked))
+            chan.send((o.result, o.error, o.seconds, o.detail, o.checked, o.kind))
 
 
 class _Worker:
@@ -257,7 +257,7 @@ class ProcessBackend(Backend):
             try:
                 w.chan.send(("tasks", [(t, states.get(t.cid)) for t in batch]))
             except (BrokenPipeError, OSError):
-                done[batch[0].cid] = Outcome(batch[0], None, f"worker died (exit code {w.exitcode})")
+                done[batch[0].cid] = Outcome(batch[0], None, f"worker died (exit code {w.exitcode})", kind="lost")
                 batch = batch[1:]
                 w = self._replace(w)
                 continue
@@ -323,7 +323,7 @@ class ProcessBackend(Backend):
                     outcome = Outcome(task, *w.chan.recv())
                 except (EOFError, OSError):
                     rest = w.queue[1:]
-                    finish(task, Outcome(task, None, f"worker died (exit code {w.exitcode})", now - w.started))
+                    finish(task, Outcome(task, None, f"worker died (exit code {w.exitcode})", now - w.started, kind="lost"))
                     self._send(self._replace(w), rest, states, done)
                     continue
                 w.queue.pop(0)
@@ -332,7 +332,8 @@ class ProcessBackend(Backend):
             elif self.timeout is not None and now - w.started > self.timeout:
                 rest = w.queue[1:]
                 finish(task, Outcome(
-                    task, None, f"timeout: no answer within engine.client_timeout_s={self.timeout:g} s", now - w.started
+                    task, None, f"timeout: no answer within engine.client_timeout_s={self.timeout:g} s", now - w.started,
+                    kind="timeout",
                 ))
                 self._send(self._replace(w), rest, states, done)
 

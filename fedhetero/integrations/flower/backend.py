@@ -274,10 +274,10 @@ class FlowerBackend(Backend):
                     msg = self._message(task)
                     accepted = self._push([msg])
                 except Exception as exc:  # noqa: BLE001 - an encoding error is this client's failure
-                    finish(task, Outcome(task, None, f"flower: could not send the task: {type(exc).__name__}: {exc}"))
+                    finish(task, Outcome(task, None, f"flower: could not send the task: {type(exc).__name__}: {exc}", kind="lost"))
                     continue
                 if not accepted:
-                    finish(task, Outcome(task, None, "flower: the SuperLink did not accept the task message (too large?)"))
+                    finish(task, Outcome(task, None, "flower: the SuperLink did not accept the task message (too large?)", kind="lost"))
                     continue
                 (mid,) = accepted
                 inflight[mid] = (task, time.perf_counter())
@@ -295,12 +295,15 @@ class FlowerBackend(Backend):
                     continue
                 task, sent = inflight.pop(mid)
                 if reply.has_error():
-                    outcome = Outcome(task, None, _error_text(reply), now - sent)
+                    outcome = Outcome(task, None, _error_text(reply), now - sent, kind="lost")
                 else:
                     try:
                         outcome = decode_outcome(reply.content, task, self.device)
                     except Exception as exc:  # noqa: BLE001 - a bad reply drops this client only
-                        outcome = Outcome(task, None, f"flower: the reply could not be decoded: {type(exc).__name__}: {exc}", now - sent)
+                        outcome = Outcome(
+                            task, None, f"flower: the reply could not be decoded: {type(exc).__name__}: {exc}", now - sent,
+                            kind="lost",
+                        )
                 finish(task, outcome)
                 send_next(self.node_of(task.cid))
             if limit is not None:
@@ -315,6 +318,7 @@ class FlowerBackend(Backend):
                                 f"timeout: no reply from node {self.node_of(task.cid)} within "
                                 f"engine.client_timeout_s={self.timeout:g} s (+{self.delivery_grace_s:g} s for delivery)",
                                 now - sent,
+                                kind="timeout",
                             ),
                         )
                         send_next(self.node_of(task.cid))

@@ -253,6 +253,7 @@ def encode_outcome(outcome: Outcome) -> RecordDict:
         "error": outcome.error,
         "seconds": float(outcome.seconds),
         "detail": outcome.detail,
+        "kind": outcome.kind,
     }
     rd = _pack(doc, {"cid": int(outcome.task.cid)}, f"result[cid={outcome.task.cid}]")
     numbers: dict[str, int | float] = {"seconds": float(outcome.seconds), "ok": int(res is not None)}
@@ -271,4 +272,5 @@ def decode_outcome(content: RecordDict, task: ClientTask, device: torch.device |
     result = None if res is None else ClientResult(**res)
     if result is not None and result.cid != task.cid:
         raise ValueError(f"reply for client {result.cid} received for client {task.cid}")
-    return Outcome(task, result, doc["error"], float(doc["seconds"]), str(doc["detail"] or ""))
+    kind = doc.get("kind")
+    return Outcome(task, result, doc["error"], float(doc["seconds"]), str(doc["detail"] or ""), kind=kind)
