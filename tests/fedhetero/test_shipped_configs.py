@@ -9,7 +9,7 @@ are checked in every task as well.
 Configurations whose data is not on this machine (CIFAR-10/100, DermaMNIST) run on the synthetic
 set (CIFAR's image shape, 10 classes): the models, budgets, budget scenarios and structural changes
 are the configuration's own; Fashion-MNIST configurations need the data folder named by
-``FEDHETERO_FMNIST_DIR`` (default: ``../shared/data/fashion-mnist`` beside the repository) and are
+``FEDHETERO_FASHION_MNIST`` (default: ``../shared/data/fashion-mnist`` beside the repository) and are
 skipped without it.
 """
 
@@ -26,7 +26,7 @@ from fedhetero.engine import Engine
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = sorted((ROOT / "examples" / "configs").glob("*.yaml"))
-FMNIST = Path(os.environ.get("FEDHETERO_FMNIST_DIR", ROOT.parent / "shared" / "data" / "fashion-mnist"))
+FMNIST = Path(os.environ.get("FEDHETERO_FASHION_MNIST", ROOT.parent / "shared" / "data" / "fashion-mnist"))
 
 #: data sets not on this machine, replaced by the synthetic set (CIFAR's shape: 3×32×32, 10 classes)
 SYNTHETIC_STANDS_IN = {"cifar10", "cifar100", "dermamnist"}
@@ -117,7 +117,7 @@ def _compare_command(path: Path) -> tuple[list[str], list[str]] | None:
 def test_shipped_config_drops_no_client(path, tmp_path):
     cfg = load_config(path)
     if cfg.data.dataset == "fashion_mnist" and not (FMNIST / "train-images-idx3-ubyte.gz").is_file():
-        pytest.skip(f"the Fashion-MNIST IDX files are not in {FMNIST} (set FEDHETERO_FMNIST_DIR)")
+        pytest.skip(f"the Fashion-MNIST IDX files are not in {FMNIST} (set FEDHETERO_FASHION_MNIST)")
     command = _compare_command(path)
     if command is not None and (cfg.data.public_fraction > 0 or cfg.data.server_fraction > 0):
         # a comparison configuration (it holds a split for some of its methods): run it as compare
