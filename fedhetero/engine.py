@@ -28,6 +28,7 @@ import json
 import os
 import shutil
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -576,6 +577,13 @@ def summarize(cfg: RunConfig, history: list[dict[str, Any]], plain_macs: int, wa
     """Final numbers of a run: accuracy (final, best, smoothed), per-tier budgets and FLOPs, bytes."""
     evals = [r for r in history if "accuracy" in r]
     accs = [r["accuracy"] for r in evals]
+    # drops by (tier, class) in one pass (see fedhetero.engines.DROP_KINDS); a row written before
+    # drops had a class counts its drops as "unclassified"
+    drops_by = Counter(
+        (d.get("tier"), str(d.get("kind", "unclassified"))) for r in history for d in r.get("dropped", ())
+    )
+    kinds = sorted({k for _, k in drops_by})
+    by_kind = {k: sum(n for (_, kk), n in drops_by.items() if kk == k) for k in kinds}
     tiers: dict[str, dict[str, Any]] = {}
     for t in cfg.budget.tiers:
         rows = [c for r in history for c in r["clients"] if c["tier"] == t.name]
@@ -588,10 +596,8 @@ def summarize(cfg: RunConfig, history: list[dict[str, Any]], plain_macs: int, wa
             "bytes_up": int(sum(c["bytes_up"] for c in rows)),
             "bytes_down": int(sum(c["bytes_down"] for c in rows)),
             "accuracy": evals[-1]["tier_accuracy"].get(t.name) if evals else None,
-            "dropped": sum(1 for r in history for d in r.get("dropped", ()) if d.get("tier") == t.name),
-            "internal_errors": sum(
-                1 for r in history for d in r.get("dropped", ()) if d.get("tier") == t.name and d.get("kind") == "internal_error"
-            ),
+            "dropped": sum(drops_by.get((t.name, k), 0) for k in kinds),
+            "internal_errors": drops_by.get((t.name, "internal_error"), 0),
         }
     k = min(5, len(accs))
     client_macs = [c["macs"] for r in history for c in r["clients"]]
@@ -627,24 +633,13 @@ def summarize(cfg: RunConfig, history: list[dict[str, Any]], plain_macs: int, wa
         "bytes_up": int(sum(r["bytes_up"] for r in history)),
         "bytes_down": int(sum(r["bytes_down"] for r in history)),
         "all_fit_budget": bool(all(c["fits_budget"] for r in history for c in r["clients"])),
-        "dropped_clients": int(sum(len(r.get("dropped", ())) for r in history)),
-        # drops by class (see fedhetero.engines.DROP_KINDS); internal errors are bugs, not faults
-        "dropped_by_kind": _dropped_by_kind(history),
-        "internal_errors": _dropped_by_kind(history).get("internal_error", 0),
+        "dropped_clients": int(sum(by_kind.values())),
+        # internal errors are bugs, not device faults: counted apart
+        "dropped_by_kind": by_kind,
+        "internal_errors": by_kind.get("internal_error", 0),
         "wall_s": round(wall, 3),
         **(session_summary(history, cfg.sessions.transition_window) if cfg.sessions.count else {}),
     }
-
-
-def _dropped_by_kind(history: list[dict[str, Any]]) -> dict[str, int]:
-    """Dropped client-rounds counted by class; a row written before drops had a class counts its
-    drops as ``unclassified``."""
-    out: dict[str, int] = {}
-    for r in history:
-        for d in r.get("dropped", ()):
-            k = str(d.get("kind", "unclassified"))
-            out[k] = out.get(k, 0) + 1
-    return out
 
 
 def strict_mode() -> bool:

@@ -348,13 +348,15 @@ class DynamicFL(Algorithm):
             if last <= first:
                 return
             meter = state["meter"]
-            unchecked = [self.options.verify]
+            after_backward = lambda _m: meter.after_backward()  # noqa: E731 - the step's hook
+            if self.options.verify:
+                unchecked = [True]
 
-            def after_backward(m: nn.Module) -> None:
-                meter.after_backward()
-                if unchecked[0]:  # invariant 2, on the first step after a structural change
-                    unchecked[0] = False
-                    check_gradients(state["model"], where=f"the first backward pass of epoch {first}")
+                def after_backward(m: nn.Module) -> None:
+                    meter.after_backward()
+                    if unchecked[0]:  # invariant 2, on the first step after a structural change
+                        unchecked[0] = False
+                        check_gradients(state["model"], where=f"the first backward pass of epoch {first}")
 
             def on_epoch_end(epoch: int, m: nn.Module, opt) -> None:
                 # S_l is the saliency of the last epoch: start it afresh after the earlier ones, but
