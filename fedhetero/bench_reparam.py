@@ -219,9 +219,9 @@ def upstream_switch_to_deploy(model: nn.Module, pairs: dict[str, str]) -> nn.Mod
 
 def _build_model(name: str, num_classes: int = 10) -> tuple[nn.Module, str]:
     if name == "resnet18":
-        from models import build_model
+        from fedhetero.models import build_model
 
-        return build_model("resnet18", num_classes=num_classes), "CIFAR ResNet-18 (models.build_model('resnet18'))"
+        return build_model("resnet18", num_classes=num_classes), "CIFAR ResNet-18 (fedhetero.models.build_model('resnet18'))"
     if name == "tv-resnet18":
         from fedhetero._compat import import_torchvision
 

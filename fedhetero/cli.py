@@ -194,7 +194,7 @@ def _info(args: argparse.Namespace) -> int:
 
     import fedhetero
     from fedhetero.algorithms import get_algorithm, list_algorithms
-    from models import list_models
+    from fedhetero.models import list_models
 
     console = _console()
     console.print(f"fedhetero {fedhetero.__version__}, torch {torch.__version__}")

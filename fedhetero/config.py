@@ -340,7 +340,7 @@ def validate(cfg: RunConfig) -> None:
     )
     _check(d.synthetic_size >= 10, "data.synthetic_size", "must be at least 10")
     _check(cfg.model.width > 0, "model.width", f"must be > 0, got {cfg.model.width}")
-    from models import list_models
+    from fedhetero.models import list_models
 
     known = list_models()
     _check(cfg.model.name in known, "model.name", f"unknown model {cfg.model.name!r}; available: {', '.join(known)}")

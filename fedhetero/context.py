@@ -269,7 +269,7 @@ class ClientContext:
     # ------------------------------------------------------------------ models & budgets
     def build_model(self, width: float | None = None, **overrides: Any) -> nn.Module:
         """A fresh model of the configured architecture (optionally another width)."""
-        from models import build_model
+        from fedhetero.models import build_model
 
         kw: dict[str, Any] = dict(
             num_classes=self.num_classes,

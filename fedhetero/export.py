@@ -3,7 +3,7 @@
 At the end of a run (and whenever evaluation finds a new best) the engine writes
 ``final_model.pt`` / ``best_model.pt`` — a plain ``state_dict`` saved with ``torch.save``, loadable
 with ``torch.load(weights_only=True)`` — and ``model.json``, the recipe that rebuilds the
-architecture: the zoo model (``models.build_model``) with the run's arguments, in the form the
+architecture: the zoo model (``fedhetero.models.build_model``) with the run's arguments, in the form the
 global model has (``zoo``: conv+BN as built; ``deploy``: every conv+BN folded into one biased
 conv, as DynamicFL's plain global model). :func:`load_model` does both steps::
 
@@ -30,7 +30,7 @@ __all__ = ["load_model", "save_global_model"]
 
 
 def _build(recipe: dict[str, Any]) -> nn.Module:
-    from models import build_model
+    from fedhetero.models import build_model
 
     model = build_model(recipe["model"], **recipe["kwargs"])
     if recipe["form"] == "deploy":

@@ -1,7 +1,7 @@
 """Channel-group sub-models: kept-index specs, extraction, physical sub-models and count-based scatter.
 
 Every zoo model describes its channel structure with ``model.channel_groups()``
-(:class:`models.groups.ChannelGroups`): for each state-dict key, which channel group indexes dim 0 and
+(:class:`fedhetero.models.groups.ChannelGroups`): for each state-dict key, which channel group indexes dim 0 and
 dim 1 (a Linear after a channel-major flatten reads each channel as ``H·W`` consecutive features; a
 layer after a concat reads an ordered list of groups; identity residuals share one group; ``input`` and
 ``classes`` are never sliced). A :class:`SubmodelSpec` chooses the kept channel indices of every group
@@ -33,7 +33,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from models.groups import CLASSES, INPUT, ChannelGroups, DimMap, scale_channels
+from fedhetero.models.groups import CLASSES, INPUT, ChannelGroups, DimMap, scale_channels
 
 __all__ = [
     "ChannelGroups",

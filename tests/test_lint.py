@@ -23,3 +23,17 @@ def test_mypy_passes():
     r = _run(sys.executable, "-m", "mypy")
     assert r.returncode == 0, r.stdout[-5000:] + r.stderr[-2000:]
     assert "Success" in r.stdout
+
+
+def test_every_package_is_installed():
+    """pyproject.toml lists the packages by hand (the zoo folder installs as fedhetero.models):
+    every folder with an __init__.py must be in that list, or a fresh install misses it."""
+    import tomllib
+
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = set()
+    for top in ("reparam", "fedhetero", "models"):
+        for init in (ROOT / top).rglob("__init__.py"):
+            name = ".".join(init.parent.relative_to(ROOT).parts)
+            found.add("fedhetero.models" + name[len("models"):] if name.split(".")[0] == "models" else name)
+    assert found == listed

@@ -8,7 +8,10 @@ subclasses with a ``name`` registers them; :func:`get_algorithm` looks a name up
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import pkgutil
+import sys
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -64,10 +67,6 @@ def _import_path(name: str) -> type[Algorithm]:
     where, _, attr = name.rpartition(":")
     try:
         if where.endswith(".py"):
-            import importlib.util
-            import sys
-            from pathlib import Path
-
             path = Path(where).resolve()
             mod_name = f"_fedhetero_user_{path.stem}"
             module = sys.modules.get(mod_name)

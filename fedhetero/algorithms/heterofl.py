@@ -65,7 +65,7 @@ from fedhetero.submodel import SubmodelAggregator, SubmodelSpec, extract_state, 
 
 if TYPE_CHECKING:  # pragma: no cover
     from fedhetero.context import ClientContext, Context
-    from models.groups import ChannelGroups
+    from fedhetero.models.groups import ChannelGroups
 
 __all__ = [
     "HeteroFL",

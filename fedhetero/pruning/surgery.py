@@ -32,7 +32,7 @@ import torch
 from torch import Tensor, nn
 
 from fedhetero.submodel import SubmodelSpec, channel_groups_of, submodel_from
-from models.groups import ChannelGroups
+from fedhetero.models.groups import ChannelGroups
 from reparam.flops import layer_macs, model_macs
 
 from .hrank import hrank_keep, hrank_scores, prune_order

@@ -36,7 +36,7 @@ from fedhetero.config import ConfigError, from_dict
 from fedhetero.context import client_context
 from fedhetero.engine import Engine, build_algorithm
 from fedhetero.submodel import extract_state
-from models import build_model
+from fedhetero.models import build_model
 
 FAST_OPTIONS = {
     "heterofl": {},

@@ -26,7 +26,7 @@ from fedhetero.budget import (
     width_cost,
     width_grid,
 )
-from models import build_model
+from fedhetero.models import build_model
 from reparam.flops import model_macs as hook_macs  # the closed-form (hook) counter
 
 

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import models.registry
+import fedhetero.models.registry
 from fedhetero.algorithms import build_algorithm
 from fedhetero.algorithms.base import ClientInfo, ClientResult, state_bytes
 from fedhetero.algorithms.fedavg import FedAvg
@@ -243,7 +243,7 @@ class _QuadContext(Context):
 
 
 def _toy(monkeypatch, name: str, options: dict, rounds: int, momentum: float = 0.0):
-    monkeypatch.setitem(models.registry._MODELS, "toyquad", _Quad)
+    monkeypatch.setitem(fedhetero.models.registry._MODELS, "toyquad", _Quad)
     cfg = from_dict(
         {
             "seed": 0,

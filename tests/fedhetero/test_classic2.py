@@ -27,7 +27,7 @@ from fedhetero.algorithms.fedensemble import EnsembleModel
 from fedhetero.algorithms.moon import moon_contrastive_loss, representation
 from fedhetero.config import ConfigError, from_dict
 from fedhetero.engine import Engine, build_algorithm
-from models import build_model, list_models
+from fedhetero.models import build_model, list_models
 from _util import strip_wall
 
 METHODS = ["moon", "fedacg", "fedensemble", "fedgen"]

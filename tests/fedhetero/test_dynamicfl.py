@@ -7,7 +7,7 @@ import pytest
 import reparam
 from fedhetero.config import from_dict
 from fedhetero.engine import Engine
-from models import build_model
+from fedhetero.models import build_model
 from reparam.dymm import applicable_kinds
 from reparam.flops import model_macs
 from reparam.geometry import ConvGeometry

@@ -458,7 +458,7 @@ def test_svhn_mat_loader(tmp_path):
 
 
 def test_study_models_parameter_counts():
-    import models
+    from fedhetero import models
 
     assert sum(p.numel() for p in models.build_model("logreg", in_channels=1, input_size=28).parameters()) == 7850
     assert sum(p.numel() for p in models.build_model("svhn_cnn").parameters()) == 667_178
@@ -467,7 +467,7 @@ def test_study_models_parameter_counts():
 
 
 def test_model_weights_file_loads_into_backbone(tmp_path):
-    import models
+    from fedhetero import models
 
     torch.manual_seed(1)
     donor = models.build_model("resnet18_proj").backbone.state_dict()

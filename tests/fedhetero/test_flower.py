@@ -129,7 +129,7 @@ def test_task_round_trip_is_exact():
 
 def test_outcome_round_trip_is_exact():
     from fedhetero.submodel import rolling_spec
-    from models import build_model
+    from fedhetero.models import build_model
 
     model = build_model("lenet5", num_classes=10, in_channels=1, input_size=32)
     spec = rolling_spec(model, 0.5, 3)

@@ -173,7 +173,7 @@ def test_config_and_a_run_on_idx_data(tmp_path):
 
 def test_logreg_model():
     from fedhetero.budget import count_params, macs
-    from models import build_model, list_models
+    from fedhetero.models import build_model, list_models
 
     assert "logreg" in list_models()
     m = build_model("logreg", in_channels=1, input_size=28)

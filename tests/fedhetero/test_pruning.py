@@ -50,8 +50,8 @@ from fedhetero.submodel import (
     scatter,
     scatter_add_,
 )
-from models import build_model
-from models.groups import CLASSES, INPUT, GroupLayout
+from fedhetero.models import build_model
+from fedhetero.models.groups import CLASSES, INPUT, GroupLayout
 from reparam.flops import model_macs
 
 ZOO = ["lenet5", "cnn", "vgg11", "resnet18", "googlenet"]

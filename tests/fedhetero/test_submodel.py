@@ -29,8 +29,8 @@ from fedhetero.submodel import (
     scatter_add_,
     submodel_from,
 )
-from models import build_model
-from models.groups import ChannelGroups
+from fedhetero.models import build_model
+from fedhetero.models.groups import ChannelGroups
 
 NAMES = ["lenet5", "cnn", "vgg11", "resnet18", "googlenet"]
 WIDTH = {"lenet5": 1.0, "cnn": 0.5, "vgg11": 0.125, "resnet18": 0.25, "googlenet": 0.0625}

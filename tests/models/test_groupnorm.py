@@ -10,8 +10,8 @@ from torch import nn
 from fedhetero.budget import count_params, fvcore_macs, macs
 from fedhetero.config import ModelConfig
 from fedhetero.submodel import extract_state, prefix_spec, submodel_from
-from models import build_model, canonical_name
-from models.groups import CLASSES, INPUT, ChannelGroups
+from fedhetero.models import build_model, canonical_name
+from fedhetero.models.groups import CLASSES, INPUT, ChannelGroups
 from reparam.flops import model_macs as hook_macs
 
 CONV_NAMES = ["lenet5", "cnn", "vgg11", "resnet18", "preact_resnet18", "googlenet"]

@@ -10,8 +10,8 @@ from torch.utils.flop_counter import FlopCounterMode
 from fedhetero.budget import count_params, fvcore_macs, macs
 from reparam.flops import model_macs as hook_macs  # the closed-form (hook) counter
 from fedhetero.submodel import extract_state, prefix_spec
-from models import build_model, list_models
-from models.groups import CLASSES, INPUT, ChannelGroups, scale_channels
+from fedhetero.models import build_model, list_models
+from fedhetero.models.groups import CLASSES, INPUT, ChannelGroups, scale_channels
 
 NAMES = ["lenet5", "cnn", "vgg11", "resnet18", "googlenet", "logreg"]
 
@@ -235,7 +235,7 @@ def test_fast_pool_equals_max_pool(shape: tuple[int, int, int, int], channels_la
     """The zoo's 2x2 pool gives nn.MaxPool2d's values, NaN and infinities included, with and
     without gradient; where no gradient is recorded on a large enough input it takes the strided
     path (no pooling kernel call), else the kernel."""
-    from models._common import MaxPool2x2
+    from fedhetero.models._common import MaxPool2x2
 
     g = torch.Generator().manual_seed(0)
     x = torch.randn(shape, generator=g)

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-import models
+from fedhetero import models
 import reparam
 from reparam.dymm import (
     DymmReport,

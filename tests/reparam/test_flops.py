@@ -8,7 +8,7 @@ import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-import models
+from fedhetero import models
 import reparam
 from reparam.block import DiverseBranchBlock
 from reparam.flops import (

@@ -138,7 +138,7 @@ def _zoo_id(entry) -> str:
 @pytest.mark.parametrize("name, kwargs", ZOO, ids=[_zoo_id(e) for e in ZOO])
 def test_zoo_round_trip(name, kwargs, gen) -> None:
     """The project's model zoo (FedDUMAP CNN / VGG11 without BN / LeNet5 / CIFAR ResNet-18 / GoogLeNet)."""
-    zoo = pytest.importorskip("models")
+    zoo = pytest.importorskip("fedhetero.models")
     _round_trip(lambda: zoo.build_model(name, num_classes=10, **kwargs), torch.float64, 1e-9, gen)
 
 

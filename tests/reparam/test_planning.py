@@ -18,7 +18,7 @@ import itertools
 import pytest
 import torch
 
-import models
+from fedhetero import models
 import reparam
 from reparam.dymm import applicable_kinds, dymm
 from reparam.flops import model_macs

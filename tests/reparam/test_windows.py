@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import models
+from fedhetero import models
 import reparam
 from reparam import DiverseBranchBlock, IdentityBasedConv1x1
 from reparam.branches import ConvBNBranch, IdentityBranch, applicability
