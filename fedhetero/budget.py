@@ -52,6 +52,7 @@ __all__ = [
     "tier_budgets",
     "SCENARIOS",
     "BudgetSchedule",
+    "check_budgets",
 ]
 
 # ------------------------------------------------------------------------------------------- counting
@@ -451,3 +452,9 @@ class BudgetSchedule:
     def load_state(self, state: Sequence[Sequence[float]]) -> None:
         """Inverse of :meth:`state`."""
         self._state = {int(row[0]): [float(v) for v in row[1:5]] for row in state}
+
+
+def check_budgets(cfg: Any, algorithm: Any, ctx: Any) -> None:
+    """Refuse, before the first round, a budget the configured method cannot meet (a
+    ``ConfigError`` naming ``budget.tiers[i].ratio``). Placeholder: filled in below."""
+    return None

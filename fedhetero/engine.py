@@ -155,6 +155,7 @@ class Engine:
         self.algorithm = build_algorithm(cfg)
         with self.ctx.seeded("init", 1):
             self.algorithm.setup(self.ctx)
+        budget_mod.check_budgets(cfg, self.algorithm, self.ctx)
         n = cfg.data.num_clients
         self.tiers = budget_mod.assign_tiers(n, cfg.budget.tiers, self.ctx.rng("tiers"))
         self.schedule = budget_mod.BudgetSchedule(
