@@ -52,6 +52,7 @@ __all__ = [
     "tier_budgets",
     "SCENARIOS",
     "BudgetSchedule",
+    "FALLING_SCENARIOS",
     "check_budgets",
 ]
 
@@ -454,7 +455,80 @@ class BudgetSchedule:
         self._state = {int(row[0]): [float(v) for v in row[1:5]] for row in state}
 
 
+#: Scenarios in which a client's budget may fall (down to ``budget.min_ratio``).
+FALLING_SCENARIOS: tuple[str, ...] = ("decreasing", "random")
+
+
+def _ratio_at_least(floor: float, plain: float) -> float:
+    """The smallest ratio of three significant digits whose budget ``ratio × plain`` (formed as the
+    engine forms it) reaches ``floor``."""
+    need = floor / plain
+    decimals = 2 - int(math.floor(math.log10(need)))
+    step = 10.0**-decimals
+    ratio = round(math.ceil(need / step - 1e-9) * step, max(decimals, 0))
+    while ratio * plain < floor:
+        ratio = round(ratio + step, max(decimals, 0))
+    return ratio
+
+
+def _floor_of(hook: Any, ctx: Any) -> float | None:
+    """``hook(ctx)`` as a positive float (None when the method has no floor), run with torch's CPU
+    RNG state saved and restored: measuring a model must not change later random draws."""
+    if not callable(hook):
+        return None
+    with torch.random.fork_rng(devices=[]):
+        value = hook(ctx)
+    if value is None:
+        return None
+    value = float(value)
+    return value if math.isfinite(value) and value > 0 else None
+
+
 def check_budgets(cfg: Any, algorithm: Any, ctx: Any) -> None:
-    """Refuse, before the first round, a budget the configured method cannot meet (a
-    ``ConfigError`` naming ``budget.tiers[i].ratio``). Placeholder: filled in below."""
-    return None
+    """Refuse, before the first round, a budget the configured method cannot meet.
+
+    The floor is the algorithm's :meth:`~fedhetero.algorithms.base.Algorithm.min_budget_macs`
+    (the MACs of its smallest model; None: no floor). A tier whose budget ``ratio × plain MACs``
+    is below it raises ``ConfigError`` naming ``budget.tiers[i].ratio``. In the scenarios where
+    budgets fall (``decreasing``, ``random`` with ``budget.change > 0``) the lowest budget the run
+    can reach, ``max(min_ratio, smallest tier ratio × (1 − change)^rounds)`` (one change per
+    participation, at most one participation a round), must meet
+    :meth:`~fedhetero.algorithms.base.Algorithm.min_dynamic_budget_macs`, else the error names
+    ``budget.min_ratio``. The message is one line: what the method cannot do, what its smallest
+    model needs, and the ratio to set."""
+    from fedhetero.config import ConfigError
+
+    plain = float(ctx.plain_macs)
+    if not plain > 0:
+        return
+    name = str(cfg.algorithm.name)
+    b = cfg.budget
+
+    def refuse(field: str, ratio: float, floor: float, where: str, knob: str) -> None:
+        need = _ratio_at_least(floor, plain)
+        also = f" (and budget.max_ratio, now {b.max_ratio:g}, with it)" if need > b.max_ratio else ""
+        raise ConfigError(
+            f"{field}: {name} cannot train within {ratio:g}× the plain model ({ratio * plain:,.0f} MACs per "
+            f"sample){where}; its smallest model needs {need:g}× ({floor:,.0f} MACs). "
+            f"Raise {knob} to at least {need:g}{also}."
+        )
+
+    floor = _floor_of(getattr(algorithm, "min_budget_macs", None), ctx)
+    if floor is not None:
+        for i, tier in enumerate(b.tiers):
+            if tier.ratio * plain < floor:
+                refuse(f"budget.tiers[{i}].ratio", tier.ratio, floor, "", "the ratio")
+    if b.scenario in FALLING_SCENARIOS and b.change > 0:
+        low = _floor_of(getattr(algorithm, "min_dynamic_budget_macs", None), ctx)
+        if low is not None:
+            # a client's budget falls by at most one factor (1 − change) per participation, at
+            # most once a round, and never below budget.min_ratio
+            start = min(t.ratio for t in b.tiers)
+            rounds = int(cfg.train.rounds)
+            reach = max(b.min_ratio, start * (1.0 - b.change) ** rounds)
+            if reach < start and reach * plain < low:
+                where = (
+                    f", the lowest budget {b.scenario} budgets reach in {rounds} round{'s' if rounds != 1 else ''}"
+                    f" with budget.min_ratio={b.min_ratio:g}"
+                )
+                refuse("budget.min_ratio", reach, low, where, "budget.min_ratio")

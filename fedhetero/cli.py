@@ -10,11 +10,20 @@
 from __future__ import annotations
 
 import argparse
+import shlex
 import sys
 from pathlib import Path
 from typing import Any, Sequence
 
+from rich.text import Text
+
+from fedhetero.config import ConfigError
+
 __all__ = ["main"]
+
+
+#: the command that continues an interrupted run (set once its directory is known)
+_INTERRUPTED: dict[str, str] = {}
 
 
 def _console():
@@ -58,22 +67,27 @@ def _train(args: argparse.Namespace) -> int:
     console = _console()
     out = Path(args.out) if args.out else None
     if args.resume:
+        if args.overwrite:
+            raise ConfigError("--resume and --overwrite: choose one (continue the run, or replace it)")
         if out is None:
-            cfg0 = load_config(args.config, args.set)
-            out = default_out_dir(cfg0)
-        cfg = load_config(args.config, args.set) if (args.config or args.set) else None
-        engine = Engine(cfg, out, resume=True, progress=not args.quiet, console=console)
+            out = default_out_dir(load_config(args.config, args.set))
+        # with --config: that config (it must match the saved one); else the saved config with
+        # the --set overrides applied (only fields that may change on resume can differ)
+        cfg = load_config(args.config, args.set) if args.config else None
+        engine = Engine(cfg, out, resume=True, progress=not args.quiet, console=console,
+                        overrides=None if args.config else list(args.set))
     else:
         cfg = load_config(args.config, args.set)
         out = out or default_out_dir(cfg)
         engine = Engine(cfg, out, progress=not args.quiet, console=console, overwrite=args.overwrite)
+    _INTERRUPTED["resume"] = f"fedhetero train --out {shlex.quote(str(out))} --resume"
     cfg = engine.cfg
     if not args.quiet:
-        console.print(
-            f"[bold]fedhetero train[/bold]: {cfg.algorithm.name} on {cfg.data.dataset} "
-            f"({cfg.data.partition}, {cfg.data.num_clients} clients), model {cfg.model.name}, "
-            f"{cfg.train.rounds} rounds → {out}"
-        )
+        console.print(Text.assemble(
+            ("fedhetero train", "bold"),
+            f": {cfg.algorithm.name} on {cfg.data.dataset} ({cfg.data.partition}, {cfg.data.num_clients} clients), "
+            f"model {cfg.model.name}, {cfg.train.rounds} rounds → {out}",
+        ))
     result = engine.run()
     print_summary(console, result.summary, out)
     _plot_run(console, result, out)
@@ -113,7 +127,8 @@ def _plot_run(console: Any, result: Any, out: Path) -> None:
 def print_summary(console: Any, summary: dict[str, Any], out: Path | None = None) -> None:
     from rich.table import Table
 
-    table = Table(title=f"{summary['algorithm']}: final accuracy {_fmt_acc(summary['final_accuracy'])} %")
+    # user strings (method, tier names) are printed literally, never read as rich markup
+    table = Table(title=Text(f"{summary['algorithm']}: final accuracy {_fmt_acc(summary['final_accuracy'])} %"))
     drops = bool(summary.get("dropped_clients"))
     cols = ["tier", "ratio", "budget MMACs", "trained MMACs", "fits", "client-rounds", "sent up", "sent down", "accuracy %"]
     if drops:
@@ -123,7 +138,7 @@ def print_summary(console: Any, summary: dict[str, Any], out: Path | None = None
     for name, t in summary["tiers"].items():
         extra = [str(t.get("dropped", 0)), str(t.get("internal_errors", 0))] if drops else []
         table.add_row(
-            name,
+            Text(name),
             f"{t['ratio']:g}×",
             _fmt_macs(t["budget_macs"]),
             _fmt_macs(t["macs"]),
@@ -154,6 +169,9 @@ def _compare(args: argparse.Namespace) -> int:
 
     console = _console()
     algorithms = [a.strip() for a in args.algorithms.split(",") if a.strip()]
+    if args.resume and args.overwrite:
+        raise ConfigError("--resume and --overwrite: choose one (continue the comparison, or replace it)")
+    _INTERRUPTED["resume"] = "the same fedhetero compare command with --resume"
     run_comparison(
         config=args.config,
         overrides=args.set,
@@ -165,6 +183,7 @@ def _compare(args: argparse.Namespace) -> int:
         progress=not args.quiet,
         resume=args.resume,
         options=args.option,
+        overwrite=args.overwrite,
     )
     return 0
 
@@ -272,8 +291,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seeds", type=int, default=1, help="number of seeds (0..N-1 added to the config seed)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field (repeatable)")
     p.add_argument("--option", action="append", default=[], metavar="ALGO.KEY=VALUE", help="an option of one algorithm, e.g. --option fedap.prune_round=10 (repeatable)")
-    p.add_argument("--out", help="output directory (default: runs/compare-<dataset>-<model>)")
-    p.add_argument("--resume", action="store_true", help="reuse finished runs and resume unfinished ones")
+    p.add_argument("--out", help="output directory (default: runs/compare-<dataset>-<model>-<settings hash>)")
+    p.add_argument("--resume", action="store_true", help="continue a comparison of the same settings: reuse finished runs, resume unfinished ones")
+    p.add_argument("--overwrite", action="store_true", help="replace a comparison that --out already holds (otherwise refused)")
     p.add_argument("--no-plot", action="store_true", help="do not write PNG plots")
     p.add_argument("--quiet", action="store_true", help="no progress display")
     p.set_defaults(func=_compare)
@@ -310,7 +330,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     import os
 
-    from fedhetero.config import ConfigError
     from fedhetero.context import RunError
     from fedhetero.data.errors import DataConfigError, DatasetFormatError
     from fedhetero.rundir import RunDirError
@@ -324,13 +343,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"fedhetero: {exc}", file=sys.stderr)
         return 2
     except RunError as exc:
-        print(f"fedhetero: {exc}", file=sys.stderr)
+        detail = getattr(exc, "detail", "")
+        hint = " (set FEDHETERO_DEBUG=1 for the first failure's traceback)" if detail else ""
+        print(f"fedhetero: {exc}{hint}", file=sys.stderr)
+        if detail and os.environ.get("FEDHETERO_DEBUG"):
+            print(f"first failure:\n{detail}", file=sys.stderr)
         return 1
     except PermissionError as exc:
         print(f"fedhetero: permission denied: {exc.filename or exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print("fedhetero: interrupted; continue with --resume", file=sys.stderr)
+        how = _INTERRUPTED.get("resume")
+        print(f"fedhetero: interrupted; continue with: {how}" if how else "fedhetero: interrupted", file=sys.stderr)
         return 130
     except Exception as exc:  # anything else: one line, the traceback on request
         if os.environ.get("FEDHETERO_DEBUG"):

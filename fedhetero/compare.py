@@ -6,22 +6,39 @@ sampling and budgets are the same streams for every method (the engine derives e
 and its concern only). A method that cannot follow the configured dynamic-budget scenario is
 reported as N/A, never run with a made-up number.
 
-Outputs in the comparison directory: one run directory per (algorithm, seed), ``comparison.json``,
-``comparison.csv``, and with matplotlib installed (the ``plot`` extra) ``accuracy.png`` (accuracy
-against round) and ``tiers.png`` (per-tier accuracy).
+Outputs in the comparison directory: ``compare.json`` (the settings, written first), one run
+directory per (algorithm, seed), ``comparison.json``, ``comparison.csv``, and with matplotlib
+installed (the ``plot`` extra) ``accuracy.png`` (accuracy against round) and ``tiers.png`` (per-tier
+accuracy). The directory is locked while a comparison runs; one that holds another comparison is
+never replaced without ``overwrite``, and ``resume`` continues only a comparison of the same
+settings.
 """
 
 from __future__ import annotations
 
 import csv
+import hashlib
 import json
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import yaml
+from rich.markup import escape
+from rich.text import Text
 
 from fedhetero.algorithms import get_algorithm
-from fedhetero.config import ConfigError, RunConfig, from_dict, load_config, to_dict
+from fedhetero.config import (
+    ConfigError,
+    RunConfig,
+    _yaml_problem,
+    config_hash,
+    from_dict,
+    load_config,
+    parse_yaml,
+    to_dict,
+)
+from fedhetero.rundir import RunDirError, RunLock, atomic_write_text, clear_run, inspect_dir
 
 __all__ = ["run_comparison", "comparison_rows"]
 
@@ -37,8 +54,6 @@ def _cfg_for(base: RunConfig, algorithm: str, seed: int, options: dict[str, Any]
 
 def parse_options(items: list[str], algorithms: list[str]) -> dict[str, dict[str, Any]]:
     """``["fedap.prune_round=10", …]`` → ``{"fedap": {"prune_round": 10}}`` (values parsed as YAML)."""
-    import yaml
-
     out: dict[str, dict[str, Any]] = {}
     for item in items:
         key, sep, raw = item.partition("=")
@@ -47,7 +62,12 @@ def parse_options(items: list[str], algorithms: list[str]) -> dict[str, dict[str
             raise ConfigError(f"--option {item!r}: expected ALGORITHM.option=value")
         if algo not in algorithms:
             raise ConfigError(f"--option {item!r}: {algo!r} is not among --algorithms ({', '.join(algorithms)})")
-        out.setdefault(algo, {})[name] = yaml.safe_load(raw)
+        try:
+            out.setdefault(algo, {})[name] = parse_yaml(raw)
+        except ConfigError as exc:
+            raise ConfigError(f"--option {item!r}: {exc}") from None
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"--option {item!r}: the value is not valid YAML ({_yaml_problem(exc)})") from None
     return out
 
 
@@ -134,16 +154,11 @@ def run_comparison(
     progress: bool = True,
     resume: bool = False,
     options: list[str] | None = None,
+    overwrite: bool = False,
 ) -> list[dict[str, Any]]:
     """Run the comparison and write its files; returns the table rows.
 
     ``options`` are ``ALGORITHM.option=value`` strings for individual methods."""
-    from rich.table import Table
-
-    from fedhetero.context import RunError
-    from fedhetero.engine import Engine
-    from fedhetero.rundir import read_metrics
-
     if not algorithms:
         raise ConfigError("--algorithms: give at least one algorithm name")
     if seeds < 1:
@@ -156,11 +171,124 @@ def run_comparison(
 
     from fedhetero.engine import _check_splits
 
-    for a in algorithms:  # every option and needed split checked before anything runs
+    import torch
+
+    from fedhetero.budget import check_budgets
+    from fedhetero.context import ClientContext, build_data
+
+    ctx = None
+    for a in algorithms:  # every option, needed split and budget checked before anything runs
         cfg_a = _cfg_for(base, a, base.seed, per_algo.get(a))
-        _check_splits(cfg_a, type(build_algorithm(cfg_a)), allow_unused=True)
-    out = out or Path("runs") / f"compare-{base.data.dataset}-{base.model.name}"
+        algo = build_algorithm(cfg_a)
+        _check_splits(cfg_a, type(algo), allow_unused=True)
+        if base.budget.scenario in type(algo).adapts_to:  # else reported as N/A
+            ctx = ctx or ClientContext(base, build_data(base), torch.device(base.device))
+            check_budgets(cfg_a, algo, ctx)
+    settings = {"config_hash": config_hash(base), "algorithms": algorithms, "seeds": seeds, "options": per_algo}
+    key = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:8]
+    out = out or Path("runs") / f"compare-{base.data.dataset}-{base.model.name}-{key}"
+    created = not out.exists()
+    _check_compare_dir(out, settings, resume=resume, overwrite=overwrite)
     out.mkdir(parents=True, exist_ok=True)
+    lock = RunLock(out).acquire()
+    try:
+        _check_compare_dir(out, settings, resume=resume, overwrite=overwrite)  # again, under the lock
+        if overwrite and not resume:
+            _clear_compare_dir(out)
+        atomic_write_text(out / _SETTINGS, json.dumps(settings, indent=2, sort_keys=True))
+        created = False
+        return _run_all(out, base, algorithms, seeds, per_algo, plot=plot, console=console, progress=progress,
+                        resume=resume)
+    finally:
+        lock.release()
+        if created and [q.name for q in out.iterdir()] == [".lock"]:
+            (out / ".lock").unlink()
+            out.rmdir()
+
+
+#: the comparison's own files besides its run directories <algorithm>/seed<N>/
+_SETTINGS = "compare.json"
+_COMPARE_FILES = (_SETTINGS, "comparison.json", "comparison.csv", "accuracy.png", "tiers.png")
+
+
+def _run_dirs(out: Path) -> list[Path]:
+    return sorted(s for a in out.iterdir() if a.is_dir() for s in a.iterdir() if s.is_dir() and s.name.startswith("seed"))
+
+
+def _check_compare_dir(out: Path, settings: dict[str, Any], *, resume: bool, overwrite: bool) -> None:
+    """Refuse a directory the comparison may not use: anything that is not a comparison's; another
+    comparison without ``overwrite``; on ``resume``, a comparison of other settings."""
+    if not out.exists():
+        return
+    if not out.is_dir():
+        raise RunDirError(f"{out} is not a directory")
+    foreign = []
+    held = False
+    for p in sorted(out.iterdir()):
+        if p.name == ".lock" or (p.name in _COMPARE_FILES and p.is_file()):
+            held = held or p.name != ".lock"
+        elif p.is_dir() and any(p.iterdir()) and all(s.is_dir() and s.name.startswith("seed") for s in p.iterdir()):
+            held = True
+            for run in p.iterdir():
+                foreign += [f"{p.name}/{run.name}/{f}" for f in inspect_dir(run).foreign]
+        else:
+            foreign.append(p.name + ("/" if p.is_dir() else ""))
+    if foreign:
+        raise RunDirError(
+            f"{out} holds files that are not part of a fedhetero comparison ({', '.join(foreign[:5])}); fedhetero "
+            "never deletes or replaces files it did not write: choose an empty or new --out"
+        )
+    if not held:
+        return
+    if resume:
+        try:
+            saved = json.loads((out / _SETTINGS).read_text())
+        except (OSError, json.JSONDecodeError):
+            raise RunDirError(f"--resume: {out} holds no readable {_SETTINGS}; it cannot be continued") from None
+        diff = [k for k in ("config_hash", "algorithms", "seeds", "options") if saved.get(k) != json.loads(json.dumps(settings)).get(k)]
+        if diff:
+            what = ", ".join("the config" if k == "config_hash" else k for k in diff)
+            raise RunDirError(
+                f"--resume: {out} holds a comparison with other settings ({what} differ); continue it with the "
+                "same --config/--set/--algorithms/--seeds/--option, or choose another --out"
+            )
+    elif not overwrite:
+        raise RunDirError(
+            f"{out} already holds a comparison; continue it with --resume (same settings), replace it with "
+            "--overwrite, or choose another --out"
+        )
+
+
+def _clear_compare_dir(out: Path) -> None:
+    """Delete what a comparison wrote (its files and run directories; nothing else is there)."""
+    for run in _run_dirs(out):
+        clear_run(run)
+        (run / ".lock").unlink(missing_ok=True)
+        run.rmdir()
+    for algo in [p for p in out.iterdir() if p.is_dir()]:
+        algo.rmdir()
+    for name in _COMPARE_FILES:
+        (out / name).unlink(missing_ok=True)
+
+
+def _run_all(
+    out: Path,
+    base: RunConfig,
+    algorithms: list[str],
+    seeds: int,
+    per_algo: dict[str, dict[str, Any]],
+    *,
+    plot: bool,
+    console: Any,
+    progress: bool,
+    resume: bool,
+) -> list[dict[str, Any]]:
+    from rich.table import Table
+
+    from fedhetero.context import RunError
+    from fedhetero.engine import Engine
+    from fedhetero.rundir import read_metrics
+
     tiers = [t.name for t in base.budget.tiers]
     results: dict[str, list[dict[str, Any] | None]] = {}
     histories: dict[str, list[list[dict[str, Any]]]] = {}
@@ -170,7 +298,7 @@ def run_comparison(
         histories[algo] = []
         if base.budget.scenario not in cls.adapts_to:
             if console is not None:
-                console.print(f"[yellow]{algo}[/yellow]: cannot follow the '{base.budget.scenario}' budget scenario → N/A")
+                console.print(f"[yellow]{escape(algo)}[/yellow]: cannot follow the '{base.budget.scenario}' budget scenario → N/A")
             results[algo] = [None]
             continue
         for s in range(seeds):
@@ -182,7 +310,7 @@ def run_comparison(
                 hist = read_metrics(run_dir / "metrics.jsonl")
             else:
                 if console is not None and progress:
-                    console.print(f"[bold]{algo}[/bold] seed {base.seed + s}")
+                    console.print(f"[bold]{escape(algo)}[/bold] seed {base.seed + s}")
                 can_resume = resume and (run_dir / "checkpoint.pt").is_file()
                 engine = Engine(
                     None if can_resume else cfg, run_dir, resume=can_resume, progress=progress, console=console,
@@ -210,9 +338,9 @@ def run_comparison(
         table.add_column("algorithm")
         table.add_column("final acc %", justify="right")
         for t in tiers:
-            table.add_column(f"{t} acc %", justify="right")
+            table.add_column(Text(f"{t} acc %"), justify="right")
         for t in tiers:
-            table.add_column(f"{t} MMACs", justify="right")
+            table.add_column(Text(f"{t} MMACs"), justify="right")
         table.add_column("client MMACs", justify="right")
         if base.train.target_accuracy is not None:
             table.add_column(f"time to {100 * base.train.target_accuracy:g} % (sim s)", justify="right")
@@ -226,14 +354,14 @@ def run_comparison(
         for r in rows:
             if "final_accuracy_mean" not in r:  # N/A or failed
                 cell = "N/A" if r["status"] == "N/A" else r["status"]
-                table.add_row(r["algorithm"], cell, *(["—"] * (2 * len(tiers) + 5 + (base.train.target_accuracy is not None) + show_kappa)))
+                table.add_row(Text(r["algorithm"]), cell, *(["—"] * (2 * len(tiers) + 5 + (base.train.target_accuracy is not None) + show_kappa)))
                 continue
             ttt_cell = []
             if base.train.target_accuracy is not None:
                 t = r["time_to_target_mean"]
                 ttt_cell = ["not reached" if t is None else f"{t:.1f}"]
             table.add_row(
-                r["algorithm"],
+                Text(r["algorithm"]),
                 _pct(r["final_accuracy_mean"], r["final_accuracy_std"] if seeds > 1 else None),
                 *[_pct(r[f"acc_{t}_mean"]) for t in tiers],
                 *[("—" if r[f"macs_{t}_mean"] is None else f"{r[f'macs_{t}_mean'] / 1e6:.3f}") for t in tiers],
@@ -246,7 +374,7 @@ def run_comparison(
                 f"{r['wall_s_mean']:.1f}",
             )
         console.print(table)
-        console.print(f"written: {out / 'comparison.csv'}, {out / 'comparison.json'}")
+        console.print(f"written: {out / 'comparison.csv'}, {out / 'comparison.json'}", markup=False)
     if plot:
         _plot(out, histories, tiers, console)
     return rows

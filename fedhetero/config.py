@@ -15,8 +15,10 @@ import dataclasses
 import hashlib
 import json
 import math
+import numbers
 import os
 import re
+import stat
 import types
 import typing
 from dataclasses import dataclass, field
@@ -37,6 +39,7 @@ __all__ = [
     "TrainConfig",
     "apply_overrides",
     "config_hash",
+    "config_hashes",
     "dump_config",
     "from_dict",
     "load_config",
@@ -75,6 +78,9 @@ class ModelConfig:
     # a state-dict file of initial weights (e.g. ImageNet weights of resnet18_proj's backbone):
     # loaded into the model, or into its ``backbone`` when it has one
     weights: str | None = None
+    # load a file that holds only some of the model's tensors (the others keep their initial
+    # values); without it such a file is refused, naming how many tensors it holds
+    weights_partial: bool = False
 
 
 @dataclass(frozen=True)
@@ -216,67 +222,105 @@ def _type_name(tp: Any) -> str:
 
 
 _NUMBER = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
+#: Integers are stored as 64-bit values (seeds, counts, numpy arrays): larger ones are refused.
+_INT_LIMIT = 2**63
+#: Words YAML 1.1 read as booleans; YAML 1.2 (what configs are read as) keeps them strings.
+_YAML11_BOOLS = frozenset({"y", "yes", "n", "no", "on", "off"})
+#: Numbers only YAML 1.1 knows: digit separators (``1_000``) and base 60 (``1:30``).
+_YAML11_NUMBER = re.compile(r"[-+]?(0[box])?[0-9a-fA-F_]*[0-9][0-9a-fA-F_:.]*")
+
+
+def _hint(value: Any, want: str) -> str:
+    """What to write instead, for a value of the wrong type (empty when nothing useful is known)."""
+    if want == "bool" and isinstance(value, str) and value.strip().lower() in _YAML11_BOOLS:
+        return " (YAML 1.2 reads yes/no/on/off as strings: write true or false)"
+    if want == "int" and isinstance(value, float) and math.isfinite(value) and value.is_integer():
+        return " (write a whole number without a decimal point or exponent)"
+    if want in ("int", "float") and isinstance(value, str) and ("_" in value or ":" in value):
+        if _YAML11_NUMBER.fullmatch(value.strip()):
+            return " (YAML 1.2 has no digit separators '_' or base-60 'a:b' numbers: write the plain decimal)"
+    return ""
+
+
+def _show(value: Any, limit: int = 60) -> str:
+    """``repr(value)``, shortened when long (a huge number, a long list)."""
+    text = repr(value)
+    if len(text) <= limit:
+        return text
+    return f"{text[: limit - 20]}…{text[-8:]} ({len(text)} characters)"
 
 
 def _convert(value: Any, tp: Any, path: str) -> Any:
     origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):
-        errors = []
-        for arg in typing.get_args(tp):
+        args = typing.get_args(tp)
+        for arg in args:
             try:
                 return _convert(value, arg, path)
-            except ConfigError as exc:
-                errors.append(str(exc))
-        raise ConfigError(f"{path}: expected {_type_name(tp)}, got {value!r}")
+            except ConfigError:
+                pass
+        hint = next((h for a in (int, float, bool) if a in args and (h := _hint(value, a.__name__))), "")
+        raise ConfigError(f"{path}: expected {_type_name(tp)}, got {_show(value)}{hint}")
     if tp is type(None):
         if value is None:
             return None
-        raise ConfigError(f"{path}: expected null, got {value!r}")
+        raise ConfigError(f"{path}: expected null, got {_show(value)}")
     if origin is Literal:
-        if value in typing.get_args(tp):
-            return value
-        raise ConfigError(f"{path}: expected {_type_name(tp)}, got {value!r}")
+        # compare types too: True == 1 and 1.0 == 1 must not pick a Literal of another type
+        for arg in typing.get_args(tp):
+            if type(value) is type(arg) and value == arg:
+                return arg
+        raise ConfigError(f"{path}: expected {_type_name(tp)}, got {_show(value)}")
     if isinstance(tp, type) and dataclasses.is_dataclass(tp):
         if isinstance(value, tp):
             return value
         if not isinstance(value, Mapping):
-            raise ConfigError(f"{path}: expected a mapping of {tp.__name__} fields, got {value!r}")
+            raise ConfigError(f"{path}: expected a mapping of {tp.__name__} fields, got {_show(value)}")
         return _from_mapping(tp, value, path)
     if origin is tuple:
         args = typing.get_args(tp)
         if not isinstance(value, (list, tuple)):
-            raise ConfigError(f"{path}: expected a list, got {value!r}")
+            raise ConfigError(f"{path}: expected a list, got {_show(value)}")
         item_tp = args[0]
         return tuple(_convert(v, item_tp, f"{path}[{i}]") for i, v in enumerate(value))
     if origin in (Mapping, dict, collections.abc.Mapping) or tp is Mapping:
         if not isinstance(value, Mapping):
-            raise ConfigError(f"{path}: expected a mapping, got {value!r}")
+            raise ConfigError(f"{path}: expected a mapping, got {_show(value)}")
         return dict(value)
     if tp is bool:
         if isinstance(value, bool):
             return value
-        raise ConfigError(f"{path}: expected true or false, got {value!r}")
+        raise ConfigError(f"{path}: expected true or false, got {_show(value)}{_hint(value, 'bool')}")
     if tp is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        raise ConfigError(f"{path}: expected an integer, got {value!r}")
+        if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+            whole = int(value)
+            if not -_INT_LIMIT <= whole < _INT_LIMIT:
+                raise ConfigError(f"{path}: {_show(whole)} is out of range (integers must lie in [-2^63, 2^63))")
+            return whole
+        raise ConfigError(f"{path}: expected an integer, got {_show(value)}{_hint(value, 'int')}")
     if tp is float:
         if isinstance(value, str) and _NUMBER.fullmatch(value.strip()):
-            value = float(value)  # YAML 1.1 reads 1e-3 (no dot) as a string
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            out = float(value)
-            if not math.isfinite(out):
-                raise ConfigError(f"{path}: expected a finite number, got {value!r}")
-            return out
-        raise ConfigError(f"{path}: expected a number, got {value!r}")
+            value = float(value)  # a number given as a string (e.g. from JSON or a quoted YAML value)
+        if isinstance(value, numbers.Real) and not isinstance(value, bool):
+            try:
+                number = float(value)
+            except OverflowError:  # an integer beyond the float range
+                raise ConfigError(f"{path}: expected a finite number, got {_show(value)}") from None
+            if not math.isfinite(number):
+                raise ConfigError(f"{path}: expected a finite number, got {_show(value)}")
+            return number
+        raise ConfigError(f"{path}: expected a number, got {_show(value)}{_hint(value, 'float')}")
     if tp is str:
         if isinstance(value, str):
             return value
-        raise ConfigError(f"{path}: expected a string, got {value!r}")
+        hint = " (quote it to keep it as text)" if isinstance(value, (bool, int, float)) else ""
+        raise ConfigError(f"{path}: expected a string, got {_show(value)}{hint}")
     raise ConfigError(f"{path}: unsupported field type {tp!r}")  # pragma: no cover
 
 
 def _from_mapping(cls: type, data: Mapping[str, Any], prefix: str) -> Any:
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"{prefix or 'config'}: expected a mapping of {cls.__name__} fields, got {_show(data)}")
     hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls)]
     kwargs = {}
@@ -285,6 +329,14 @@ def _from_mapping(cls: type, data: Mapping[str, Any], prefix: str) -> Any:
         if key not in names:
             raise ConfigError(f"unknown config key '{path}'; known keys here: {', '.join(names)}")
         kwargs[key] = _convert(value, hints[key], path)
+    missing = [
+        f.name
+        for f in dataclasses.fields(cls)
+        if f.init and f.name not in kwargs and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+    ]
+    if missing:
+        keys = ", ".join(repr(m) for m in missing)
+        raise ConfigError(f"{prefix or 'config'}: missing required key{'s' if len(missing) > 1 else ''} {keys}")
     try:
         return cls(**kwargs)
     except TypeError as exc:  # a required field is missing
@@ -309,6 +361,7 @@ def to_dict(cfg: Any) -> Any:
     return cfg
 
 
+_FLOAT32_MAX = 3.4028234663852886e38
 _MAX_THREADS = max(4 * (os.cpu_count() or 1), 64)
 
 
@@ -353,6 +406,10 @@ def validate(cfg: RunConfig) -> None:
     _check(t.local_epochs >= 1, "train.local_epochs", f"must be at least 1, got {t.local_epochs}")
     _check(t.batch_size >= 1, "train.batch_size", f"must be at least 1, got {t.batch_size}")
     _check(t.lr > 0, "train.lr", f"must be > 0, got {t.lr}")
+    # the optimiser computes in the model's dtype: a value it cannot hold overflows in every step
+    top = _FLOAT32_MAX if cfg.dtype == "float32" else math.inf
+    for name, value in (("lr", t.lr), ("weight_decay", t.weight_decay), ("clip_grad_norm", t.clip_grad_norm)):
+        _check(value is None or value <= top, f"train.{name}", f"must be at most {top:.4g} (the largest {cfg.dtype}), got {value}")
     _check(0 <= t.momentum < 1, "train.momentum", f"must be in [0, 1), got {t.momentum}")
     _check(t.weight_decay >= 0, "train.weight_decay", f"must be >= 0, got {t.weight_decay}")
     _check(t.eval_every >= 1, "train.eval_every", "must be at least 1")
@@ -444,6 +501,11 @@ def validate(cfg: RunConfig) -> None:
     e = cfg.engine
     _check(e.workers is None or e.workers >= 1, "engine.workers", f"must be at least 1 or null, got {e.workers}")
     _check(
+        e.workers is None or e.workers <= _MAX_THREADS,
+        "engine.workers",
+        f"must be at most {_MAX_THREADS} (each is a process; null: one per core), got {e.workers}",
+    )
+    _check(
         e.client_timeout_s is None or e.client_timeout_s > 0,
         "engine.client_timeout_s",
         f"must be > 0 seconds or null, got {e.client_timeout_s}",
@@ -462,26 +524,148 @@ def validate(cfg: RunConfig) -> None:
 # ---------------------------------------------------------------------------- files
 
 
+#: YAML 1.2 core-schema implicit types (https://yaml.org/spec/1.2.2/#1032-tag-resolution), tried
+#: in this order: ``010`` is the decimal 10, ``0o10`` octal, ``0x10`` hex, ``1e-3`` a float, and
+#: ``yes``/``no``/``on``/``off``, ``1_000``, ``1:30`` and dates are strings. YAML 1.1 (PyYAML's
+#: default) would read ``010`` as 8, ``1:30`` as 90 and ``yes`` as true. ``<<`` merge keys are kept.
+_CORE_SCHEMA: tuple[tuple[str, str, str], ...] = (
+    ("tag:yaml.org,2002:null", r"(?:~|null|Null|NULL|)\Z", "~nN"),
+    ("tag:yaml.org,2002:bool", r"(?:true|True|TRUE|false|False|FALSE)\Z", "tTfF"),
+    ("tag:yaml.org,2002:int", r"(?:[-+]?[0-9]+|0o[0-7]+|0x[0-9a-fA-F]+)\Z", "-+0123456789"),
+    (
+        "tag:yaml.org,2002:float",
+        r"(?:[-+]?(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)(?:[eE][-+]?[0-9]+)?|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))\Z",
+        "-+.0123456789",
+    ),
+    ("tag:yaml.org,2002:merge", r"<<\Z", "<"),
+)
+_CORE_REGEX = {tag: re.compile(rx) for tag, rx, _ in _CORE_SCHEMA}
+_Resolvers = dict[Any, list[tuple[str, "re.Pattern[str]"]]]
+
+
+def _core_resolvers(base: _Resolvers | None = None) -> _Resolvers:
+    """Implicit resolvers by first character: ``base``'s (copied) followed by the core schema's
+    (the empty string stands for the empty scalar)."""
+    out = {key: list(value) for key, value in (base or {}).items()}
+    for tag, _, first in _CORE_SCHEMA:
+        for ch in [*first, ""] if tag.endswith(":null") else list(first):
+            out.setdefault(ch, []).append((tag, _CORE_REGEX[tag]))
+    return out
+
+
 class _StrictLoader(yaml.SafeLoader):
-    """YAML loader that rejects a key given twice in one mapping (instead of last-one-wins)."""
+    """The config loader: YAML 1.2 core-schema scalars (never YAML 1.1's octal ``010``, base-60
+    ``1:30`` or ``yes``-booleans), ``<<`` merge keys, and a key given twice in one mapping is an
+    error (instead of last-one-wins)."""
+
+    # PyYAML keeps the implicit resolvers per class: this class has the core schema's only
+    yaml_implicit_resolvers = _core_resolvers()
+
+
+def _scalar(loader: yaml.SafeLoader, node: yaml.Node, tag: str, what: str) -> str:
+    text = loader.construct_scalar(node)  # type: ignore[arg-type]
+    if not isinstance(text, str) or not _CORE_REGEX[tag].match(text):
+        raise yaml.constructor.ConstructorError(None, None, f"{text!r} is not {what} in YAML 1.2", node.start_mark)
+    return text
+
+
+def _construct_int(loader: yaml.SafeLoader, node: yaml.Node) -> int:
+    text = _scalar(loader, node, "tag:yaml.org,2002:int", "an integer")
+    if text.startswith(("0o", "0x")):
+        return int(text[2:], 8 if text[1] == "o" else 16)
+    return int(text, 10)  # a leading zero is still decimal
+
+
+def _construct_float(loader: yaml.SafeLoader, node: yaml.Node) -> float:
+    text = _scalar(loader, node, "tag:yaml.org,2002:float", "a number")
+    low = text.lower()
+    if low.endswith(".inf"):
+        return -math.inf if low.startswith("-") else math.inf
+    if low == ".nan":
+        return math.nan
+    return float(text)
+
+
+def _construct_bool(loader: yaml.SafeLoader, node: yaml.Node) -> bool:
+    return _scalar(loader, node, "tag:yaml.org,2002:bool", "true or false").lower() == "true"
 
 
 def _no_duplicates(loader: yaml.SafeLoader, node: yaml.MappingNode, deep: bool = False) -> dict:
+    """A mapping whose explicit keys are unique; ``<<`` merge keys are merged by PyYAML (explicit
+    keys win over merged ones, earlier merged mappings over later ones)."""
     seen: set[Any] = set()
+    merges = 0
     for key_node, _ in node.value:
+        line = key_node.start_mark.line + 1
+        if key_node.tag == "tag:yaml.org,2002:merge":
+            merges += 1
+            if merges > 1:
+                raise ConfigError(f"duplicate key '<<' (line {line}): merge several mappings with one '<<: [*a, *b]'")
+            continue
         key = loader.construct_object(key_node, deep=deep)
+        try:
+            hash(key)
+        except TypeError:
+            raise ConfigError(f"a mapping key must be a plain value, got {key!r} (line {line})") from None
         if key in seen:
-            raise ConfigError(f"duplicate key {key!r} (line {key_node.start_mark.line + 1}): each key may appear once")
+            raise ConfigError(f"duplicate key {key!r} (line {line}): each key may appear once")
         seen.add(key)
     return loader.construct_mapping(node, deep=deep)
 
 
 _StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _no_duplicates)
+_StrictLoader.add_constructor("tag:yaml.org,2002:int", _construct_int)
+_StrictLoader.add_constructor("tag:yaml.org,2002:float", _construct_float)
+_StrictLoader.add_constructor("tag:yaml.org,2002:bool", _construct_bool)
+
+
+class _Dumper(yaml.SafeDumper):
+    """``yaml.safe_dump`` that also quotes every string YAML 1.2 would read as another type
+    (``1e3``, ``0o7``), so that :func:`dump_config`'s output reads back the same with
+    :class:`_StrictLoader` (and with YAML 1.1 readers)."""
+
+    yaml_implicit_resolvers = _core_resolvers(yaml.SafeDumper.yaml_implicit_resolvers)
 
 
 def parse_yaml(text: str) -> Any:
-    """Parse YAML with :class:`_StrictLoader` (duplicate keys are an error)."""
+    """Parse YAML with :class:`_StrictLoader`: YAML 1.2 core-schema scalars, ``<<`` merge keys,
+    duplicate keys an error (:class:`ConfigError`)."""
     return yaml.load(text, Loader=_StrictLoader)  # noqa: S506 - a SafeLoader subclass
+
+
+def _yaml_problem(exc: yaml.YAMLError) -> str:
+    """A YAML error in one line: what is wrong and where."""
+    if isinstance(exc, yaml.MarkedYAMLError):
+        mark = exc.problem_mark or exc.context_mark
+        what = " ".join(str(exc.problem or exc.context or "malformed").split())
+        return f"{what} (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else what
+    return " ".join(str(exc).split())
+
+
+_FILE_KINDS = (
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+    (stat.S_ISFIFO, "a named pipe"),
+    (stat.S_ISSOCK, "a socket"),
+)
+
+
+def _check_config_path(p: Path) -> None:
+    """A clear error unless ``p`` is a regular file (a directory, a device such as /dev/null, a
+    missing file or a dangling link each say what they are)."""
+    try:
+        st = p.stat()
+    except (FileNotFoundError, NotADirectoryError):
+        if p.is_symlink():
+            raise ConfigError(f"config file not found: {p} is a symbolic link to a missing file") from None
+        raise ConfigError(f"config file not found: {p}") from None
+    except OSError as exc:
+        raise ConfigError(f"{p}: cannot be read ({exc.strerror or exc})") from None
+    if stat.S_ISDIR(st.st_mode):
+        raise ConfigError(f"{p}: is a directory, not a config file (give the path of a YAML file)")
+    if not stat.S_ISREG(st.st_mode):
+        kind = next((name for test, name in _FILE_KINDS if test(st.st_mode)), "a special file")
+        raise ConfigError(f"{p}: is not a regular file ({kind}); a YAML config file is expected")
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:
@@ -489,8 +673,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     data: dict[str, Any] = {}
     if path is not None:
         p = Path(path)
-        if not p.is_file():
-            raise ConfigError(f"config file not found: {p}")
+        _check_config_path(p)
         try:
             text = p.read_text(encoding="utf-8")
         except UnicodeDecodeError:
@@ -504,7 +687,9 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         except ConfigError as exc:
             raise ConfigError(f"{p}: {exc}") from None
         except yaml.YAMLError as exc:
-            raise ConfigError(f"{p}: not valid YAML ({exc})") from None
+            raise ConfigError(f"{p}: not valid YAML: {_yaml_problem(exc)}") from None
+        except RecursionError:
+            raise ConfigError(f"{p}: not valid YAML: nested too deeply") from None
         if loaded is not None and not isinstance(loaded, dict):
             raise ConfigError(f"{p}: the top level must be a mapping of config sections")
         data = loaded or {}
@@ -512,9 +697,30 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     return from_dict(data)
 
 
+def _copy_tree(data: Any, memo: dict[int, Any] | None = None) -> Any:
+    """A copy of nested dicts and lists (lists for tuples) with every other value kept as it is;
+    a part the data shares (a YAML alias) is copied once."""
+    memo = {} if memo is None else memo
+    if isinstance(data, (dict, list, tuple)) and id(data) in memo:
+        return memo[id(data)]
+    if isinstance(data, dict):
+        out: Any = {}
+        memo[id(data)] = out
+        out.update((k, _copy_tree(v, memo)) for k, v in data.items())
+        return out
+    if isinstance(data, (list, tuple)):
+        out = []
+        memo[id(data)] = out
+        out.extend(_copy_tree(v, memo) for v in data)
+        return out
+    return data
+
+
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
-    """Apply ``a.b.c=value`` strings (values parsed as YAML scalars) to a nested dict copy."""
-    out = json.loads(json.dumps(data))
+    """Apply ``a.b.c=value`` strings to a nested dict copy. Values are read as YAML 1.2 scalars
+    or flow collections, as in a config file (``010`` is 10, ``yes`` a string); text that is not
+    valid YAML is taken as a string."""
+    out = _copy_tree(data)
     for item in overrides:
         if "=" not in item:
             raise ConfigError(f"--set {item!r}: expected key.path=value")
@@ -522,12 +728,16 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
         key = key.strip()
         if not key:
             raise ConfigError(f"--set {item!r}: empty key")
+        parts = key.split(".")
+        if any(not part.strip() for part in parts):
+            raise ConfigError(f"--set {item!r}: empty part in the key path {key!r}")
         try:
             value = parse_yaml(raw)
-        except (yaml.YAMLError, ConfigError):
+        except ConfigError as exc:
+            raise ConfigError(f"--set {key}: {exc}") from None
+        except (yaml.YAMLError, RecursionError):
             value = raw
         node = out
-        parts = key.split(".")
         for part in parts[:-1]:
             nxt = node.get(part)
             if nxt is None:
@@ -540,19 +750,34 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
 
 
 def dump_config(cfg: RunConfig) -> str:
-    """The resolved config as YAML."""
-    return yaml.safe_dump(to_dict(cfg), sort_keys=False)
+    """The resolved config as YAML (read back unchanged by :func:`load_config`)."""
+    return yaml.dump(to_dict(cfg), Dumper=_Dumper, sort_keys=False)
 
 
-#: Fields that choose where the work runs but never change the numbers; they are left out of the
-#: hash so that a run can be resumed on another back end.
-_UNHASHED = {"engine": ("backend", "workers")}
+#: Fields left out of the hash, so that they may change when a run is resumed: where the work runs
+#: (never changes the numbers), and how the back end treats failing clients (so that "fix the cause
+#: and continue with --resume" works when the cause is a time-out, the minimum of clients or the
+#: injected faults of a drill).
+_UNHASHED = {"engine": ("backend", "workers", "client_timeout_s", "min_clients", "inject_faults")}
+#: What was left out before the failure handling could change on resume; a run directory written
+#: then still resumes (see :func:`config_hashes`).
+_UNHASHED_BEFORE = {"engine": ("backend", "workers")}
+
+
+def config_hashes(cfg: RunConfig) -> set[str]:
+    """Every hash a run directory of this config may have recorded (the current rule's, and the
+    rule's before the failure-handling fields left the hash)."""
+    return {config_hash(cfg), _hash(cfg, _UNHASHED_BEFORE)}
 
 
 def config_hash(cfg: RunConfig) -> str:
     """SHA-256 of the resolved config's canonical JSON form (without :data:`_UNHASHED` fields)."""
+    return _hash(cfg, _UNHASHED)
+
+
+def _hash(cfg: RunConfig, unhashed: Mapping[str, tuple[str, ...]]) -> str:
     data = to_dict(cfg)
-    for section, keys in _UNHASHED.items():
+    for section, keys in unhashed.items():
         for key in keys:
             data.get(section, {}).pop(key, None)
     # fields added later are hashed only when set, so runs made before them can still be resumed
@@ -566,4 +791,6 @@ def config_hash(cfg: RunConfig) -> str:
         data["engine"].pop("vectorize", None)
     if cfg.model.weights is None:
         data["model"].pop("weights", None)
+    if not cfg.model.weights_partial:
+        data["model"].pop("weights_partial", None)
     return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()

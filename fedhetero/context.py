@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import logging
 import math
 import time
 import weakref
@@ -126,6 +127,70 @@ def build_data(cfg: RunConfig) -> Any:
         min_size=d.min_partition_size,
         dataset_options=options,
     )
+
+
+#: (file, model) pairs whose partial ``model.weights`` load this process has reported.
+_PARTIAL_REPORTED: set[tuple[str, str]] = set()
+
+
+def _one_line(exc: BaseException) -> str:
+    """``exc`` as a short phrase: its type and the first line of its message (PyTorch's weights-only
+    refusal: the line that names what was refused)."""
+    text = str(exc).strip()
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    picked = next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("WeightsUnpickler error:")), None)
+    first = picked if picked is not None else (lines[0] if lines else "")
+    first = first.split(". ", 1)[0]  # the first sentence
+    first = first if len(first) <= 160 else first[:157] + "..."
+    return f"{type(exc).__name__}: {first}" if first else type(exc).__name__
+
+
+def _some_keys(keys: Any, n: int = 3) -> str:
+    """The first ``n`` of ``keys`` quoted, with how many more there are."""
+    names = list(keys)
+    shown = ", ".join(repr(str(k)) for k in names[:n]) or "none"
+    return shown + (f" (+{len(names) - n} more)" if len(names) > n else "")
+
+
+def _read_state_dict(path: str) -> dict[str, torch.Tensor]:
+    """The tensors of the state-dict file ``path`` (a plain state dict, or a checkpoint dict with one
+    under ``state_dict``), loaded weights-only; anything else is one :class:`ConfigError` line."""
+    from fedhetero.config import ConfigError
+
+    def foreign(why: str) -> ConfigError:
+        return ConfigError(
+            f"model.weights: {path} is not a PyTorch state-dict file ({why}); such a file is written by "
+            f"torch.save(model.state_dict(), path)"
+        )
+
+    try:
+        with open(path, "rb") as fh:
+            head = fh.read(4)
+        # torch.save writes a zip archive ("PK"); files of PyTorch < 1.6 are pickles (0x80: protocol 2+)
+        if head[:2] != b"PK" and head[:1] != b"\x80":
+            raise foreign("the file is empty" if not head else f"neither a zip archive nor a pickle: it starts with {head!r}")
+        state = torch.load(path, weights_only=True, map_location="cpu")
+    except OSError as exc:
+        raise ConfigError(f"model.weights: cannot read {path} ({_one_line(exc)})") from None
+    except ConfigError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - torch.load fails with anything on a foreign file
+        raise foreign(_one_line(exc)) from None
+    if isinstance(state, dict) and isinstance(state.get("state_dict"), dict):
+        state = state["state_dict"]
+    if not isinstance(state, dict) or not state:
+        kind = "an empty dict" if isinstance(state, dict) else f"a {type(state).__name__}"
+        raise ConfigError(
+            f"model.weights: {path} is not a PyTorch state-dict file: it holds {kind}, not a dict of "
+            f"named tensors"
+        )
+    bad = [k for k, v in state.items() if not isinstance(k, str) or not isinstance(v, torch.Tensor)]
+    if bad:
+        raise ConfigError(
+            f"model.weights: {path} is not a PyTorch state-dict file: entry {str(bad[0])!r} is a "
+            f"{type(state[bad[0]]).__name__}, not a tensor"
+        )
+    return state
 
 
 def client_context(cfg: RunConfig, data: Any | None = None) -> "ClientContext":
@@ -281,31 +346,68 @@ class ClientContext:
         kw.update(overrides)
         model = build_model(self.cfg.model.name, **kw)
         if self.cfg.model.weights:
-            self._load_weights(model)
+            self._load_weights(model, checked=width is None or width == self.cfg.model.width)
         return model.to(device=self.device, dtype=self.dtype)
 
-    def _load_weights(self, model: nn.Module) -> None:
-        """``model.weights``: a state dict loaded into the model or into its ``backbone``."""
+    def _load_weights(self, model: nn.Module, checked: bool = True) -> None:
+        """``model.weights``: a state dict loaded into the model or into its ``backbone``.
+
+        Every tensor of the model (``num_batches_tracked`` counters excepted) must be in the file with
+        its shape, unless ``model.weights_partial`` allows loading only the tensors that are there.
+        Entries of the file the model lacks (e.g. an ImageNet classifier head) are left unused. A file
+        that is not a state dict, an entry whose shape differs from the model's and a file that
+        matches no tensor at all are one-line ``ConfigError`` messages naming the file.
+
+        ``checked=False`` (a model of another width than ``model.width``, e.g. a client's sub-model,
+        which the file cannot describe): the entries whose shapes fit are loaded, nothing is checked."""
         from fedhetero.config import ConfigError
 
         path = str(self.cfg.model.weights)
         state = self.cache.get(("weights", path))
         if state is None:
-            try:
-                state = torch.load(path, weights_only=True, map_location="cpu")
-            except (OSError, RuntimeError, ValueError) as exc:
-                raise ConfigError(f"model.weights: cannot load {path} ({type(exc).__name__}: {exc})") from None
-            if isinstance(state, dict) and isinstance(state.get("state_dict"), dict):
-                state = state["state_dict"]
-            if not isinstance(state, dict):
-                raise ConfigError(f"model.weights: {path} does not hold a state dict")
+            state = _read_state_dict(path)
             self.cache[("weights", path)] = state
-        target = getattr(model, "backbone", model)
+        backbone = getattr(model, "backbone", None)
+        target: nn.Module = backbone if isinstance(backbone, nn.Module) else model
+        what = f"the {self.cfg.model.name} model" + ("'s backbone" if target is not model else "")
         own = target.state_dict()
-        fits = {k: v for k, v in state.items() if k in own and tuple(own[k].shape) == tuple(v.shape)}
-        if not fits:
-            raise ConfigError(f"model.weights: no entry of {path} fits the {self.cfg.model.name} model")
+        if not checked:
+            target.load_state_dict(
+                {k: state[k] for k in own if k in state and tuple(state[k].shape) == tuple(own[k].shape)},
+                strict=False,
+            )
+            return
+        wrong = [k for k in own if k in state and tuple(own[k].shape) != tuple(state[k].shape)]
+        if wrong:
+            k = wrong[0]
+            more = f" (and {len(wrong) - 1} more)" if len(wrong) > 1 else ""
+            raise ConfigError(
+                f"model.weights: entry {k!r} of {path} has shape {list(state[k].shape)} but {what} "
+                f"needs {list(own[k].shape)}{more}; is it a checkpoint of another architecture?"
+            )
+        fits = {k: state[k] for k in own if k in state}
+        required = [k for k in own if not k.endswith("num_batches_tracked")]
+        missing = [k for k in required if k not in fits]
+        matched = len(required) - len(missing)
+        unused = len(state) - len(fits)
+        if not matched:
+            raise ConfigError(
+                f"model.weights: none of the {len(state)} tensors of {path} matches a tensor of {what} "
+                f"(file keys like {_some_keys(state)}; model keys like {_some_keys(own)})"
+            )
+        if missing and not self.cfg.model.weights_partial:
+            raise ConfigError(
+                f"model.weights: {path} holds {matched} of the {len(required)} tensors of {what} "
+                f"(missing {_some_keys(missing)}; {unused} entries of the file unused); set "
+                f"model.weights_partial=true to load only the {matched} it holds"
+            )
         target.load_state_dict(fits, strict=False)
+        if missing and (path, what) not in _PARTIAL_REPORTED:  # once per process
+            _PARTIAL_REPORTED.add((path, what))
+            logging.getLogger(__name__).warning(
+                "model.weights_partial: loaded %d of the %d tensors of %s from %s; the other %d keep "
+                "their initial values", matched, len(required), what, path, len(missing),
+            )
 
     def macs(self, model: nn.Module) -> int:
         """Forward MACs per sample (conv + linear; BN, activations and pooling excluded).

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -39,19 +38,31 @@ import torch
 from fedhetero import budget as budget_mod
 from fedhetero.algorithms import build_algorithm
 from fedhetero.algorithms.base import Algorithm, ClientInfo, ClientResult, ClientTask
-from fedhetero.config import ConfigError, RunConfig, config_hash, dump_config, load_config
+from fedhetero.config import (
+    _UNHASHED,
+    ConfigError,
+    RunConfig,
+    apply_overrides,
+    config_hash,
+    config_hashes,
+    dump_config,
+    from_dict,
+    load_config,
+    to_dict,
+)
 from fedhetero.context import Context, RunError, UploadStream, build_data
 from fedhetero.data import save_partition
 from fedhetero.engines import Backend, Outcome, check_result, drop_kind, make_backend
 from fedhetero.rundir import (
+    MetricsLog,
     RunDirError,
     RunLock,
     atomic_write_text,
     clean_stale,
+    clear_run,
     describe_run,
-    dumps_row,
     finite_json,
-    read_metrics,
+    inspect_dir,
 )
 from fedhetero.sessions import session_summary
 from fedhetero.store import ClientStateStore, atomic_save
@@ -63,7 +74,7 @@ STRICT_ENV = "FEDHETERO_STRICT"
 
 _TIME_MODEL = TimeModel()
 
-__all__ = ["Context", "Engine", "RunError", "RunResult", "build_algorithm", "run"]
+__all__ = ["Context", "Engine", "RunError", "RunResult", "build_algorithm", "resume_config", "run"]
 
 @dataclass
 class RunResult:
@@ -87,7 +98,14 @@ class Engine:
         backend: Backend | None = None,
         overwrite: bool = False,
         shared_splits: bool = False,
+        overrides: list[str] | None = None,
     ) -> None:
+        """``resume``: continue the run in ``out_dir``; its saved config is used, with ``overrides``
+        (``key=value`` strings) applied to it, or ``cfg`` when given (it must hash the same: only
+        the fields that may change on resume differ). A method loaded from code outside the
+        package (``algorithm.name`` of the form ``module:Class`` or ``file.py:Class``) is imported
+        only when the caller names it again (``cfg`` or an ``algorithm.name`` override): a run
+        directory never makes fedhetero run code."""
         self.out_dir = Path(out_dir)
         self.resume = resume
         self.overwrite = overwrite
@@ -101,26 +119,37 @@ class Engine:
         self._best: float | None = None  # best evaluated accuracy so far (for best_model.pt)
         # its model, held until the next checkpoint writes it (None: best_model.pt is up to date)
         self._best_state: dict[str, torch.Tensor] | None = None
+        self._hashes: set[str] = set()  # the config hashes this run directory may have recorded
         if resume:
-            saved = _saved_config(self.out_dir)
-            if cfg is not None and config_hash(cfg) != config_hash(saved):
-                raise ConfigError(
-                    f"--resume: the given config differs from the one saved in {self.out_dir / 'config.yaml'}; "
-                    "resume without --config/--set to continue that run"
-                )
-            # the same numbers-relevant config (the hash leaves out where clients run): keep the
-            # given one, so a run can be resumed on another back end
-            cfg = saved if cfg is None else cfg
-        elif not overwrite:
-            held = describe_run(self.out_dir)
-            if held is not None:
-                raise RunDirError(
-                    f"{self.out_dir} already holds {held}; continue it with --resume, replace it with "
-                    "--overwrite, or choose another --out"
-                )
+            cfg, self._hashes = resume_config(self.out_dir, cfg, overrides)
+        elif overrides:
+            raise ValueError("Engine: overrides are applied to a saved config, with resume=True")
         if cfg is None:
             raise ConfigError("no config given")
         self.cfg = cfg
+        if not self._hashes:
+            self._hashes = {config_hash(cfg)}
+        self._check_dir()
+
+    def _check_dir(self) -> None:
+        """Refuse a directory this run may not use (called again under the lock)."""
+        state = inspect_dir(self.out_dir)
+        if self.resume:
+            return  # _saved_config found the run; foreign files beside it are left alone
+        if state.foreign:
+            raise RunDirError(
+                f"{self.out_dir} is not empty and is not a fedhetero run directory (it holds "
+                f"{state.foreign_text()}); fedhetero never deletes or replaces files it did not write: "
+                "choose an empty or new --out"
+            )
+        if state.holds_run and not self.overwrite:
+            held = describe_run(self.out_dir)
+            can_resume = (self.out_dir / "config.yaml").is_file()
+            raise RunDirError(
+                f"{self.out_dir} already holds {held}; "
+                + ("continue it with --resume, " if can_resume else "")
+                + "replace it with --overwrite, or choose another --out"
+            )
 
     # ------------------------------------------------------------------ set-up
     def _setup(self) -> None:
@@ -136,7 +165,8 @@ class Engine:
             torch.backends.cudnn.benchmark = False
         if device.type == "cuda" and not torch.cuda.is_available():
             raise ConfigError("device: 'cuda' requested but CUDA is not available; use device=cpu")
-        cls = type(build_algorithm(cfg))
+        self.algorithm = build_algorithm(cfg)
+        cls = type(self.algorithm)
         _check_splits(cfg, cls, allow_unused=self.shared_splits)
         if cfg.budget.scenario not in cls.adapts_to:
             raise ConfigError(
@@ -146,16 +176,16 @@ class Engine:
         self.data = build_data(cfg)
         self.store = ClientStateStore(self.out_dir / "client_state")
         self.ctx = Context(cfg, self.data, self.store, device, executor=self._execute)
+        # a budget the method cannot meet is refused before a worker starts or a model is built
+        budget_mod.check_budgets(cfg, self.algorithm, self.ctx)
         if self.backend is None:
             self.backend = make_backend(cfg, self.data)
         elif (made_for := getattr(self.backend, "cfg", None)) is not None and config_hash(made_for) != config_hash(cfg):
             # a back end builds its clients from its own config: it must be this run's
             raise ConfigError("backend: the back end passed in was made for another config than this run's")
         self.ctx.batch_evaluator = getattr(self.backend, "evaluate_batches", None)
-        self.algorithm = build_algorithm(cfg)
         with self.ctx.seeded("init", 1):
             self.algorithm.setup(self.ctx)
-        budget_mod.check_budgets(cfg, self.algorithm, self.ctx)
         n = cfg.data.num_clients
         self.tiers = budget_mod.assign_tiers(n, cfg.budget.tiers, self.ctx.rng("tiers"))
         self.schedule = budget_mod.BudgetSchedule(
@@ -234,14 +264,22 @@ class Engine:
             ok.append(res)
         need = min(self.cfg.engine.min_clients, len(tasks))
         if len(ok) < need:
-            reasons = "; ".join(f"client {d['cid']}: {d['reason']}" for d in self._dropped[-len(tasks):][:5])
-            detail = next((o.detail for o in outcomes if o.detail), "")
-            raise RunError(
-                f"round {self.ctx.round}: only {len(ok)} of {len(tasks)} clients succeeded, fewer than "
-                f"engine.min_clients={self.cfg.engine.min_clients} ({reasons}). The run stopped; the last "
-                f"checkpoint is kept, so fix the cause and continue with --resume."
-                + (f"\nfirst failure:\n{detail}" if detail else "")
+            dropped = self._dropped[-len(tasks):]
+            reasons = "; ".join(f"client {d['cid']}: {_first_line(d['reason'])}" for d in dropped[:3])
+            more = f"; {len(dropped) - 3} more in the same round" if len(dropped) > 3 else ""
+            kept = (
+                f"its checkpoint of round {self._last_checkpoint} is kept"
+                if self._last_checkpoint
+                else "no round was checkpointed yet, so --resume starts it again from round 0"
             )
+            err = RunError(
+                f"round {self.ctx.round}: only {len(ok)} of {len(tasks)} clients succeeded, fewer than "
+                f"engine.min_clients={self.cfg.engine.min_clients} ({reasons}{more}). The run stopped; {kept}. "
+                "Fix the cause and continue with --resume (engine.min_clients, engine.client_timeout_s and "
+                "engine.inject_faults may be changed then with --set)"
+            )
+            err.detail = next((o.detail for o in outcomes if o.detail), "")  # type: ignore[attr-defined]
+            raise err
         return ok
 
     def _sample_passes(self, u: ClientResult) -> float:
@@ -315,14 +353,19 @@ class Engine:
             "participation": list(self._participation),
             "ratios": list(self.schedule.state()),
             "best_accuracy": self._best,
+            # what a resume must find on disk: the metrics written so far, each client's state
+            "metrics": self._metrics.mark(),
         }
         self.store.flush(rnd)  # every client state the checkpoint can need is on disk before it
+        state["client_states"] = self.store.manifest(rnd)
         self._write_best()  # so is the best model of the rounds it covers
         atomic_save(state, self.out_dir / "checkpoint.pt")
+        self._last_checkpoint = rnd
         self.store.compact(rnd)
 
     def _load_checkpoint(self) -> int:
         path = self.out_dir / "checkpoint.pt"
+        self._resume_marks: tuple[dict[str, Any] | None, dict[Any, Any] | None] = (None, None)
         if not path.is_file():
             return 0
         try:
@@ -331,8 +374,8 @@ class Engine:
             raise RunDirError(f"{path} cannot be loaded ({type(exc).__name__}: {exc}); the checkpoint is damaged") from None
         if not isinstance(state, dict) or not {"round", "config_hash", "algorithm"} <= set(state):
             raise RunDirError(f"{path} is not a fedhetero checkpoint")
-        if state["config_hash"] != config_hash(self.cfg):
-            raise ConfigError(f"--resume: checkpoint {path} belongs to a different config")
+        if state["config_hash"] not in self._hashes:
+            raise RunDirError(f"--resume: {path} belongs to another run (its config hash differs from config.yaml's)")
         rnd = state["round"]
         if not isinstance(rnd, int) or not 0 <= rnd <= self.cfg.train.rounds:
             raise RunDirError(f"{path}: round {rnd!r} is outside 0..train.rounds={self.cfg.train.rounds}; the checkpoint is damaged")
@@ -348,14 +391,12 @@ class Engine:
         if len(self._participation) != self.cfg.data.num_clients:
             raise RunDirError(f"{path}: participation counts for {len(self._participation)} clients, the config has {self.cfg.data.num_clients}")
         self._best = state.get("best_accuracy")
+        mark, manifest = state.get("metrics"), state.get("client_states")
+        if (mark is not None and not isinstance(mark, dict)) or (manifest is not None and not isinstance(manifest, dict)):
+            raise RunDirError(f"{path} is not a fedhetero checkpoint")
+        self._resume_marks = (mark, manifest)
         self.store.rollback(rnd)
         return rnd
-
-    def _read_metrics(self, upto: int) -> list[dict[str, Any]]:
-        path = self.out_dir / "metrics.jsonl"
-        rows = read_metrics(path, upto)
-        atomic_write_text(path, "".join(dumps_row(r) + "\n" for r in rows))
-        return rows
 
     def _save_model(self, name: str) -> None:
         """The global model as a weights-only file that :func:`fedhetero.load_model` rebuilds."""
@@ -381,19 +422,30 @@ class Engine:
     def run(self) -> RunResult:
         """Run (or resume) the job; returns the summary and the per-round metrics.
 
-        Nothing is written before the config, data and algorithm are set up, so a bad input leaves
-        no directory behind. The run directory is locked for the duration of the run."""
+        The run directory is locked first (two runs never share it), then checked again under
+        the lock, then the config, data and algorithm are set up; a bad input leaves behind no
+        directory that was not there before."""
+        created = _first_missing(self.out_dir)  # what a failed set-up removes again
         lock = None
         try:
-            self._setup()
-            self.out_dir.mkdir(parents=True, exist_ok=True)
+            try:
+                self.out_dir.mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                raise RunDirError(f"{self.out_dir}: the run directory cannot be made ({exc.strerror or exc})") from None
             lock = RunLock(self.out_dir).acquire()
+            self._check_dir()
+            if self.resume and config_hash(_saved_config(self.out_dir)) not in self._hashes:
+                raise RunDirError(f"--resume: {self.out_dir / 'config.yaml'} changed while this run was starting")
+            self._setup()
+            created = None  # from here on the directory holds this run
             return self._run()
         finally:
             if self.backend is not None and self._own_backend:
                 self.backend.close()
             if lock is not None:
                 lock.release()
+            if created is not None:
+                _remove_if_only_lock(self.out_dir, created)
 
     def _say(self, text: str) -> None:
         if self.progress and self.console is not None:
@@ -406,24 +458,29 @@ class Engine:
         self._best_state = None
         clean_stale(self.out_dir)
         self._participation = [0] * self.cfg.data.num_clients
-        start = 0
-        if self.resume:
-            start = self._load_checkpoint()
-            history = self._read_metrics(start)
-            if start == 0:
+        self._metrics = MetricsLog(self.out_dir / "metrics.jsonl")
+        start = self._load_checkpoint() if self.resume else 0
+        self._last_checkpoint = start
+        if self.resume and (self.out_dir / "config.yaml").read_text() != dump_config(self.cfg):
+            # only fields that may change on resume differ: the run goes on with them, and so
+            # does a later resume
+            atomic_write_text(self.out_dir / "config.yaml", dump_config(self.cfg))
+        if start > 0:
+            history = self._metrics.resume(self._resume_marks[0], start)
+            if self._resume_marks[1] is not None:
+                self.store.verify(self._resume_marks[1], start)
+            self._say(f"resumed from round {start} of {self.cfg.train.rounds} ({self.out_dir})")
+        else:
+            if self.resume:
                 self._say(f"{self.out_dir}: no checkpoint yet; starting again from round 0")
                 self.store.rollback(0)
             else:
-                self._say(f"resumed from round {start} of {self.cfg.train.rounds} ({self.out_dir})")
-        else:
-            for stale in ("metrics.jsonl", "checkpoint.pt", "summary.json", "final_model.pt", "best_model.pt", "model.json"):
-                (self.out_dir / stale).unlink(missing_ok=True)
-            shutil.rmtree(self.out_dir / "client_state", ignore_errors=True)
+                clear_run(self.out_dir)  # _check_dir allowed it: a run's own files only (--overwrite)
             history = []
+            self._metrics.start()
             self._write_run_files()
         prior_wall = float(sum(r.get("wall_s", 0.0) for r in history))
         cum_bytes = sum(r["bytes_up"] + r["bytes_down"] for r in history)
-        metrics_path = self.out_dir / "metrics.jsonl"
         rounds = self.cfg.train.rounds
         progress = _Progress(self.progress, rounds, start, self.console)
         with progress:
@@ -491,8 +548,7 @@ class Engine:
                     self._best = float(row["accuracy"])
                     self._keep_best()
                 row["wall_s"] = round(time.perf_counter() - t0, 4)
-                with metrics_path.open("a") as fh:
-                    fh.write(dumps_row(row) + "\n")
+                self._metrics.append(row)
                 history.append(row)
                 progress.round_done(row)
                 if rnd % self.cfg.train.checkpoint_every == 0 or rnd == rounds:
@@ -527,11 +583,97 @@ def _check_splits(cfg: RunConfig, cls: type[Algorithm], allow_unused: bool = Fal
             raise ConfigError(f"data.{field_name}: {name} needs {what}; set data.{field_name} > 0 (e.g. 0.1)")
 
 
+#: config fields that may change when a run is resumed
+_RESUMABLE = _UNHASHED
+
+
+def _first_line(text: str) -> str:
+    return str(text).strip().splitlines()[0] if str(text).strip() else ""
+
+
+def _override_key(item: str) -> str:
+    return item.split("=", 1)[0].strip()
+
+
+def _changed_fields(a: RunConfig, b: RunConfig) -> list[str]:
+    """Dotted names of the fields whose values differ between two configs."""
+
+    def flat(tree: Any, prefix: str = "") -> dict[str, Any]:
+        if isinstance(tree, dict):
+            out: dict[str, Any] = {}
+            for k, v in tree.items():
+                out.update(flat(v, f"{prefix}.{k}" if prefix else str(k)))
+            return out
+        return {prefix: tree}
+
+    fa, fb = flat(to_dict(a)), flat(to_dict(b))
+    return [k for k in sorted(set(fa) | set(fb)) if fa.get(k) != fb.get(k)]
+
+
+def _first_missing(path: Path) -> Path | None:
+    """The outermost folder of ``path`` that does not exist yet (None: ``path`` exists)."""
+    missing = None
+    for p in [path, *path.parents]:
+        if p.exists():
+            break
+        missing = p
+    return missing
+
+
+def _remove_if_only_lock(root: Path, created: Path) -> None:
+    """Remove the directory this run made (and the folders made for it, up to ``created``) when
+    nothing but its lock file is in it."""
+    try:
+        if [p.name for p in root.iterdir()] != [".lock"]:
+            return
+        (root / ".lock").unlink()
+        for p in [root, *root.parents]:
+            p.rmdir()
+            if p == created:
+                break
+    except OSError:
+        pass
+
+
+def resume_config(
+    out_dir: str | Path, cfg: RunConfig | None = None, overrides: list[str] | None = None
+) -> tuple[RunConfig, set[str]]:
+    """The config a resumed run goes on with, and the config hashes its directory may have
+    recorded: ``cfg`` when given (it must hash as the saved one), else the saved config with
+    ``overrides`` applied. Only the fields that may change on resume (:data:`_RESUMABLE`) may differ.
+    A method from code outside the package is accepted only when the caller names it (``cfg``, or
+    an ``algorithm.name`` override): a run directory never makes fedhetero import code."""
+    out_dir = Path(out_dir)
+    saved = _saved_config(out_dir)
+    named = cfg is not None or any(_override_key(o) == "algorithm.name" for o in overrides or ())
+    if cfg is None:
+        cfg = from_dict(apply_overrides(to_dict(saved), list(overrides or ())))
+    if config_hash(cfg) != config_hash(saved):
+        changed = _changed_fields(saved, cfg)
+        raise ConfigError(
+            f"--resume: {', '.join(changed[:4]) or 'the config'} differ{'s' if len(changed) == 1 else ''} from "
+            f"the run saved in {out_dir}; only where clients run and how failing clients are handled "
+            f"(engine.{', engine.'.join(k for ks in _RESUMABLE.values() for k in ks)}) may change on resume"
+        )
+    if ":" in saved.algorithm.name and not named:
+        raise RunDirError(
+            f"--resume: this run's method is code outside fedhetero ({saved.algorithm.name}); a run directory "
+            "never makes fedhetero import code, so name it again: add --set "
+            f"algorithm.name={saved.algorithm.name}"
+        )
+    return cfg, config_hashes(saved)
+
+
 def _saved_config(out_dir: Path) -> RunConfig:
     """The config saved in a run directory, checked against the hash recorded at the start."""
     path = out_dir / "config.yaml"
     if not path.is_file():
-        raise ConfigError(f"--resume: {out_dir} holds no run (no config.yaml); start it without --resume")
+        if inspect_dir(out_dir).holds_run:
+            raise RunDirError(
+                f"--resume: {out_dir} holds part of a run but its config.yaml is missing, so it cannot be "
+                "continued; start it again with --overwrite (this replaces the run's files) or choose another --out"
+            )
+        raise RunDirError(f"--resume: {out_dir} holds no run (no config.yaml); start it without --resume")
     if path.stat().st_size == 0:
         raise RunDirError(f"--resume: {path} is empty (damaged); the run cannot be continued")
     try:
@@ -544,7 +686,7 @@ def _saved_config(out_dir: Path) -> RunConfig:
             recorded = json.loads(meta.read_text()).get("config_hash")
         except (json.JSONDecodeError, OSError):
             recorded = None
-        if recorded is not None and recorded != config_hash(saved):
+        if recorded is not None and recorded not in config_hashes(saved):
             raise RunDirError(f"--resume: {path} was changed after the run started (its hash differs from run.json)")
     return saved
 

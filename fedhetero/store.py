@@ -28,10 +28,12 @@ from typing import Any
 import torch
 
 from fedhetero.algorithms.base import payload_bytes
+from fedhetero.rundir import RunDirError, writing
 
 __all__ = ["ClientStateStore", "atomic_save"]
 
 _NAME = re.compile(r"^r(\d+)(b?)\.pt$")
+_CLIENT = re.compile(r"^client_\d{6}$")
 
 
 def atomic_save(obj: Any, path: Path) -> None:
@@ -39,8 +41,9 @@ def atomic_save(obj: Any, path: Path) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
+    with writing(path, tmp):
+        torch.save(obj, tmp)
+        os.replace(tmp, path)
 
 
 class ClientStateStore:
@@ -144,7 +147,16 @@ class ClientStateStore:
         held = self._held(cid).get(tick)
         if held is not None:
             return _clone(held)
-        return torch.load(path, weights_only=True, map_location="cpu")
+        try:
+            state = torch.load(path, weights_only=True, map_location="cpu")
+        except Exception as exc:  # truncated, overwritten, not a weights-only file, …
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise RunDirError(
+                f"{path} is damaged ({first}); this client's state is lost, so the run cannot be continued"
+            ) from None
+        if not isinstance(state, dict):
+            raise RunDirError(f"{path} is damaged (not a client state); the run cannot be continued")
+        return state
 
     def has(self, cid: int, before_round: int | None = None, prelude: bool = False) -> bool:
         return bool(self._before(cid, before_round, prelude))
@@ -152,7 +164,7 @@ class ClientStateStore:
     def clients(self) -> list[int]:
         found = {c for c, held in self._pending_by_cid.items() if held}
         if self.root.is_dir():
-            found.update(int(p.name.split("_")[1]) for p in self.root.iterdir() if p.name.startswith("client_"))
+            found.update(int(p.name[7:]) for p in self.root.iterdir() if _CLIENT.match(p.name) and p.is_dir())
         return sorted(found)
 
     def _drop(self, cid: int, tick: int, path: Path) -> None:
@@ -182,6 +194,41 @@ class ClientStateStore:
             for tick, p in self._versions(cid):
                 if tick > 2 * to_round:
                     self._drop(cid, tick, p)
+
+    def manifest(self, upto_round: int) -> dict[int, list[int]]:
+        """Per client, ``[tick, bytes]`` of the newest version at or before ``upto_round`` (after
+        :meth:`flush`): what a checkpoint of that round needs on disk. :meth:`verify` checks it."""
+        out: dict[int, list[int]] = {}
+        for cid in self.clients():
+            old = [(t, p) for t, p in self._versions(cid) if t <= 2 * int(upto_round)]
+            if old:
+                tick, path = old[-1]
+                out[int(cid)] = [int(tick), int(path.stat().st_size)]
+        return out
+
+    def verify(self, manifest: dict[Any, Any], to_round: int) -> None:
+        """After :meth:`rollback` to ``to_round``: the versions on disk are exactly the ones the
+        checkpoint recorded (``manifest``), else :class:`RunDirError` naming the first difference (a
+        deleted, replaced or foreign state would give other numbers than the run it continues)."""
+        want = {int(c): (int(v[0]), int(v[1])) for c, v in manifest.items()}
+        have: dict[int, tuple[int, int]] = {}
+        for cid in self.clients():
+            versions = [(t, p) for t, p in self._versions(cid) if t <= 2 * int(to_round)]
+            if versions:
+                tick, path = versions[-1]
+                have[cid] = (tick, path.stat().st_size if path.is_file() else -1)
+        for cid in sorted(set(want) | set(have)):
+            if want.get(cid) != have.get(cid):
+                w = want.get(cid)
+                what = (
+                    f"client {cid}'s state {self._file(cid, w[0]).relative_to(self.root.parent)} is missing or changed"
+                    if w is not None
+                    else f"client {cid} has a state the checkpoint does not know"
+                )
+                raise RunDirError(
+                    f"{self.root} does not match the checkpoint of round {to_round} ({what}); a run continued "
+                    "from it would give other numbers. Restore the folder, or start again with --overwrite"
+                )
 
     def disk_bytes(self) -> int:
         """Bytes of the state files on disk (call :meth:`flush` first to count everything)."""

@@ -268,6 +268,26 @@ class Algorithm:
         self.options = options if options is not None else self.Options()
         self.global_model: nn.Module | None = None
 
+    # ------------------------------------------------------------------ budgets
+    def min_budget_macs(self, ctx: "ClientContext") -> float | None:
+        """The smallest budget (forward MACs per sample) a client of this method can train
+        within: the MACs of the method's smallest model. None (the default): no floor, the method
+        meets any budget or does not follow budgets at all.
+
+        :func:`fedhetero.budget.check_budgets` refuses, before the first round, a tier whose budget
+        ``ratio × ctx.plain_macs`` is below it (a ``ConfigError`` naming ``budget.tiers[i].ratio``).
+        It may be called before or after :meth:`setup` (with the server's context): it depends on
+        the config, the options and the context only, and leaves torch's RNG as it found it."""
+        return None
+
+    def min_dynamic_budget_macs(self, ctx: "ClientContext") -> float | None:
+        """The smallest budget a client's budget may fall to during a run (scenarios
+        ``decreasing`` and ``random``: down to ``budget.min_ratio``) without the method failing;
+        None: any. The default is :meth:`min_budget_macs`; a method that handles a budget below its
+        smallest model as part of its protocol (stops local training, records the client as over
+        budget) returns None."""
+        return self.min_budget_macs(ctx)
+
     # ------------------------------------------------------------------ server half
     def setup(self, ctx: "Context") -> None:
         """Create :attr:`global_model` (and any server state)."""

@@ -42,6 +42,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fedhetero import budget as budget_mod
+from fedhetero.algorithms._widths import narrowest_width_macs
 from fedhetero.algorithms._kd import (
     ModelFamily,
     distill,
@@ -93,7 +95,12 @@ class DSFL(Algorithm):
     Options = DSFLOptions
     adapts_to = frozenset({"static"})
 
+    def min_budget_macs(self, ctx: "ClientContext") -> float | None:
+        """The narrowest family member's MACs (width ``model.width / 16``)."""
+        return narrowest_width_macs(ctx)
+
     def setup(self, ctx: "Context") -> None:
+        budget_mod.check_budgets(ctx.cfg, self, ctx)  # a tier no member fits: one error naming it
         self.pool = public_indices(ctx, self.name)
         self.family = ModelFamily(ctx)
         self.global_model = self.family.build(ctx, self.family.server.width)

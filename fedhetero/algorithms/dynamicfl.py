@@ -149,6 +149,24 @@ def _input_sizes(ctx, plain: nn.Module) -> dict:
     return ctx.cache["dynamicfl-sizes"]
 
 
+def _smallest_pruned_macs(ctx) -> float:
+    """MACs of the smallest sub-model :func:`~fedhetero.pruning.surgery.plan_for_budget` can give
+    the plain architecture with DynamicFL's settings (policy ``block_internal_only``, convs only,
+    at least one channel per group, no rounding); the plain model's MACs when nothing can be
+    pruned. Cached per process (it depends on the architecture only)."""
+    key = "dynamicfl-min-macs"
+    if key not in ctx.cache:
+        from fedhetero.pruning.rates import kept_count
+        from fedhetero.pruning.surgery import ChannelMacs, prunable_groups
+
+        plain = _plain_architecture(ctx)
+        cm = ChannelMacs(plain, ctx.input_shape)
+        groups = prunable_groups(plain, "block_internal_only")
+        sizes = cm.groups.sizes
+        ctx.cache[key] = float(cm.macs({g: kept_count(int(sizes[g]), 1.0) for g in groups}))
+    return float(ctx.cache[key])
+
+
 class DynamicFL(Algorithm):
     """DynamicFL: FLOPs-budgeted clients grown by lossless re-parameterization, plain global model."""
 
@@ -156,6 +174,15 @@ class DynamicFL(Algorithm):
     Options = DynamicFLOptions
     adapts_to = frozenset({"static", "increasing", "decreasing", "random"})
     supports_submodels = True
+
+    # ------------------------------------------------------------------ budgets
+    def min_budget_macs(self, ctx) -> float | None:
+        """A client below the plain model trains a pruned sub-model (:meth:`_pruned`, and
+        :meth:`_to_pruned` when its budget falls mid-round): the smallest plan
+        :func:`~fedhetero.pruning.surgery.plan_for_budget` allows keeps one channel of every group
+        it may prune (``block_internal_only``: residual groups stay whole). Its MACs are the floor;
+        a lower budget would stop every such client with a ``BudgetError``."""
+        return _smallest_pruned_macs(ctx)
 
     # ------------------------------------------------------------------ server
     def setup(self, ctx) -> None:

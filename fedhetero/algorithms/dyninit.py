@@ -210,6 +210,13 @@ class DynInit(Algorithm):
         opts = dict(o.host_options) if host == o.host else {}
         self.host_options = _from_mapping(self.host_cls.Options, opts, "algorithm.options.host_options")
 
+    # ------------------------------------------------------------------ budgets: the host's
+    def min_budget_macs(self, ctx) -> float | None:
+        return self.host_cls(self.host_options).min_budget_macs(ctx)
+
+    def min_dynamic_budget_macs(self, ctx) -> float | None:
+        return self.host_cls(self.host_options).min_dynamic_budget_macs(ctx)
+
     # ------------------------------------------------------------------ server half
     def _new_host(self, ctx, state: Mapping[str, torch.Tensor] | None, salt: int) -> Algorithm:
         host = self.host_cls(self.host_options)

@@ -31,9 +31,21 @@ class FedAvgSmall(Algorithm):
     name = "fedavg_small"
     Options = FedAvgSmallOptions
 
+    def min_budget_macs(self, ctx) -> float | None:
+        """Budget-matched (``width`` null): the narrowest width's MACs. A ``width`` given by hand
+        is trained by everybody whatever their budget (as FedAvg does): no floor."""
+        if self.options.width is not None:
+            return None
+        from fedhetero.algorithms._widths import narrowest_width_macs
+
+        return narrowest_width_macs(ctx)
+
     def setup(self, ctx) -> None:
         width = self.options.width
         if width is None:
+            from fedhetero import budget as budget_mod
+
+            budget_mod.check_budgets(ctx.cfg, self, ctx)  # a smallest tier no width fits: one error naming it
             width = ctx.width_for_budget(ctx.min_budget_macs())
         self.width = width
         self.global_model = ctx.build_model(width=width)

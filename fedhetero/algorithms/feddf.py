@@ -40,6 +40,8 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 from torch import nn
 
+from fedhetero import budget as budget_mod
+from fedhetero.algorithms._widths import narrowest_width_macs
 from fedhetero.algorithms._kd import (
     ModelFamily,
     distill,
@@ -99,7 +101,12 @@ class FedDF(Algorithm):
     Options = FedDFOptions
     adapts_to = frozenset({"static"})
 
+    def min_budget_macs(self, ctx: "ClientContext") -> float | None:
+        """The narrowest family member's MACs (width ``model.width / 16``)."""
+        return narrowest_width_macs(ctx)
+
     def setup(self, ctx: "Context") -> None:
+        budget_mod.check_budgets(ctx.cfg, self, ctx)  # a tier no member fits: one error naming it
         self.public = public_indices(ctx, self.name)
         self.family = ModelFamily(ctx)
         self.tier_models: dict[str, nn.Module] = {}

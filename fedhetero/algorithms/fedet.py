@@ -45,6 +45,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fedhetero import budget as budget_mod
+from fedhetero.algorithms._widths import narrowest_width_macs
 from fedhetero.algorithms._kd import (
     ModelFamily,
     distill,
@@ -152,7 +154,12 @@ class FedET(Algorithm):
     Options = FedETOptions
     adapts_to = frozenset({"static"})
 
+    def min_budget_macs(self, ctx: "ClientContext") -> float | None:
+        """The narrowest family member's MACs (width ``model.width / 16``, shared head included)."""
+        return narrowest_width_macs(ctx, lambda width: self.member_build(ctx, width, device=False))
+
     def setup(self, ctx: "Context") -> None:
+        budget_mod.check_budgets(ctx.cfg, self, ctx)  # a tier no member fits: one error naming it
         self.public = public_indices(ctx, self.name)
         self.family = ModelFamily(ctx, lambda width: self.member_build(ctx, width, device=False))
         self.tier_models: dict[str, nn.Module] = {m.tier: self.family.build(ctx, m.width) for m in self.family.members}

@@ -59,7 +59,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fedhetero import budget as budget_mod
 from fedhetero.widths import WidthPlanner
+from fedhetero.algorithms._widths import narrowest_width_macs
 from fedhetero.algorithms.base import Algorithm, ClientInfo, ClientResult, ClientTask, payload_bytes, state_bytes
 from fedhetero.submodel import SubmodelAggregator, SubmodelSpec, extract_state, submodel_from
 
@@ -242,7 +244,20 @@ class WidthSlicedAlgorithm(Algorithm):
     supports_submodels = True
 
     # ------------------------------------------------------------------ set-up
+    def min_budget_macs(self, ctx: "ClientContext") -> float | None:
+        """The narrowest sub-model's MACs (width ``model.width / 16``): a client below it would
+        train over budget."""
+        return narrowest_width_macs(ctx)
+
+    def min_dynamic_budget_macs(self, ctx: "ClientContext") -> float | None:
+        """None: a budget that falls below the narrowest sub-model is part of the protocol (the
+        client stops local training at the change; a later round starts it on the narrowest
+        tier's model, recorded as over budget)."""
+        return None
+
     def setup(self, ctx: "Context") -> None:
+        # a tier no width fits: one error naming it (instead of the planner's, mid-set-up)
+        budget_mod.check_budgets(ctx.cfg, self, ctx)
         self.planner = WidthPlanner(ctx)
         self.global_width = self.planner.width_for(ctx.max_budget_macs())
         self.global_model = self._build(ctx, self.global_width)

@@ -46,7 +46,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fedhetero import budget as budget_mod
 from fedhetero.widths import WidthPlanner
+from fedhetero.algorithms._widths import narrowest_width_macs
 from fedhetero.algorithms.base import (
     Algorithm,
     ClientInfo,
@@ -111,7 +113,20 @@ class SplitMix(Algorithm):
     Options = SplitMixOptions
     adapts_to = frozenset({"static", "decreasing"})
 
+    def min_budget_macs(self, ctx: "ClientContext") -> float | None:
+        """One base's MACs: at ``atom_width`` when set, else at the narrowest width the atom width
+        can take (a tier below it could not train a single base within its budget)."""
+        return narrowest_width_macs(ctx, width=self.options.atom_width)
+
+    def min_dynamic_budget_macs(self, ctx: "ClientContext") -> float | None:
+        """None: the base is sized to the smallest tier, so a budget that falls below one base is
+        the method's ordinary case (the client stops local training, or trains one base recorded as
+        over budget)."""
+        return None
+
     def setup(self, ctx: "Context") -> None:
+        # a tier below one base: one error naming it (instead of the planner's, mid-set-up)
+        budget_mod.check_budgets(ctx.cfg, self, ctx)
         planner = WidthPlanner(ctx)
         self.atom_width = float(self.options.atom_width or planner.width_for(ctx.min_budget_macs()))
         self.bases: list[nn.Module] = [ctx.build_model(width=self.atom_width)]

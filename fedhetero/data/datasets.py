@@ -176,8 +176,9 @@ class ArrayDataset:
         if self.labels.numel() and (
             int(self.labels.min()) < 0 or int(self.labels.max()) >= self.num_classes
         ):
+            which = " ".join(w for w in (self.name, self.split) if w)
             raise DataConfigError(
-                f"labels must lie in [0, {self.num_classes}), got range "
+                f"{which + ' ' if which else ''}labels must lie in [0, {self.num_classes}), got range "
                 f"[{int(self.labels.min())}, {int(self.labels.max())}]"
             )
         if self.writers is not None:
@@ -297,6 +298,67 @@ def _positive_int(name: str, value: Any) -> int:
     return int(value)
 
 
+def _brief(exc: BaseException) -> str:
+    """``exc`` in one short line: its type and the first line of its message."""
+    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+    first = lines[0].rstrip(":") if lines else ""
+    first = first if len(first) <= 200 else first[:197] + "..."
+    return f"{type(exc).__name__}: {first}" if first else type(exc).__name__
+
+
+def _integer_labels(raw: Any, where: str) -> np.ndarray:
+    """``raw`` flattened to int64 class ids. Labels that are not whole numbers (text such as
+    ``"cat"``, fractions such as 2.7, NaN, booleans) are a :class:`DatasetFormatError` naming
+    ``where`` (the file and the array) and the first offending value: they are never truncated."""
+    def refuse(value: Any, kind: str) -> DatasetFormatError:
+        if isinstance(value, bytes):
+            value = value.decode("utf-8", "replace")
+        return DatasetFormatError(
+            f"{where}: labels must be integer class ids, found {value!r} ({kind}); the file is damaged or "
+            f"not the dataset's release"
+        )
+
+    if isinstance(raw, (list, tuple)):  # a pickled list: numpy would turn [0, "cat"] into strings
+        numbers = (int, float, np.integer, np.floating, list, tuple)
+        odd = [v for v in raw if isinstance(v, (bool, np.bool_)) or not isinstance(v, numbers)]
+        if odd:
+            raise refuse(odd[0], type(odd[0]).__name__)
+    try:
+        arr = np.asarray(raw).reshape(-1)
+    except (ValueError, TypeError) as exc:
+        raise DatasetFormatError(f"{where}: the labels are not a flat list of class ids ({_brief(exc)})") from None
+    if arr.size == 0 or np.issubdtype(arr.dtype, np.integer):
+        return arr.astype(np.int64)
+    if np.issubdtype(arr.dtype, np.floating):
+        bad = ~np.isfinite(arr) | (arr != np.round(arr))
+        if not bad.any():
+            return arr.astype(np.int64)
+        raise refuse(arr[bad][0].item(), f"dtype {arr.dtype}")
+    raise refuse(arr[0].item() if arr.dtype != object else arr[0], f"dtype {arr.dtype}")
+
+
+def _check_label_range(labels: np.ndarray, low: int, high: int, where: str, split: str) -> None:
+    """Every label in ``low..high``, else a :class:`DatasetFormatError` naming ``where`` and ``split``."""
+    if not labels.size:
+        return
+    out = (labels < low) | (labels > high)
+    if out.any():
+        raise DatasetFormatError(
+            f"{where}: {split} label {int(labels[out][0])} lies outside the classes {low}..{high} "
+            f"({int(out.sum())} of the {labels.size} {split} labels); the file is damaged or not the "
+            f"dataset's release"
+        )
+
+
+def _require_rows(count: int, where: str, title: str, split: str) -> None:
+    """An empty split is refused when the data set is loaded (it would train or test on nothing)."""
+    if count == 0:
+        raise DatasetFormatError(
+            f"{where}: the {title} {split} split is empty (0 samples); the file is damaged or not the "
+            f"full release: download it again"
+        )
+
+
 def _uint8_hwc_to_float(arr: np.ndarray) -> Tensor:
     """uint8 ``N×H×W×C`` (or ``N×H×W``) → float32 ``N×C×H×W`` in [0, 1]."""
     if arr.ndim == 3:
@@ -392,8 +454,10 @@ def _read_pickle(path: Path) -> dict:
     try:
         with open(path, "rb") as fh:
             obj = _ArrayUnpickler(fh, encoding="bytes").load()
-    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError) as exc:
-        raise DatasetFormatError(f"{path} is not a CIFAR python-pickle batch: {exc}") from exc
+    except OSError as exc:
+        raise DatasetFormatError(f"{path}: cannot be read ({_brief(exc)})") from None
+    except Exception as exc:  # noqa: BLE001 - a damaged pickle fails with about any exception
+        raise DatasetFormatError(f"{path} is not a CIFAR python-pickle batch: {_brief(exc)}") from None
     if not isinstance(obj, dict):
         raise DatasetFormatError(f"{path} must hold a dict, found {type(obj).__name__}")
     # Files pickled by Python 3 have str keys; the official release (Python 2) has bytes keys.
@@ -452,7 +516,13 @@ def _cifar_folder(
         return found
     note = ""
     if (root / archive).is_file():
-        _safe_extract(root / archive, root)
+        try:
+            _safe_extract(root / archive, root)
+        except (tarfile.TarError, EOFError, zlib.error, gzip.BadGzipFile) as exc:
+            raise DatasetFormatError(
+                f"{root / archive}: not a readable {title} archive ({_brief(exc)}); download it again "
+                f"from {url}, or delete it and put the extracted folder '{folder}/' in {root}"
+            ) from None
         found = _find_folder(root, folder, required)
         if found is not None:
             return found
@@ -475,23 +545,35 @@ def _cifar_folder(
     )
 
 
-def _cifar_arrays(batches: Sequence[dict], label_key: bytes, path_hint: str) -> tuple[Tensor, Tensor]:
+def _cifar_arrays(
+    paths: Sequence[Path], label_key: bytes, split: str, num_classes: int
+) -> tuple[Tensor, Tensor]:
+    """Images and labels of the CIFAR batch files ``paths``, each checked (keys, pixel array, integer
+    labels in ``0..num_classes-1``) with errors naming the file and, for labels, the split."""
     xs, ys = [], []
-    for b in batches:
+    for path in paths:
+        b = _read_pickle(path)
         if b"data" not in b or label_key not in b:
             raise DatasetFormatError(
-                f"{path_hint}: batch lacks key b'data' or {label_key!r} (keys: {sorted(b)})"
+                f"{path}: batch lacks key b'data' or {label_key!r} (keys: {sorted(map(str, b))})"
             )
-        data = np.asarray(b[b"data"])
+        try:
+            data = np.asarray(b[b"data"])
+        except (ValueError, TypeError) as exc:
+            raise DatasetFormatError(f"{path}: b'data' is not an array ({_brief(exc)})") from None
         if data.dtype != np.uint8 or data.ndim != 2 or data.shape[1] != 3072:
             raise DatasetFormatError(
-                f"{path_hint}: b'data' must be uint8 N×3072, got {data.dtype} {data.shape}"
+                f"{path}: b'data' must be uint8 N×3072, got {data.dtype} {data.shape}"
             )
-        labels = np.asarray(b[label_key], dtype=np.int64).reshape(-1)
+        where = f"{path}: {label_key!r}"
+        labels = _integer_labels(b[label_key], where)
         if labels.shape[0] != data.shape[0]:
-            raise DatasetFormatError(f"{path_hint}: {data.shape[0]} images but {labels.shape[0]} labels")
+            raise DatasetFormatError(f"{path}: {data.shape[0]} images but {labels.shape[0]} labels")
+        _check_label_range(labels, 0, num_classes - 1, where, split)
         xs.append(data)
         ys.append(labels)
+    title = "CIFAR-10" if num_classes == 10 else "CIFAR-100"
+    _require_rows(sum(len(y) for y in ys), ", ".join(map(str, paths)), title, split)
     x = np.concatenate(xs).reshape(-1, 3, 32, 32)
     images = torch.from_numpy(x).to(torch.float32).div_(255.0)
     return images, torch.from_numpy(np.concatenate(ys))
@@ -508,7 +590,7 @@ def _load_cifar(
             url=_CIFAR10_URL, md5=_CIFAR10_MD5, required=files, download=download,
         )
         use = files[:5] if split == "train" else ["test_batch"]
-        images, labels = _cifar_arrays([_read_pickle(folder / f) for f in use], b"labels", str(folder))
+        images, labels = _cifar_arrays([folder / f for f in use], b"labels", split, 10)
         num_classes, mean, std = 10, CIFAR10_MEAN, CIFAR10_STD
         class_names: tuple[str, ...] | None = CIFAR10_CLASSES
         meta = folder / "batches.meta"
@@ -519,9 +601,7 @@ def _load_cifar(
             url=_CIFAR100_URL, md5=_CIFAR100_MD5, required=["train", "test"], download=download,
         )
         use = ["train"] if split == "train" else ["test"]
-        images, labels = _cifar_arrays(
-            [_read_pickle(folder / f) for f in use], b"fine_labels", str(folder)
-        )
+        images, labels = _cifar_arrays([folder / f for f in use], b"fine_labels", split, 100)
         num_classes, mean, std = 100, CIFAR100_MEAN, CIFAR100_STD
         class_names = None
         meta = folder / "meta"
@@ -556,6 +636,31 @@ _DERMA_OPTIONS = {"size": 28, "resize": None, "include_val": False}
 _DERMA_KEYS = ("train_images", "train_labels", "val_images", "val_labels", "test_images", "test_labels")
 
 
+def _read_derma_npz(path: Path, fname: str) -> dict[str, np.ndarray]:
+    """The six arrays of a MedMNIST ``.npz`` file, read without pickle; a damaged file (empty,
+    truncated, not a zip archive, object arrays) is one :class:`DatasetFormatError` line naming it."""
+    again = f"download it again from {_MEDMNIST_RECORD} (file {fname})"
+    try:
+        with open(path, "rb") as fh:
+            head = fh.read(4)
+        if head[:2] != b"PK":  # every zip archive (an .npz is one) starts with these two bytes
+            what = "the file is empty" if not head else f"not a zip archive (it starts with {head!r})"
+            raise DatasetFormatError(f"{path}: not a valid DermaMNIST .npz: {what}; {again}")
+        with np.load(path, allow_pickle=False) as npz:
+            missing = [k for k in _DERMA_KEYS if k not in npz.files]
+            if missing:
+                raise DatasetFormatError(f"{path} lacks key(s) {missing}; found {sorted(npz.files)}; {again}")
+            return {k: npz[k] for k in _DERMA_KEYS}
+    except DatasetFormatError:
+        raise
+    except OSError as exc:
+        if exc.errno is not None:  # the system refused (permissions, I/O error), not the contents
+            raise DatasetFormatError(f"{path}: cannot be read ({_brief(exc)})") from None
+        raise DatasetFormatError(f"{path}: not a valid DermaMNIST .npz: {_brief(exc)}; {again}") from None
+    except Exception as exc:  # noqa: BLE001 - a damaged archive fails with many exception types
+        raise DatasetFormatError(f"{path}: not a valid DermaMNIST .npz: {_brief(exc)}; {again}") from None
+
+
 def _load_dermamnist(
     root: Path, split: str, download: bool, normalize: bool, options: Mapping[str, Any]
 ) -> ArrayDataset:
@@ -584,11 +689,7 @@ def _load_dermamnist(
             f"(`python -m medmnist download`, then copy {fname} from its root), or add "
             f"--set data.download=true (config: data.download) on a machine with network access." + note
         )
-    with np.load(path, allow_pickle=False) as npz:
-        missing = [k for k in _DERMA_KEYS if k not in npz.files]
-        if missing:
-            raise DatasetFormatError(f"{path} lacks key(s) {missing}; found {sorted(npz.files)}")
-        arrays = {k: npz[k] for k in _DERMA_KEYS}
+    arrays = _read_derma_npz(path, fname)
 
     def images_of(prefix: str) -> np.ndarray:
         arr = arrays[f"{prefix}_images"]
@@ -596,13 +697,25 @@ def _load_dermamnist(
             raise DatasetFormatError(
                 f"{path}: {prefix}_images must be uint8 N×H×W×C, got {arr.dtype} {arr.shape}"
             )
+        if arr.shape[1:] != arrays["train_images"].shape[1:]:
+            raise DatasetFormatError(
+                f"{path}: {prefix}_images holds images of shape {arr.shape[1:]} but train_images "
+                f"{arrays['train_images'].shape[1:]}"
+            )
         return arr
 
     def labels_of(prefix: str) -> np.ndarray:
-        return np.asarray(arrays[f"{prefix}_labels"]).reshape(-1).astype(np.int64)
+        labels = _integer_labels(arrays[f"{prefix}_labels"], f"{path}: {prefix}_labels")
+        _check_label_range(labels, 0, len(DERMAMNIST_CLASSES) - 1, f"{path}: {prefix}_labels", split)
+        return labels
 
     train_parts = ["train", "val"] if opts["include_val"] else ["train"]
     parts = train_parts if split == "train" else ["test"]
+    for s_name, s_parts in (("train", train_parts), (split, parts)):
+        _require_rows(
+            sum(len(arrays[f"{p}_images"]) for p in s_parts),
+            f"{path}: {', '.join(p + '_images' for p in s_parts)}", "DermaMNIST", s_name,
+        )
     train_x = _uint8_hwc_to_float(np.concatenate([images_of(p) for p in train_parts]))
     if resize is not None:
         train_x = _resize(train_x, resize, "bilinear").contiguous()
@@ -754,8 +867,8 @@ def _load_idx_set(
         raise DatasetFormatError(
             f"{img_path} holds {images.shape[0]} images but {lab_path} holds {labels.shape[0]} labels"
         )
-    if labels.size and int(labels.max()) >= len(classes):
-        raise DatasetFormatError(f"{lab_path}: label {int(labels.max())} outside 0..{len(classes) - 1}")
+    _require_rows(int(labels.shape[0]), str(lab_path), title, split)
+    _check_label_range(labels.astype(np.int64), 0, len(classes) - 1, str(lab_path), split)
     x = torch.from_numpy(images.copy()).unsqueeze(1).to(torch.float32).div_(255.0)
     if normalize:
         _normalize_(x, mean, std)
@@ -817,13 +930,18 @@ def _load_svhn(root: Path, split: str, download: bool, normalize: bool, options:
         raise DatasetFormatError(f"{path} cannot be read as a MATLAB file ({type(exc).__name__}: {exc})") from None
     if "X" not in mat or "y" not in mat:
         raise DatasetFormatError(f"{path} lacks X and y; found {sorted(k for k in mat if not k.startswith('__'))}")
-    images, labels = np.asarray(mat["X"]), np.asarray(mat["y"]).reshape(-1)
+    images, labels = np.asarray(mat["X"]), _integer_labels(mat["y"], f"{path}: y")
     if images.dtype != np.uint8 or images.ndim != 4 or images.shape[:3] != (32, 32, 3):
         raise DatasetFormatError(f"{path}: X must be uint8 32×32×3×N, got {images.dtype} {images.shape}")
     if images.shape[3] != labels.shape[0]:
         raise DatasetFormatError(f"{path}: {images.shape[3]} images but {labels.shape[0]} labels")
+    _require_rows(int(labels.shape[0]), str(path), "SVHN", split)
     if labels.size and (labels.min() < 1 or labels.max() > 10):
-        raise DatasetFormatError(f"{path}: labels must be 1..10 (10 is the digit 0), got {labels.min()}..{labels.max()}")
+        bad = labels[(labels < 1) | (labels > 10)]
+        raise DatasetFormatError(
+            f"{path}: y: labels must be 1..10 (10 is the digit 0), but {split} label {int(bad[0])} is not "
+            f"({bad.size} of the {labels.size} {split} labels; range {labels.min()}..{labels.max()})"
+        )
     labels = np.where(labels == 10, 0, labels).astype(np.int64)
     x = torch.from_numpy(np.ascontiguousarray(images.transpose(3, 2, 0, 1))).to(torch.float32).div_(255.0)
     if normalize:
@@ -915,7 +1033,8 @@ def read_leaf_json(path: str | os.PathLike[str], num_classes: int = FEMNIST_NUM_
                 f"{path}: user {user!r}: num_samples says {counts[k]} but 'y' holds {len(y)} labels"
             )
         if y.size and (int(y.min()) < 0 or int(y.max()) >= num_classes):
-            raise DatasetFormatError(f"{path}: user {user!r}: labels must lie in 0..{num_classes - 1}")
+            bad = int(y[(y < 0) | (y >= num_classes)][0])
+            raise DatasetFormatError(f"{path}: user {user!r}: label {bad} lies outside 0..{num_classes - 1}")
         if not np.all(np.isfinite(x)):
             raise DatasetFormatError(f"{path}: user {user!r}: pixels must be finite numbers")
         xs.append(x)
@@ -1114,6 +1233,9 @@ def load_dataset(
         files are missing; the message says which files to put in which directory.
     DataConfigError
         an unknown name, split or option.
+    DatasetFormatError
+        a file is damaged or holds something else (unreadable archive, labels that are not integer
+        class ids or lie outside the classes, an empty split); the message names the file.
     """
     if not isinstance(name, str) or name.lower() not in DATASETS:
         raise DataConfigError(f"unknown dataset {name!r}; accepted: {', '.join(DATASETS)}")
@@ -1131,4 +1253,8 @@ def load_dataset(
         "svhn": lambda: _load_svhn(resolve_data_dir(data_dir), split, download, normalize, options),
         "synthetic": lambda: _load_synthetic(split, normalize, options),
     }
-    return loaders[name]()
+    dataset = loaders[name]()
+    if not len(dataset):  # the loaders name the file; this is the net under them
+        where = "" if name in ("digits", "synthetic") else f" in {resolve_data_dir(data_dir)}"
+        raise DatasetFormatError(f"the {name} {split} split{where} is empty (0 samples)")
+    return dataset

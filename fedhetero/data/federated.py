@@ -297,6 +297,9 @@ def build_federated_data(
         raise DataConfigError(
             f"dataset must be a dataset name or a (train, test) pair of ArrayDataset, got {type(dataset).__name__}"
         )
+    for part, ds in (("training", train), ("test", test)):
+        if not len(ds):  # a run would train on nothing or report accuracy 0 and loss 0 every round
+            raise DataConfigError(f"the {part} split of {ds.name or 'the given dataset'} is empty (0 samples)")
     n = len(train)
     labels = train.labels_np
     if partition == "natural" and train.writers is None:

@@ -102,8 +102,8 @@ def _clients(num_clients: Any, n: int) -> int:
     num_clients = _count("num_clients", num_clients)
     if num_clients > n:
         raise DataConfigError(
-            f"num_clients={num_clients} exceeds the {n} samples available; every client needs at "
-            f"least one sample"
+            f"num_clients={num_clients} (config: data.num_clients) exceeds the {n} samples available "
+            f"to the clients; every client needs at least one sample"
         )
     return num_clients
 
@@ -175,8 +175,10 @@ def dirichlet(
     max_retries = _count("max_retries", max_retries, 0)
     if num_clients * min_size > n:
         raise DataConfigError(
-            f"min_size={min_size} is infeasible: num_clients·min_size = {num_clients * min_size} "
-            f"exceeds the {n} samples available; lower min_size or num_clients"
+            f"min_size={min_size} (config: data.min_partition_size) is infeasible with "
+            f"num_clients={num_clients} (config: data.num_clients): every client needs {min_size} "
+            f"samples, {num_clients * min_size} in all, but the clients' pool holds {n}; lower "
+            f"data.min_partition_size or data.num_clients"
         )
     min_required = max(min_size, 1)  # an empty client is never acceptable
     class_idx = [np.flatnonzero(y == c) for c in np.unique(y)]

@@ -11,7 +11,7 @@ from typing import Any
 
 import yaml
 
-from fedhetero.config import ConfigError, RunConfig, apply_overrides, from_dict, to_dict
+from fedhetero.config import ConfigError, RunConfig, apply_overrides, from_dict, parse_yaml, to_dict
 
 __all__ = ["config_text", "parse_config", "run_config_get", "split_overrides"]
 
@@ -38,11 +38,15 @@ def parse_config(value: str | None, overrides: list[str] | None = None) -> RunCo
         looks_inline = text.startswith("{") or "\n" in text or (":" in text and not Path(text).exists())
         if not looks_inline:
             path = Path(text).expanduser()
+            if path.is_dir():
+                raise ConfigError(f"{path} is a directory, not a config file")
             if not path.is_file():
                 raise ConfigError(f"config file not found: {path} (paths are read on the machine that runs the ServerApp)")
             text = path.read_text()
         try:
-            data = yaml.safe_load(text)  # JSON is YAML
+            data = parse_yaml(text)  # JSON is YAML; numbers as YAML 1.2 reads them
+        except ConfigError as exc:
+            raise ConfigError(f"the run config's 'config' value: {exc}") from None
         except yaml.YAMLError as exc:
             raise ConfigError(f"the run config's 'config' value is not valid YAML or JSON ({exc})") from None
         if data is None:

@@ -70,7 +70,8 @@ def _simulate(args: argparse.Namespace, console: Any) -> int:
     from fedhetero.config import load_config
     from fedhetero.integrations.flower import simulate
 
-    cfg = None if args.resume and not (args.config or args.set) else load_config(args.config, args.set)
+    # on --resume without --config: the saved config, with the --set overrides applied to it
+    cfg = None if args.resume and not args.config else load_config(args.config, args.set)
     if args.out:
         out = Path(args.out)
     elif cfg is not None:
@@ -88,6 +89,7 @@ def _simulate(args: argparse.Namespace, console: Any) -> int:
         client_resources=resources,
         progress=not args.quiet,
         console=console,
+        overrides=list(args.set) if cfg is None else None,
     )
     if result.summary:
         print_summary(console, result.summary, out)

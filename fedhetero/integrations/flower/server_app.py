@@ -30,7 +30,7 @@ from typing import Any
 
 from flwr.app import Context
 
-from fedhetero.config import ConfigError, RunConfig, load_config
+from fedhetero.config import ConfigError, RunConfig
 from fedhetero.integrations.flower._common import (
     parse_config,
     run_config_get,
@@ -62,6 +62,7 @@ class ServerSettings:
     stop_after: int | None = None  # stop (as if killed) after this round: tests and drills
     progress: bool = False
     route: str = "partition-id"  # "node-order" in simulation: nodes are interchangeable, no query
+    overrides: tuple[str, ...] = ()  # with resume and no config: applied to the saved config
 
 
 def _as_bool(value: Any) -> bool:
@@ -75,7 +76,7 @@ def settings_from_run_config(run_config: Mapping[str, Any]) -> ServerSettings:
     resume = _as_bool(run_config_get(run_config, "resume", False))
     text = str(run_config_get(run_config, "config", "") or "")
     overrides = split_overrides(str(run_config_get(run_config, "set", "") or ""))
-    cfg = None if resume and not text and not overrides else parse_config(text, overrides)
+    cfg = None if resume and not text else parse_config(text, overrides)
     out = str(run_config_get(run_config, "out-dir", "") or "")
     if not out:
         if cfg is None:
@@ -94,6 +95,7 @@ def settings_from_run_config(run_config: Mapping[str, Any]) -> ServerSettings:
         node_wait_s=float(run_config_get(run_config, "node-wait-s", 120.0)),
         delivery_grace_s=float(run_config_get(run_config, "delivery-grace-s", 10.0)),
         stop_after=stop_after or None,
+        overrides=tuple(overrides) if cfg is None else (),
     )
 
 
@@ -107,17 +109,15 @@ def _on_flower(cfg: RunConfig) -> RunConfig:
 def run_server(grid: Grid, settings: ServerSettings, console: Any = None) -> Any:
     """Run (or resume) the job on the nodes ``grid`` reaches; returns the
     :class:`~fedhetero.engine.RunResult`."""
-    from fedhetero.engine import Engine
+    from fedhetero.engine import Engine, resume_config
     from fedhetero.integrations.flower.backend import FlowerBackend
 
     cfg = settings.config
     if cfg is None:
         if not settings.resume:
             raise ConfigError("flower: no config given")
-        saved = settings.out_dir / "config.yaml"
-        if not saved.is_file():
-            raise ConfigError(f"--resume: no config.yaml in {settings.out_dir}; is this a run directory?")
-        cfg = load_config(saved)
+        # the saved config with the overrides, checked as `fedhetero train --resume` checks it
+        cfg = resume_config(settings.out_dir, None, list(settings.overrides))[0]
     cfg = _on_flower(cfg)
     backend = FlowerBackend(
         cfg,

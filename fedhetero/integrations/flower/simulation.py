@@ -11,8 +11,9 @@ import os
 from pathlib import Path
 from typing import Any
 
-from fedhetero.config import RunConfig, load_config
+from fedhetero.config import RunConfig
 from fedhetero.context import RunError
+from fedhetero.engine import resume_config
 from fedhetero.integrations.flower.server_app import ServerSettings, make_server_app
 
 __all__ = ["simulate"]
@@ -32,6 +33,7 @@ def simulate(
     progress: bool = False,
     console: Any = None,
     verbose: bool = False,
+    overrides: list[str] | None = None,
 ) -> Any:
     """Run (or resume) ``cfg`` on ``num_supernodes`` simulated SuperNodes; returns the
     :class:`~fedhetero.engine.RunResult`.
@@ -61,7 +63,7 @@ def simulate(
     if ref is None:
         if not resume:
             raise ValueError("simulate: cfg is required unless resume=True")
-        ref = load_config(out / "config.yaml")
+        ref = resume_config(out, None, list(overrides or ()))[0]
     n = int(num_supernodes or ref.data.num_clients)
     if n < 1:
         raise ValueError("simulate: num_supernodes must be at least 1")
@@ -82,6 +84,7 @@ def simulate(
         stop_after=stop_after,
         progress=progress,
         route="node-order",  # simulated nodes are interchangeable: no query round before round 1
+        overrides=tuple(overrides or ()) if cfg is None else (),
     )
     results: list[Any] = []
     server = make_server_app(settings, results.append, console)
