@@ -51,13 +51,13 @@ def _finished(path: Path, config: str | None, overrides: Sequence[str]) -> bool:
         return False
     if config is None:
         return True
-    from fedhetero.config import config_hash, load_config
+    from fedhetero.config import config_hashes, load_config
 
     try:
         made = json.loads((path / "run.json").read_text()).get("config_hash")
     except (OSError, ValueError):
         return False
-    return made == config_hash(load_config(config, overrides=list(overrides)))
+    return made in config_hashes(load_config(config, overrides=list(overrides)))
 
 
 def pending(out: Path, runs: Mapping[str, Sequence[str]], config: str | None = None) -> dict[str, list[str]]:

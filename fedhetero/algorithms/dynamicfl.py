@@ -159,7 +159,9 @@ def _smallest_pruned_macs(ctx) -> float:
         from fedhetero.pruning.rates import kept_count
         from fedhetero.pruning.surgery import ChannelMacs, prunable_groups
 
-        plain = _plain_architecture(ctx)
+        # the architecture only, built apart: the per-process template holds the initial global
+        # weights, drawn in set-up from the run's seeded stream (this may run before it)
+        plain = reparam.merge(ctx.build_model().eval(), target="deploy")
         cm = ChannelMacs(plain, ctx.input_shape)
         groups = prunable_groups(plain, "block_internal_only")
         sizes = cm.groups.sizes

@@ -5,21 +5,26 @@ own, as on ``local``) and ``workers - 1`` worker processes; with ``engine.client
 every task runs in a worker (``workers`` of them), because only a task in another process can be
 stopped at the time-out (or crash, e.g. in native code, without ending the run).
 
-Each worker is a fresh interpreter started once per run (``python -m fedhetero.engines.process``,
-connected over a local socket: no forked OpenMP or allocator state, and the caller's ``__main__``
-is never re-imported, so scripts need no ``if __name__ == "__main__"`` guard; messages travel as
-:class:`~fedhetero.engines.wire.Channel` writes them, tensor data through a shared-memory ring
-where the platform has one). It builds the data
-set and a :class:`~fedhetero.context.ClientContext` from the config alone, and then runs the
+Each worker is a fresh interpreter started once per run (``python -c``, see :func:`_bootstrap`,
+with the server's ``sys.path``, so a folder in the working directory shadows nothing; connected
+over a socket pair it inherits: no forked OpenMP or allocator state, nothing left on the file
+system, and the caller's ``__main__`` is never re-imported, so scripts need no
+``if __name__ == "__main__"`` guard; messages travel as :class:`~fedhetero.engines.wire.Channel`
+writes them, tensor data through a shared-memory ring where the platform has one). It builds the
+data set and a :class:`~fedhetero.context.ClientContext` from the config alone, and then runs the
 client tasks it is sent. Tasks are dealt in client-id order, round-robin; outcomes come back in
 any order and are returned sorted by client id, so the server reduces them in exactly the
 order of the ``local`` back end and the numbers are the same bit for bit (on CPU, with the same
 thread count per client).
 
 A worker that overruns ``engine.client_timeout_s`` is killed and replaced, and its client is
-dropped from the round; a worker that dies takes only its current client with it. A worker
-returns an outcome without its task (which holds the global model; the server has it) and has
-already checked that the upload is finite, so neither costs the server anything.
+dropped from the round (``timeout``); a worker that dies takes only its current client with it
+(``lost``), and the rest of its share goes to its replacement, which starts while the others go
+on. A replacement that dies while starting is replaced in turn (costing the first client dealt
+to it); only several failed starts in a row stop the run. A worker ends quietly on Ctrl-C (the
+server reports the interruption) and when the server is gone. A worker returns an outcome without
+its task (which holds the global model; the server has it) and has already checked that the
+upload is finite, so neither costs the server anything.
 """
 
 from __future__ import annotations
@@ -27,12 +32,13 @@ from __future__ import annotations
 import contextlib
 import os
 import pickle
-import secrets
+import signal
+import socket
 import subprocess
 import sys
-import tempfile
+import threading
 import time
-from multiprocessing.connection import Client, Connection, Listener, wait
+from multiprocessing.connection import Connection, wait
 from typing import Any, Callable, Iterator
 
 from fedhetero.config import ConfigError, RunConfig, from_dict, to_dict
@@ -43,6 +49,8 @@ from fedhetero.engines.wire import Channel
 __all__ = ["ProcessBackend"]
 
 _STARTUP_S = 300.0  # seconds a worker may take to import torch and build the data set
+_START_TRIES = 3  # workers in a row that may fail to start before the run stops
+_WATCH_S = 0.5  # how often a worker checks that the server that started it is still there
 
 
 _SOCKET_BUFFER = 8 << 20  # bytes: a model state goes through in one write instead of many wake-ups
@@ -51,8 +59,6 @@ _SOCKET_BUFFER = 8 << 20  # bytes: a model state goes through in one write inste
 def _widen(conn: Connection) -> None:
     """Enlarge the socket's kernel buffers (best effort): with the default ~200 KiB, every upload of
     a LeNet-5 state took several blocking write/read hand-offs between the two processes."""
-    import socket
-
     try:
         sock = socket.socket(fileno=os.dup(conn.fileno()))
     except OSError:
@@ -66,14 +72,58 @@ def _widen(conn: Connection) -> None:
         sock.close()
 
 
+def _bootstrap(path: list[str]) -> str:
+    """The ``-c`` program a worker interpreter starts with.
+
+    Its first statement replaces ``sys.path`` with the server's (``-c`` puts the working directory
+    first, where a folder named ``models``, ``reparam`` or ``fedhetero`` would shadow the installed
+    packages; the server's own path says where its modules came from). Then SIGINT gets its default
+    action (a Ctrl-C reaches the whole process group: the worker ends at once and quietly, and the
+    server reports the interruption) and is unblocked: the server starts workers with it blocked,
+    so one during the interpreter's start-up waits until here instead of raising KeyboardInterrupt."""
+    return (
+        "import sys\n"
+        f"sys.path[:] = {path!r}\n"
+        "import signal\n"
+        "signal.signal(signal.SIGINT, signal.SIG_DFL)\n"
+        "if hasattr(signal, 'pthread_sigmask'):\n"
+        "    signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGINT])\n"
+        "from fedhetero.engines.process import main\n"
+        "main(sys.argv[1:])\n"
+    )
+
+
+@contextlib.contextmanager
+def _sigint_blocked() -> Iterator[None]:
+    """SIGINT held back in this thread for a block (a child inherits the blocked signal; here a
+    Ctrl-C that arrived meanwhile is delivered when the block ends, nothing is lost)."""
+    if not hasattr(signal, "pthread_sigmask"):  # pragma: no cover - not POSIX
+        yield
+        return
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGINT])
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
+def _watch_parent(parent: int) -> None:
+    """End this worker quietly once the server that started it is gone (killed, say): a worker
+    busy with a task would otherwise run on until it next wrote to the closed connection."""
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(_WATCH_S)
+        os._exit(0)
+
+    threading.Thread(target=watch, name="fedhetero-watch-server", daemon=True).start()
+
+
 def _worker_main(conn: Connection) -> None:
     """Worker loop: build the client side from the config, then run tasks until told to stop."""
     _widen(conn)
+    cfg_data, threads = pickle.loads(conn.recv_bytes())
     try:
-        cfg_data, threads, path = pickle.loads(conn.recv_bytes())
-        for entry in reversed(path):
-            if entry not in sys.path:
-                sys.path.insert(0, entry)
         import torch
 
         torch.set_num_threads(threads)
@@ -116,76 +166,55 @@ def _worker_main(conn: Connection) -> None:
 
 
 class _Worker:
-    """One worker interpreter and its connection."""
+    """One worker interpreter and its connection: one end of a socket pair the interpreter
+    inherits (nothing on the file system to clean up, nothing another process can connect to).
 
-    def __init__(self, cfg_data: dict[str, Any], threads: int) -> None:
-        folder = tempfile.mkdtemp(prefix="fedhetero-worker-")
-        address = os.path.join(folder, "sock")
-        key = secrets.token_bytes(16)
-        self._listener = Listener(address, family="AF_UNIX", authkey=key)
-        self._folder = folder
-        env = dict(os.environ, FEDHETERO_WORKER_KEY=key.hex(), OMP_NUM_THREADS=str(threads))
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "fedhetero.engines.process", address], env=env, stdin=subprocess.DEVNULL
-        )
-        self._init = pickle.dumps((cfg_data, threads, list(sys.path)))
-        self.conn: Connection | None = None
+    It is started without waiting: the config goes into the socket at once, and the server takes
+    the worker's answer (``ready``, or why it could not set up) when it comes."""
+
+    def __init__(self, init: bytes, threads: int) -> None:
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            env = dict(os.environ, OMP_NUM_THREADS=str(threads))
+            path = [p for p in sys.path if isinstance(p, str)]
+            command = [sys.executable, "-c", _bootstrap(path), str(theirs.fileno()), str(os.getpid())]
+            with _sigint_blocked():
+                self.proc = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, pass_fds=(theirs.fileno(),))
+        except BaseException:
+            ours.close()
+            raise
+        finally:
+            theirs.close()
+        self.conn = Connection(ours.detach())
+        _widen(self.conn)
+        try:
+            self.conn.send_bytes(init)
+        except OSError:  # already gone: its start fails when its answer is awaited
+            pass
+        self.deadline = time.perf_counter() + _STARTUP_S  # when it must have answered
         self.chan: Channel | None = None  # the connection after the start-up handshake
         self.ready = False
         self.queue: list[Any] = []  # tasks sent and not yet answered, in the order it runs them
+        self.pending: list[Any] = []  # tasks dealt to it while it starts (sent once it is ready)
         self.started = 0.0  # when the first task of ``queue`` started (as far as the server knows)
-
-    def connect(self) -> None:
-        """Wait for the started interpreter to connect and send it the config (started workers
-        import torch in parallel; this only waits)."""
-        if self.conn is not None:
-            return
-        try:
-            self.conn = _accept(self._listener, self.proc)
-        finally:
-            self._listener.close()
-            try:
-                os.rmdir(self._folder)
-            except OSError:
-                pass
-        _widen(self.conn)
-        self.conn.send_bytes(self._init)
 
     @property
     def exitcode(self) -> int | None:
         return self.proc.poll()
 
-    def kill(self) -> None:
+    def kill(self, grace: float = 0.0) -> None:
+        """Stop the interpreter (after up to ``grace`` seconds for it to end by itself, so that the
+        exit code of one that died is its own) and close the connection."""
+        if grace > 0 and self.proc.poll() is None:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(timeout=grace)
         if self.proc.poll() is None:
             self.proc.kill()
-        try:
+        with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:  # pragma: no cover
-            pass
         if self.chan is not None:
             self.chan.close()
-        if self.conn is not None:
-            self.conn.close()
-        else:
-            self._listener.close()
-
-
-def _accept(listener: Listener, proc: "subprocess.Popen[bytes]") -> Connection:
-    """Accept the worker's connection, failing clearly if it dies before connecting."""
-    import socket
-
-    sock = listener._listener._socket  # type: ignore[attr-defined]
-    deadline = time.monotonic() + _STARTUP_S
-    sock.settimeout(0.2)
-    while True:
-        try:
-            return listener.accept()
-        except (socket.timeout, TimeoutError):
-            if proc.poll() is not None:
-                raise RunError(f"engine.backend=process: a worker exited while starting (exit code {proc.returncode})") from None
-            if time.monotonic() > deadline:
-                proc.kill()
-                raise RunError(f"engine.backend=process: a worker did not start within {_STARTUP_S:g} s") from None
+        self.conn.close()
 
 
 class ProcessBackend(Backend):
@@ -211,67 +240,109 @@ class ProcessBackend(Backend):
         self._remote_eval = True  # False once a model could not be evaluated in a worker
         self.threads = cfg.threads or 1
         self.timeout = cfg.engine.client_timeout_s
-        self._cfg_data = to_dict(cfg)
+        self._init = pickle.dumps((to_dict(cfg), self.threads))
         self._workers: list[_Worker] = []
+        self._start_failures = 0  # workers in a row that died (or hung) while starting
 
     # ------------------------------------------------------------------ pool
+    def _spawn(self) -> _Worker:
+        return _Worker(self._init, self.threads)
+
     def _start(self) -> None:
         while len(self._workers) < self.size - int(self.in_process):
-            self._workers.append(_Worker(self._cfg_data, self.threads))
+            self._workers.append(self._spawn())
 
-    def _await_ready(self, worker: _Worker) -> None:
-        if worker.ready:
-            return
-        worker.connect()
-        assert worker.conn is not None
-        if not worker.conn.poll(_STARTUP_S):
-            worker.kill()
-            raise RunError(f"engine.backend=process: a worker did not start within {_STARTUP_S:g} s")
-        try:
-            kind, value = pickle.loads(worker.conn.recv_bytes())
-        except (EOFError, OSError):
-            raise RunError(f"engine.backend=process: a worker died while starting (exit code {worker.exitcode})") from None
-        if kind == "error":
-            worker.kill()
-            raise ConfigError(f"engine.backend=process: a worker could not set up the client side: {value}")
-        worker.chan = Channel(worker.conn)
-        try:
-            worker.chan.share_rings(first=True)
-        except (EOFError, OSError):
-            raise RunError(f"engine.backend=process: a worker died while starting (exit code {worker.exitcode})") from None
-        worker.ready = True
-
-    def _replace(self, worker: _Worker) -> _Worker:
-        worker.kill()
-        fresh = _Worker(self._cfg_data, self.threads)
+    def _replace(self, worker: _Worker, grace: float = 0.0) -> _Worker:
+        worker.kill(grace)
+        fresh = self._spawn()
         self._workers[self._workers.index(worker)] = fresh
         return fresh
 
-    # ------------------------------------------------------------------ running
-    def _send(self, w: _Worker, batch: list[Any], states: dict[int, Any], done: dict[int, Outcome]) -> _Worker:
-        """Send a worker its share of the round in one message: tasks of one round share their
-        payload tensors (the global model), which pickle then carries once per worker."""
-        while batch:
-            self._await_ready(w)
-            assert w.chan is not None  # connected by _await_ready
+    def _handshake(self, w: _Worker, states: dict[int, Any], finish: Callable[[Any, Outcome], None]) -> None:
+        """Take a starting worker's first answer, if it has come: it is ready (then it is sent the
+        tasks dealt to it meanwhile), it could not set up the client side (a config error: the run
+        stops), it died, or it did not answer within ``_STARTUP_S``. One that died or hung is
+        replaced (the first client it was dealt is lost, as with any worker that dies); after
+        ``_START_TRIES`` such failures in a row the run stops."""
+        failure = None
+        if w.conn.poll():  # a message, or the end of the connection
             try:
-                w.chan.send(("tasks", [(t, states.get(t.cid)) for t in batch]))
-            except (BrokenPipeError, OSError):
-                done[batch[0].cid] = Outcome(batch[0], None, f"worker died (exit code {w.exitcode})", kind="lost")
-                batch = batch[1:]
-                w = self._replace(w)
-                continue
-            w.queue = list(batch)
-            w.started = time.perf_counter()
-            break
-        return w
+                kind, value = pickle.loads(w.conn.recv_bytes())
+            except (EOFError, OSError):
+                failure = "died while starting"
+            else:
+                if kind == "error":
+                    w.kill()
+                    raise ConfigError(f"engine.backend=process: a worker could not set up the client side: {value}")
+                w.chan = Channel(w.conn)
+                try:
+                    w.chan.share_rings(first=True)
+                except (EOFError, OSError):
+                    failure = "died while starting"
+        elif time.perf_counter() > w.deadline:
+            failure = f"did not start within {_STARTUP_S:g} s"
+        else:
+            return
+        if failure is None:
+            w.ready = True
+            self._start_failures = 0
+            pending, w.pending = w.pending, []
+            self._assign(w, pending, states, finish)
+            return
+        w.kill(grace=1.0)
+        self._start_failures += 1
+        what = f"a worker {failure} (exit code {w.exitcode})"
+        if self._start_failures >= _START_TRIES:
+            raise RunError(
+                f"engine.backend=process: {self._start_failures} worker processes in a row failed to start; "
+                f"the last: {what}. Check memory and the worker's messages above, or use engine.backend=local"
+            )
+        self._lose(w, f"worker {failure} (exit code {w.exitcode})", "lost", states, finish)
+
+    def _lose(
+        self, w: _Worker, reason: str, kind: str, states: dict[int, Any], finish: Callable[[Any, Outcome], None]
+    ) -> None:
+        """A worker died or overran its time-out: it is killed and replaced; the task it was running
+        (or, while it started, the first one dealt to it) is dropped with ``reason`` and ``kind``,
+        and the rest of its share goes to the replacement."""
+        held = w.queue + w.pending
+        now = time.perf_counter()
+        fresh = self._replace(w)
+        if held:
+            task = held[0]
+            finish(task, Outcome(task, None, reason, now - w.started if w.queue else 0.0, kind=kind))
+            self._assign(fresh, held[1:], states, finish)
 
     def start(self) -> None:
         """Start the workers and wait until each has built its client side (idempotent; ``run``
         calls it, a benchmark calls it to keep start-up out of the timed rounds)."""
         self._start()
-        for w in self._workers:
-            self._await_ready(w)
+        while any(not w.ready for w in self._workers):
+            self._collect(self._wait_s(), {}, {}, lambda task, outcome: None)
+
+    # ------------------------------------------------------------------ running
+    def _assign(self, w: _Worker, batch: list[Any], states: dict[int, Any], finish: Callable[[Any, Outcome], None]) -> None:
+        """Give a worker tasks, in one message: tasks of one round share their payload tensors (the
+        global model), which pickle then carries once per worker. A worker still starting keeps
+        them until it is ready. One found dead while idle held no client: its replacement gets them
+        all; one whose connection breaks as they are sent loses the first (as a worker that dies
+        running it does) and the replacement gets the rest."""
+        if not batch:
+            return
+        if w.ready and not w.queue and w.proc.poll() is not None:  # died while idle, holding no client
+            w = self._replace(w)
+        if not w.ready:
+            w.pending.extend(batch)
+            return
+        assert w.chan is not None  # set when it became ready
+        if not w.queue:
+            w.started = time.perf_counter()
+        w.queue.extend(batch)
+        try:
+            w.chan.send(("tasks", [(t, states.get(t.cid)) for t in batch]))
+        except OSError:
+            w.kill(grace=1.0)
+            self._lose(w, f"worker died (exit code {w.exitcode})", "lost", states, finish)
 
     def run(self, algorithm, tasks, states, on_done: Callable[[Outcome], None] | None = None):  # type: ignore[no-untyped-def]
         """Tasks in client-id order, dealt round-robin to the executors (neighbouring ids land on
@@ -284,58 +355,62 @@ class ProcessBackend(Backend):
         done: dict[int, Outcome] = {}
         n = len(self._workers)
         k = n + int(self.in_process)
-        for i in range(n):
-            self._send(self._workers[i], queue[i + k - n :: k], states, done)
 
         def finish(task: Any, outcome: Outcome) -> None:
             done[task.cid] = outcome
             if on_done is not None:
                 on_done(outcome)
 
+        for i in range(n):
+            self._assign(self._workers[i], queue[i + k - n :: k], states, finish)
         if self.in_process:
             self._run_here(algorithm, queue[0::k], states, finish, lambda: self._collect(0.0, states, done, finish))
-        while any(w.queue for w in self._workers):
-            wait_s = None
-            if self.timeout is not None:
-                now = time.perf_counter()
-                wait_s = max(0.0, min(w.started + self.timeout - now for w in self._workers if w.queue) + 0.01)
-            self._collect(wait_s, states, done, finish)
+        while any(w.queue or w.pending for w in self._workers):
+            self._collect(self._wait_s(), states, done, finish)
         return [done[t.cid] for t in queue]
+
+    def _wait_s(self) -> float | None:
+        """Seconds until the next deadline (a busy worker's time-out, a starting worker's start-up
+        limit) and a little more, so that it has passed; None when there is none."""
+        deadlines = [w.deadline for w in self._workers if not w.ready]
+        if self.timeout is not None:
+            deadlines += [w.started + self.timeout for w in self._workers if w.ready and w.queue]
+        if not deadlines:
+            return None
+        return max(0.0, min(deadlines) - time.perf_counter()) + 0.01
 
     def _collect(
         self, wait_s: float | None, states: dict[int, Any], done: dict[int, Outcome], finish: Callable[[Any, Outcome], None]
     ) -> None:
-        """Take the outcomes the busy workers have sent, waiting up to ``wait_s`` seconds (None: until
-        one arrives) for the first; a worker that died or overran the time-out loses its current
-        task and is replaced, and the rest of its share goes to the replacement."""
-        busy = [w for w in self._workers if w.queue]
-        if not busy:
+        """Take what the workers have sent, waiting up to ``wait_s`` seconds (None: until something
+        arrives) for the first: outcomes of busy workers, and the first answer of starting ones.
+        Then every deadline that has passed is enforced, whether or not anything arrived: a worker
+        that died or overran the time-out loses its current task and is replaced, and the rest of
+        its share goes to the replacement (``done`` is filled through ``finish``)."""
+        watched = [w for w in self._workers if w.queue or not w.ready]
+        if not watched:
             return
-        ready = wait([w.conn for w in busy if w.conn is not None], timeout=wait_s)
-        if not ready and wait_s == 0.0:
-            return
-        now = time.perf_counter()
-        for w in busy:
+        ready = wait([w.conn for w in watched], timeout=wait_s)
+        for w in watched:
+            if not w.ready:
+                self._handshake(w, states, finish)
+                continue
             task = w.queue[0]
+            now = time.perf_counter()
             if w.conn in ready:
                 assert w.chan is not None
                 try:
-                    outcome = Outcome(task, *w.chan.recv())
+                    reply = w.chan.recv()
                 except (EOFError, OSError):
-                    rest = w.queue[1:]
-                    finish(task, Outcome(task, None, f"worker died (exit code {w.exitcode})", now - w.started, kind="lost"))
-                    self._send(self._replace(w), rest, states, done)
+                    w.kill(grace=1.0)
+                    self._lose(w, f"worker died (exit code {w.exitcode})", "lost", states, finish)
                     continue
                 w.queue.pop(0)
                 w.started = now
-                finish(task, outcome)
+                finish(task, Outcome(task, *reply))
             elif self.timeout is not None and now - w.started > self.timeout:
-                rest = w.queue[1:]
-                finish(task, Outcome(
-                    task, None, f"timeout: no answer within engine.client_timeout_s={self.timeout:g} s", now - w.started,
-                    kind="timeout",
-                ))
-                self._send(self._replace(w), rest, states, done)
+                reason = f"timeout: no answer within engine.client_timeout_s={self.timeout:g} s"
+                self._lose(w, reason, "timeout", states, finish)
 
     def evaluate_batches(self, model: Any, name: str, indices: Any) -> list[tuple[float, int, int]] | None:
         """An evaluation's batches shared among the executors: contiguous runs of batches, the
@@ -444,28 +519,34 @@ class ProcessBackend(Backend):
                 between()
 
     def close(self) -> None:
-        for w in self._workers:
-            try:
-                if w.proc.poll() is None and w.chan is not None:
-                    w.chan.send(("stop",))
-            except (BrokenPipeError, OSError):
-                pass
-        for w in self._workers:
-            try:
-                w.proc.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                pass
+        """Stop the workers: idle ones are told to stop (and given a few seconds to), the others
+        (busy with an abandoned round, still starting) are killed."""
+        workers, self._workers = self._workers, []
+        idle = [w for w in workers if w.ready and not w.queue and w.proc.poll() is None]
+        for w in idle:
+            assert w.chan is not None
+            with contextlib.suppress(OSError):
+                w.chan.send(("stop",))
+        deadline = time.monotonic() + 5.0
+        for w in idle:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                w.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        for w in workers:
             w.kill()
-        self._workers = []
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Entry point of a worker interpreter: connect back to the server and serve tasks."""
+    """Entry point of a worker interpreter (see :func:`_bootstrap`): ``argv`` is the file
+    descriptor of its end of the socket pair and the server's process id. It serves tasks until
+    told to stop, and ends quietly when the server is gone (its connection closed, the server
+    killed)."""
     args = sys.argv[1:] if argv is None else argv
-    key = bytes.fromhex(os.environ.pop("FEDHETERO_WORKER_KEY"))
-    conn = Client(args[0], family="AF_UNIX", authkey=key)
-    _worker_main(conn)
-
-
-if __name__ == "__main__":
-    main()
+    fd, parent = int(args[0]), int(args[1])
+    _watch_parent(parent)
+    conn = Connection(fd)
+    try:
+        _worker_main(conn)
+    except (EOFError, OSError):  # the server has gone: there is no one to answer
+        pass
+    finally:
+        conn.close()

@@ -50,6 +50,8 @@ from fedhetero.integrations.flower.codec import (
     encode_value,
 )
 
+from _util import processes
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -476,19 +478,7 @@ def _free_ports(n: int) -> list[int]:
 
 def _session_members(sids: set[int]) -> list[tuple[int, str]]:
     """Processes (pid, name) whose session is one of ``sids`` (from /proc)."""
-    out = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        name = stat[stat.index("(") + 1 : stat.rindex(")")]
-        fields = stat[stat.rindex(")") + 2 :].split()
-        if int(fields[3]) in sids:  # state ppid pgrp session ...
-            out.append((int(entry.name), name))
-    return out
+    return [(pid, name) for pid, name, fields, _ in processes() if int(fields[3]) in sids]  # state ppid pgrp session
 
 
 def _wait_port(port: int, proc: subprocess.Popen, timeout: float) -> None:

@@ -120,7 +120,7 @@ def test_a_run_started_later_never_replaces_one_that_holds_the_directory(tmp_pat
     refused (before the lock came first, the slow one replaced the finished one; both exited 0)."""
     out = tmp_path / "r"
     cmd = [sys.executable, "-m", "fedhetero.cli", "train", "--out", str(out), "--quiet", *_sets()]
-    slow = subprocess.Popen(cmd[:-len(_sets())] + _sets("data.synthetic_size=60000", "train.rounds=1"),
+    slow = subprocess.Popen(cmd[:-len(_sets())] + _sets("data.synthetic_size=20000", "train.rounds=1"),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     time.sleep(0.5)
     fast = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
