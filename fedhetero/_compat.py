@@ -10,8 +10,6 @@ operator library fails to load and ``import torchvision`` (and therefore ``impor
 
 from __future__ import annotations
 
-import importlib
-import sys
 from types import ModuleType
 
 from reparam import _compat as _reparam_compat
@@ -26,8 +24,4 @@ def import_torchvision() -> ModuleType:
 
 def import_timm() -> ModuleType:
     """Import timm (which imports torchvision) after :func:`import_torchvision`."""
-    import_torchvision()
-    if "timm" in sys.modules and not hasattr(sys.modules["timm"], "create_model"):
-        for name in [m for m in sys.modules if m == "timm" or m.startswith("timm.")]:
-            del sys.modules[name]
-    return importlib.import_module("timm")
+    return _reparam_compat.import_timm()

@@ -49,7 +49,7 @@ class ResNet18Proj(nn.Module):
             input_size=input_size, conv_bias=conv_bias, track_running_stats=track_running_stats,
             init=init,
         )
-        from fedhetero._compat import import_timm
+        from reparam._compat import import_timm  # the zoo never imports fedhetero
 
         timm = import_timm()
         from timm.models.resnet import BasicBlock, ResNet

@@ -30,7 +30,7 @@ import threading
 from types import ModuleType
 from typing import Any, Sequence
 
-__all__ = ["import_torchvision", "install_torchvision_fix", "torchvision_fix_applied", "ENV_DISABLE"]
+__all__ = ["import_timm", "import_torchvision", "install_torchvision_fix", "torchvision_fix_applied", "ENV_DISABLE"]
 
 #: environment variable that disables the import hook installed by ``import reparam``
 ENV_DISABLE = "REPARAM_NO_TORCHVISION_FIX"
@@ -171,6 +171,16 @@ def import_torchvision() -> ModuleType:
     _purge_submodules("torchvision")
     sys.modules.pop("torchvision", None)
     return importlib.import_module("torchvision")
+
+
+def import_timm() -> ModuleType:
+    """Import timm (which imports torchvision) after :func:`import_torchvision`; a timm left
+    half-imported by an earlier failed attempt is imported afresh."""
+    import_torchvision()
+    if "timm" in sys.modules and not hasattr(sys.modules["timm"], "create_model"):
+        _purge_submodules("timm")
+        sys.modules.pop("timm", None)
+    return importlib.import_module("timm")
 
 
 def _auto_install() -> None:

@@ -9,12 +9,12 @@ import pytest
 import torch
 
 import reparam
-from fedhetero.ablation import CHOICES, build_tables, plan
-from fedhetero.ablation import main as ablation_main
+from fedhetero.lab.ablation import CHOICES, build_tables, plan
+from fedhetero.lab.ablation import main as ablation_main
 from fedhetero.config import ConfigError, from_dict
 from fedhetero.context import build_data
 from fedhetero.engine import Engine
-from fedhetero.grid import pending, run_grid
+from fedhetero.lab.grid import pending, run_grid
 from fedhetero.store import ClientStateStore
 
 
@@ -236,7 +236,7 @@ def test_grid_reports_a_failed_run_and_goes_on(tmp_path):
 def test_grid_reuses_a_run_finished_meanwhile_and_leaves_a_locked_one_alone(tmp_path, monkeypatch):
     """Two table commands on one folder: a run the other finished after this grid was listed is
     reused, not overwritten; one the other is still writing fails on its lock, untouched."""
-    import fedhetero.grid as grid
+    import fedhetero.lab.grid as grid
     from fedhetero.rundir import RunLock
 
     config = "examples/configs/digits_compare.yaml"

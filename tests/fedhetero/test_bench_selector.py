@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from fedhetero.bench_selector import main, run_benchmark
+from fedhetero.lab.bench_selector import main, run_benchmark
 
 
 def test_tiny_run_prints_and_writes_sane_numbers(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

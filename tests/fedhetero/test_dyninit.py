@@ -490,7 +490,7 @@ def test_model_weights_file_loads_into_backbone(tmp_path):
 def test_dyninit_table_command(tmp_path):
     """The grid runner: runs every cell once (Continuous shared by hosts with one learning rate),
     reuses finished runs, writes both tables, the numbers and the session plot."""
-    from fedhetero.dyninit_table import main, plan_runs
+    from fedhetero.lab.dyninit_table import main, plan_runs
 
     cfg = tmp_path / "base.yaml"
     cfg.write_text(json.dumps({**BASE, "engine": {"vectorize": True}}))
@@ -516,7 +516,7 @@ def test_dyninit_table_command(tmp_path):
 def test_time_to_accuracy_table_shows_seeds_that_never_reach_the_target(tmp_path):
     """A baseline that never reaches rho x DynInit's session peak in one seed is shown as such
     (not as inf), and its other columns average the seeds that reach it."""
-    from fedhetero.dyninit_table import build_table
+    from fedhetero.lab.dyninit_table import build_table
 
     curves = {  # session 4 (after the 2nd transition) accuracy per round, two seeds
         ("dyninit", 1): [0.90, 0.91, 0.92], ("dyninit", 2): [0.90, 0.90, 0.90],

@@ -572,7 +572,7 @@ def test_evaluation_shares_follow_the_batches_and_the_executors():
 
 
 def test_bench_engines_without_the_second_process_still_reports_the_rest(tmp_path, capsys, monkeypatch):
-    import fedhetero.bench as bench
+    import fedhetero.lab.bench as bench
 
     def fail(*args, **kwargs):
         raise OSError("no second process here")
@@ -589,7 +589,7 @@ def test_bench_engines_without_the_second_process_still_reports_the_rest(tmp_pat
 
 
 def test_parallel_bound_halves_only_what_two_executors_can_share():
-    from fedhetero.bench import parallel_bound
+    from fedhetero.lab.bench import parallel_bound
 
     # 100 s local run: 80 s of client tasks, 10 s evaluation, 10 s other serial work
     assert parallel_bound(100.0, 80.0, 10.0, 100.0, split_eval=False) == pytest.approx(100 / (20 + 40))
@@ -601,7 +601,7 @@ def test_parallel_bound_halves_only_what_two_executors_can_share():
 
 
 def test_bench_engines_runs_and_reports_every_row(tmp_path, capsys):
-    from fedhetero.bench import engines_main
+    from fedhetero.lab.bench import engines_main
 
     out = tmp_path / "b.json"
     rc = engines_main(["--clients", "4", "--per-round", "2", "--rounds", "2", "--repeats", "2", "--no-flower",

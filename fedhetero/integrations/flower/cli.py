@@ -66,7 +66,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def _simulate(args: argparse.Namespace, console: Any) -> int:
-    from fedhetero.cli import default_out_dir, print_summary
+    from fedhetero.reports import default_out_dir, print_summary
     from fedhetero.config import load_config
     from fedhetero.integrations.flower import simulate
 

@@ -81,7 +81,7 @@ def settings_from_run_config(run_config: Mapping[str, Any]) -> ServerSettings:
     if not out:
         if cfg is None:
             raise ConfigError("flower: resume needs out-dir (the run directory to continue)")
-        from fedhetero.cli import default_out_dir
+        from fedhetero.reports import default_out_dir
 
         out = str(default_out_dir(cfg))
     nodes = int(run_config_get(run_config, "num-supernodes", 0) or 0)

@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from fedhetero.grid import run_grid
+from fedhetero.lab.grid import run_grid
 from fedhetero.rundir import finite_json
 
 __all__ = ["CHOICES", "METHODS", "build_tables", "main", "plan"]

@@ -249,7 +249,7 @@ class _Twin:
     def __init__(self, cfg_data: dict[str, Any]) -> None:
         self.proc = subprocess.Popen(
             [sys.executable, "-c", "import sys, json; sys.path[:0] = json.loads(sys.argv[1]); "
-             "from fedhetero.bench import _twin_main; _twin_main()", json.dumps(sys.path)],
+             "from fedhetero.lab.bench import _twin_main; _twin_main()", json.dumps(sys.path)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
         )
         assert self.proc.stdin is not None and self.proc.stdout is not None
