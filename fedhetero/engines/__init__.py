@@ -9,7 +9,8 @@ in. That is what makes every back end give the numbers of ``local``:
 * ``process`` — the server process and a pool of persistent worker processes on this machine
   (:mod:`fedhetero.engines.process`).
 * ``flower`` — Flower's simulation or deployment engine (:mod:`fedhetero.integrations.flower`,
-  extra ``fedhetero[flower]``).
+  extra ``fedhetero[flower]``), made by the integration inside its ServerApp and handed to the
+  engine: the core never imports an integration.
 
 Every back end runs a task through :func:`run_task`, which applies injected faults, times the
 client and turns an exception into a failed :class:`Outcome` instead of stopping the run.
@@ -295,8 +296,8 @@ class LocalBackend(Backend):
         return out
 
 
-def make_backend(cfg: "RunConfig", data: Any, **kw: Any) -> Backend:
-    """The back end ``cfg.engine.backend`` names."""
+def make_backend(cfg: "RunConfig", data: Any) -> Backend:
+    """The back end ``cfg.engine.backend`` names (``flower``: made by the integration, passed in)."""
     name = cfg.engine.backend
     if name == "local":
         return LocalBackend(cfg, data)
@@ -305,15 +306,12 @@ def make_backend(cfg: "RunConfig", data: Any, **kw: Any) -> Backend:
 
         return ProcessBackend(cfg, data)
     if name == "flower":
-        grid = kw.get("grid")
-        if grid is None:
-            from fedhetero.config import ConfigError
+        # the Flower integration builds its back end inside its ServerApp and hands it to the
+        # engine; the core never imports an integration
+        from fedhetero.config import ConfigError
 
-            raise ConfigError(
-                "engine.backend: 'flower' runs inside a Flower ServerApp; start it with "
-                "`fedhetero flower simulate` or `flwr run` (see the README), or choose local/process"
-            )
-        from fedhetero.integrations.flower.backend import FlowerBackend
-
-        return FlowerBackend(cfg, grid)
+        raise ConfigError(
+            "engine.backend: 'flower' runs inside a Flower ServerApp; start it with "
+            "`fedhetero flower simulate` or `flwr run` (see the README), or choose local/process"
+        )
     raise ValueError(f"unknown back end {name!r}")  # pragma: no cover - the config validates it
