@@ -245,7 +245,8 @@ def _check_compare_dir(out: Path, settings: dict[str, Any], *, resume: bool, ove
             saved = json.loads((out / _SETTINGS).read_text())
         except (OSError, json.JSONDecodeError):
             raise RunDirError(f"--resume: {out} holds no readable {_SETTINGS}; it cannot be continued") from None
-        diff = [k for k in ("config_hash", "algorithms", "seeds", "options") if saved.get(k) != json.loads(json.dumps(settings)).get(k)]
+        now = json.loads(json.dumps(settings))  # as written to the file (tuples as lists)
+        diff = [k for k in ("config_hash", "algorithms", "seeds", "options") if saved.get(k) != now.get(k)]
         if diff:
             what = ", ".join("the config" if k == "config_hash" else k for k in diff)
             raise RunDirError(

@@ -31,6 +31,7 @@ __all__ = [
     "AlgorithmConfig",
     "BudgetConfig",
     "ConfigError",
+    "RESUMABLE",
     "DataConfig",
     "ModelConfig",
     "RunConfig",
@@ -758,7 +759,7 @@ def dump_config(cfg: RunConfig) -> str:
 #: (never changes the numbers), and how the back end treats failing clients (so that "fix the cause
 #: and continue with --resume" works when the cause is a time-out, the minimum of clients or the
 #: injected faults of a drill).
-_UNHASHED = {"engine": ("backend", "workers", "client_timeout_s", "min_clients", "inject_faults")}
+RESUMABLE = {"engine": ("backend", "workers", "client_timeout_s", "min_clients", "inject_faults")}
 #: What was left out before the failure handling could change on resume; a run directory written
 #: then still resumes (see :func:`config_hashes`).
 _UNHASHED_BEFORE = {"engine": ("backend", "workers")}
@@ -771,8 +772,8 @@ def config_hashes(cfg: RunConfig) -> set[str]:
 
 
 def config_hash(cfg: RunConfig) -> str:
-    """SHA-256 of the resolved config's canonical JSON form (without :data:`_UNHASHED` fields)."""
-    return _hash(cfg, _UNHASHED)
+    """SHA-256 of the resolved config's canonical JSON form (without :data:`RESUMABLE` fields)."""
+    return _hash(cfg, RESUMABLE)
 
 
 def _hash(cfg: RunConfig, unhashed: Mapping[str, tuple[str, ...]]) -> str:

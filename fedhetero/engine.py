@@ -39,7 +39,7 @@ from fedhetero import budget as budget_mod
 from fedhetero.algorithms import build_algorithm
 from fedhetero.algorithms.base import Algorithm, ClientInfo, ClientResult, ClientTask
 from fedhetero.config import (
-    _UNHASHED,
+    RESUMABLE,
     ConfigError,
     RunConfig,
     apply_overrides,
@@ -133,9 +133,9 @@ class Engine:
 
     def _check_dir(self) -> None:
         """Refuse a directory this run may not use (called again under the lock)."""
-        state = inspect_dir(self.out_dir)
         if self.resume:
             return  # _saved_config found the run; foreign files beside it are left alone
+        state = inspect_dir(self.out_dir)
         if state.foreign:
             raise RunDirError(
                 f"{self.out_dir} is not empty and is not a fedhetero run directory (it holds "
@@ -363,11 +363,12 @@ class Engine:
         self._last_checkpoint = rnd
         self.store.compact(rnd)
 
-    def _load_checkpoint(self) -> int:
+    def _load_checkpoint(self) -> tuple[int, dict[str, Any] | None, dict[Any, Any] | None]:
+        """Restore the checkpoint's state; returns its round and what it recorded of the run
+        directory (the metrics mark and the client-state manifest; None in older checkpoints)."""
         path = self.out_dir / "checkpoint.pt"
-        self._resume_marks: tuple[dict[str, Any] | None, dict[Any, Any] | None] = (None, None)
         if not path.is_file():
-            return 0
+            return 0, None, None
         try:
             state = torch.load(path, weights_only=True, map_location="cpu")
         except Exception as exc:  # unpickling refused, truncated file, …
@@ -394,9 +395,8 @@ class Engine:
         mark, manifest = state.get("metrics"), state.get("client_states")
         if (mark is not None and not isinstance(mark, dict)) or (manifest is not None and not isinstance(manifest, dict)):
             raise RunDirError(f"{path} is not a fedhetero checkpoint")
-        self._resume_marks = (mark, manifest)
         self.store.rollback(rnd)
-        return rnd
+        return rnd, mark, manifest
 
     def _save_model(self, name: str) -> None:
         """The global model as a weights-only file that :func:`fedhetero.load_model` rebuilds."""
@@ -459,16 +459,16 @@ class Engine:
         clean_stale(self.out_dir)
         self._participation = [0] * self.cfg.data.num_clients
         self._metrics = MetricsLog(self.out_dir / "metrics.jsonl")
-        start = self._load_checkpoint() if self.resume else 0
+        start, mark, manifest = self._load_checkpoint() if self.resume else (0, None, None)
         self._last_checkpoint = start
         if self.resume and (self.out_dir / "config.yaml").read_text() != dump_config(self.cfg):
             # only fields that may change on resume differ: the run goes on with them, and so
             # does a later resume
             atomic_write_text(self.out_dir / "config.yaml", dump_config(self.cfg))
         if start > 0:
-            history = self._metrics.resume(self._resume_marks[0], start)
-            if self._resume_marks[1] is not None:
-                self.store.verify(self._resume_marks[1], start)
+            history = self._metrics.resume(mark, start)
+            if manifest is not None:
+                self.store.verify(manifest, start)
             self._say(f"resumed from round {start} of {self.cfg.train.rounds} ({self.out_dir})")
         else:
             if self.resume:
@@ -583,10 +583,6 @@ def _check_splits(cfg: RunConfig, cls: type[Algorithm], allow_unused: bool = Fal
             raise ConfigError(f"data.{field_name}: {name} needs {what}; set data.{field_name} > 0 (e.g. 0.1)")
 
 
-#: config fields that may change when a run is resumed
-_RESUMABLE = _UNHASHED
-
-
 def _first_line(text: str) -> str:
     return str(text).strip().splitlines()[0] if str(text).strip() else ""
 
@@ -640,7 +636,7 @@ def resume_config(
 ) -> tuple[RunConfig, set[str]]:
     """The config a resumed run goes on with, and the config hashes its directory may have
     recorded: ``cfg`` when given (it must hash as the saved one), else the saved config with
-    ``overrides`` applied. Only the fields that may change on resume (:data:`_RESUMABLE`) may differ.
+    ``overrides`` applied. Only the fields that may change on resume (:data:`~fedhetero.config.RESUMABLE`) may differ.
     A method from code outside the package is accepted only when the caller names it (``cfg``, or
     an ``algorithm.name`` override): a run directory never makes fedhetero import code."""
     out_dir = Path(out_dir)
@@ -653,7 +649,7 @@ def resume_config(
         raise ConfigError(
             f"--resume: {', '.join(changed[:4]) or 'the config'} differ{'s' if len(changed) == 1 else ''} from "
             f"the run saved in {out_dir}; only where clients run and how failing clients are handled "
-            f"(engine.{', engine.'.join(k for ks in _RESUMABLE.values() for k in ks)}) may change on resume"
+            f"(engine.{', engine.'.join(RESUMABLE['engine'])}) may change on resume"
         )
     if ":" in saved.algorithm.name and not named:
         raise RunDirError(

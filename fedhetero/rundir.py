@@ -171,15 +171,15 @@ class MetricsLog:
             if n < 0 or len(data) < n or hashlib.sha256(data[:n]).hexdigest() != mark.get("sha256"):
                 raise RunDirError(damaged)
             data = data[:n]
-        text = data.decode("utf-8", errors="replace")
+        lines = data.decode("utf-8", errors="replace").split("\n")
         rows = []
-        for i, line in enumerate(text.split("\n")):
+        for i, line in enumerate(lines):
             if not line.strip():
                 continue
             try:
                 row = json.loads(line)
             except json.JSONDecodeError:
-                if mark is None and i >= len(text.split("\n")) - 2:
+                if mark is None and i >= len(lines) - 2:
                     break  # an old-style log cut by a kill inside an append
                 raise RunDirError(damaged) from None
             if not isinstance(row, dict) or not isinstance(row.get("round"), int):

@@ -313,6 +313,11 @@ class ProcessBackend(Backend):
             finish(task, Outcome(task, None, reason, now - w.started if w.queue else 0.0, kind=kind))
             self._assign(fresh, held[1:], states, finish)
 
+    def _died(self, w: _Worker, states: dict[int, Any], finish: Callable[[Any, Outcome], None]) -> None:
+        """A ready worker's connection broke: it is gone (given a moment to leave its exit code)."""
+        w.kill(grace=1.0)
+        self._lose(w, f"worker died (exit code {w.exitcode})", "lost", states, finish)
+
     def start(self) -> None:
         """Start the workers and wait until each has built its client side (idempotent; ``run``
         calls it, a benchmark calls it to keep start-up out of the timed rounds)."""
@@ -341,8 +346,7 @@ class ProcessBackend(Backend):
         try:
             w.chan.send(("tasks", [(t, states.get(t.cid)) for t in batch]))
         except OSError:
-            w.kill(grace=1.0)
-            self._lose(w, f"worker died (exit code {w.exitcode})", "lost", states, finish)
+            self._died(w, states, finish)
 
     def run(self, algorithm, tasks, states, on_done: Callable[[Outcome], None] | None = None):  # type: ignore[no-untyped-def]
         """Tasks in client-id order, dealt round-robin to the executors (neighbouring ids land on
@@ -402,8 +406,7 @@ class ProcessBackend(Backend):
                 try:
                     reply = w.chan.recv()
                 except (EOFError, OSError):
-                    w.kill(grace=1.0)
-                    self._lose(w, f"worker died (exit code {w.exitcode})", "lost", states, finish)
+                    self._died(w, states, finish)
                     continue
                 w.queue.pop(0)
                 w.started = now
