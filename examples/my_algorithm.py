@@ -16,21 +16,14 @@ from typing import Any
 
 import torch
 
-from fedhetero.algorithms import Algorithm, ClientResult, ClientTask
-from fedhetero.algorithms.base import payload_bytes, state_bytes, weighted_average
-from fedhetero.config import ConfigError
+from fedhetero.algorithms import Algorithm, ClientResult, ClientTask, MethodOptions, option, weighted_average
 
 
 @dataclass(frozen=True)
-class FedAvgMOptions:
-    server_momentum: float = 0.9  # β of the server's momentum buffer
-    server_lr: float = 1.0  # step size applied to the momentum buffer
-
-    def __post_init__(self) -> None:
-        if not 0 <= self.server_momentum < 1:
-            raise ConfigError(f"algorithm.options.server_momentum: must be in [0, 1), got {self.server_momentum}")
-        if not self.server_lr > 0:
-            raise ConfigError(f"algorithm.options.server_lr: must be > 0, got {self.server_lr}")
+class FedAvgMOptions(MethodOptions):
+    # what each option accepts is declared with it; a bad value is one error naming the option
+    server_momentum: float = option(0.9, ge=0, lt=1)  # β of the server's momentum buffer
+    server_lr: float = option(1.0, gt=0)  # step size applied to the momentum buffer
 
 
 class FedAvgM(Algorithm):
@@ -38,6 +31,7 @@ class FedAvgM(Algorithm):
 
     name = "fedavgm"
     Options = FedAvgMOptions
+    state_fields = ("global_model", "velocity")  # what a checkpoint keeps, restored on --resume
 
     # ---------------------------------------------------------------- server half
     def setup(self, ctx) -> None:
@@ -64,13 +58,6 @@ class FedAvgM(Algorithm):
                 new[key] = results[0].payload["buffers"][key]
         self.global_model.load_state_dict(new)
 
-    def state_dict(self) -> dict[str, Any]:
-        return {"global_model": self.global_model.state_dict(), "velocity": self.velocity}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.global_model.load_state_dict(state["global_model"])
-        self.velocity = {k: v.clone() for k, v in state["velocity"].items()}
-
     # ---------------------------------------------------------------- client half
     def client_update(self, ctx, task: ClientTask, state: dict[str, Any] | None) -> ClientResult:
         """Runs on a fresh instance with only the options set: everything comes from the task."""
@@ -81,15 +68,5 @@ class FedAvgM(Algorithm):
         sent = task.payload["state"]
         delta = {k: trained[k] - sent[k] for k in trained if trained[k].is_floating_point()}
         buffers = {k: v for k, v in trained.items() if not v.is_floating_point()}
-        return ClientResult(
-            cid=task.cid,
-            num_samples=task.num_samples,
-            state=delta,
-            payload={"buffers": buffers},
-            macs=ctx.macs(model),
-            budget_macs=task.budget_macs,
-            bytes_up=state_bytes(delta) + state_bytes(buffers),
-            bytes_down=payload_bytes(task.payload),
-            tier=task.tier,
-            metrics=report,
-        )
+        # the task's id, samples, tier and budget, and the bytes both ways, are filled in
+        return ClientResult.of(task, delta, payload={"buffers": buffers}, macs=ctx.macs(model), metrics=report)

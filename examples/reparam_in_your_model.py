@@ -28,8 +28,9 @@ from reparam.flops import model_macs
 def off_the_shelf_resnet18(num_classes: int = 10) -> tuple[nn.Module, str]:
     """A timm ResNet-18, or torchvision's when timm is not installed.
 
-    ``import reparam`` (above) has already made ``import torchvision`` / ``import timm`` work on a
-    CPU build of torch with a torchvision wheel built for CUDA (see ``reparam._compat``)."""
+    :func:`reparam.install_torchvision_fix` makes ``import torchvision`` / ``import timm`` work on
+    a CPU build of torch with a torchvision wheel built for CUDA (a no-op where the two match)."""
+    reparam.install_torchvision_fix()
     try:
         import timm
     except ImportError:

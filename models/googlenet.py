@@ -56,13 +56,18 @@ class Inception(nn.Module):
 
     def declare(self, lay: GroupLayout, path: str, inputs: Sequence[str]) -> list[str]:
         """Declare the seven conv groups; return the output concat ``[b1, b2.1, b3.2, b4.1]``."""
+        def unit(branch: nn.Sequential, i: int) -> ConvBNAct:
+            m = branch[i]
+            assert isinstance(m, ConvBNAct)
+            return m
+
         self.b1.declare(lay, f"{path}.b1", inputs, f"{path}.b1")
-        self.b2[0].declare(lay, f"{path}.b2.0", inputs, f"{path}.b2.0")
-        self.b2[1].declare(lay, f"{path}.b2.1", f"{path}.b2.0", f"{path}.b2.1")
-        self.b3[0].declare(lay, f"{path}.b3.0", inputs, f"{path}.b3.0")
-        self.b3[1].declare(lay, f"{path}.b3.1", f"{path}.b3.0", f"{path}.b3.1")
-        self.b3[2].declare(lay, f"{path}.b3.2", f"{path}.b3.1", f"{path}.b3.2")
-        self.b4[1].declare(lay, f"{path}.b4.1", inputs, f"{path}.b4.1")
+        unit(self.b2, 0).declare(lay, f"{path}.b2.0", inputs, f"{path}.b2.0")
+        unit(self.b2, 1).declare(lay, f"{path}.b2.1", f"{path}.b2.0", f"{path}.b2.1")
+        unit(self.b3, 0).declare(lay, f"{path}.b3.0", inputs, f"{path}.b3.0")
+        unit(self.b3, 1).declare(lay, f"{path}.b3.1", f"{path}.b3.0", f"{path}.b3.1")
+        unit(self.b3, 2).declare(lay, f"{path}.b3.2", f"{path}.b3.1", f"{path}.b3.2")
+        unit(self.b4, 1).declare(lay, f"{path}.b4.1", inputs, f"{path}.b4.1")
         return [f"{path}.b1", f"{path}.b2.1", f"{path}.b3.2", f"{path}.b4.1"]
 
 
@@ -97,7 +102,7 @@ class GoogLeNet(nn.Module):
         self._order: list[str] = []
         pools = 0
         for item in GOOGLENET_PLAN:
-            if item == "M":
+            if isinstance(item, str):  # "M"
                 pools += 1
                 self.add_module(f"pool{pools}", nn.MaxPool2d(3, stride=2, padding=1))
                 self._order.append(f"pool{pools}")

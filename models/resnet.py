@@ -12,6 +12,7 @@ convs plus ``512·classes`` in the FC (555,468,800 with 100 classes).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -36,7 +37,7 @@ class BasicBlock(nn.Module):
         self.conv2 = nn.Conv2d(channels, channels, 3, 1, 1, bias=o.conv_bias)
         self.bn2 = _norm(channels, o)
         self.relu = nn.ReLU()
-        self.downsample: nn.Module | None = None
+        self.downsample: nn.Sequential | None = None
         if stride != 1 or in_channels != channels:
             self.downsample = nn.Sequential(
                 nn.Conv2d(in_channels, channels, 1, stride, bias=o.conv_bias), _norm(channels, o)
@@ -68,6 +69,12 @@ class BasicBlock(nn.Module):
 
 class ResNet(nn.Module):
     """CIFAR-style ResNet with ``BasicBlock``s (see the module docstring)."""
+
+    # the stages, registered by name in ``__init__``
+    layer1: nn.Sequential
+    layer2: nn.Sequential
+    layer3: nn.Sequential
+    layer4: nn.Sequential
 
     def __init__(
         self,
@@ -129,10 +136,10 @@ class ResNet(nn.Module):
         if is_norm(self.bn1):
             lay.norm("bn1", "layer1")
         prev = "layer1"
-        for stage in range(1, 5):
-            layer = self.get_submodule(f"layer{stage}")
+        for stage, layer in enumerate((self.layer1, self.layer2, self.layer3, self.layer4), start=1):
             out = f"layer{stage}"
             for i, block in enumerate(layer):
+                assert isinstance(block, BasicBlock)
                 block.declare(lay, f"{out}.{i}", prev, out)
                 prev = out
         lay.linear("fc", prev, CLASSES)
@@ -142,5 +149,5 @@ class ResNet(nn.Module):
 class ResNet18(ResNet):
     """CIFAR ResNet-18: :class:`ResNet` with ``num_blocks=(2, 2, 2, 2)``."""
 
-    def __init__(self, **kwargs: object) -> None:
-        super().__init__((2, 2, 2, 2), **kwargs)  # type: ignore[arg-type]
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__((2, 2, 2, 2), **kwargs)

@@ -60,6 +60,7 @@ class ResNet18Proj(nn.Module):
         }[norm]
         channels = tuple(o.ch(c) for c in (64, 128, 256, 512))
         # timm's resnet18 (the same module names, so its weights load), at the given width and norm
+        # timm types ``block`` as a union its own BasicBlock class does not match
         self.backbone = ResNet(BasicBlock, (2, 2, 2, 2), num_classes=0, in_chans=in_channels,  # type: ignore[arg-type]
                                stem_width=o.ch(64), channels=channels, norm_layer=norm_layer)
         assert timm is not None

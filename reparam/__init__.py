@@ -15,31 +15,27 @@ Quick start::
 Branch kinds live in a registry (:mod:`reparam.kinds`): a new kind is one
 :class:`BranchKind` subclass plus :func:`register_kind`, and blocks, FLOPs and DYMM pick it up.
 
-Depends on torch only (numpy and the standard library aside). Importing it also installs a small
-import hook, :mod:`reparam._compat`, that lets ``import torchvision`` / ``import timm`` work when the
-installed torchvision wheel was built against another torch build than the installed one (its
-compiled detection operators fail to load; classification models do not need them). The hook does
-nothing for a working installation and is switched off with ``REPARAM_NO_TORCHVISION_FIX=1``.
+Depends on torch only (numpy and the standard library aside); importing it changes nothing outside
+the package. An application whose torchvision wheel was built against another torch build than the
+installed one (its compiled detection operators fail to load, so ``import torchvision`` / ``import
+timm`` fail; classification models do not need them) can call
+:func:`install_torchvision_fix` once (an import hook) or import through
+:func:`reparam._compat.import_torchvision` / :func:`~reparam._compat.import_timm`.
 """
 
 from __future__ import annotations
 
-from . import _compat
-
-_compat._auto_install()
-
-from . import invariants, testing, transforms
+from . import _compat as _compat  # the torchvision import repair, for applications to apply (nothing is installed)
+from ._compat import install_torchvision_fix
+from . import builtin_kinds, invariants, testing, transforms
 from .block import ANCHOR_NORMS, DEFAULT_BRANCHES, DEPTHWISE_BRANCHES, DiverseBranchBlock
-from .branches import (
-    KINDS,
-    AvgBranch,
-    ConvBNBranch,
-    FrozenIdentityBN,
-    IdentityBasedConv1x1,
-    IdentityBranch,
-    OneByOneKxKBranch,
-    applicability,
-)
+from .builtin_kinds import KINDS
+from .kind_1x1_kxk import OneByOneKxKBranch
+from .kind_avg import AvgBranch
+from .kind_conv import CentredConvKind, ConvBNBranch
+from .kind_identity import IdentityBranch
+from .kinds import applicability
+from .layers import FrozenIdentityBN, IdentityBasedConv1x1
 from .changes import StructureChange, apply_to_optimizer
 from ._tree import iter_blocks
 from .expand_merge import FoldedIdentity, expand, merge
@@ -50,11 +46,11 @@ from .errors import AlignmentError, NotMergeableError, ReparamError, ReparamMode
 from .invariants import InvariantError
 from .geometry import ConvGeometry
 from . import kinds
-from .branches import CentredConvKind
 from .kinds import BranchKind, get_kind, kind_names, kind_registered, register_kind, unregister_kind
 from .testing import assert_equivalent, randomize_bn_, rel_err
 
 __all__ = [
+    "install_torchvision_fix",
     # errors
     "ReparamError",
     "AlignmentError",
@@ -78,6 +74,7 @@ __all__ = [
     "IdentityBranch",
     # branch-kind registry: a new kind is a BranchKind subclass plus register_kind
     "kinds",
+    "builtin_kinds",
     "BranchKind",
     "CentredConvKind",
     "register_kind",
@@ -114,7 +111,7 @@ __all__ = [
 # this line (imports and __all__ additions).
 # ---------------------------------------------------------------------------------------------
 
-from . import convert, dymm, flops, planning, saliency  # reparam.dymm.dymm(...) is the DYMM operation
+from . import dymm, flops, planning, saliency  # reparam.dymm.dymm(...) is the DYMM operation
 from .dymm import DymmReport, classify_branches, plan_bottom_up, shrink_to_budget, update_optimizer
 from .flops import block_macs, branch_macs, conv_macs, input_sizes, model_macs, train_macs
 from .saliency import SaliencyMeter
@@ -126,7 +123,6 @@ __all__ += [
     "NormActTail",
     "SamePadConv2d",
     "conv_form",
-    "convert",
     "dymm",
     "flops",
     "planning",

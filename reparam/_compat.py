@@ -1,4 +1,4 @@
-"""Import compatibility for torchvision (and timm, which imports it), applied by ``import reparam``.
+"""Import compatibility for torchvision (and timm, which imports it), for applications to apply.
 
 Why: a torchvision wheel is built against one torch build. With the CPU build of torch and a
 torchvision wheel linked against CUDA libraries, torchvision's compiled operator library does not
@@ -7,33 +7,30 @@ load, torchvision then registers Python "fake" kernels for operators that were n
 with ``RuntimeError: operator torchvision::nms does not exist``. Image-classification models never
 call those operators (they serve detection heads: NMS, RoI pooling, deformable convolution).
 
-What ``import reparam`` does about it: it puts one finder in front of ``sys.meta_path`` that acts
-only for the top-level name ``torchvision`` and hands the search to the other finders (an import that has already succeeded is never
-touched). The finder lets the normal machinery locate and execute torchvision; only if that raises
-the error above does it define the missing operator *schemas* (no kernels) in torch's
-``torchvision`` namespace, drop the half-imported ``torchvision.*`` submodules and execute the
-package again. A working installation is imported exactly as without reparam; a detection operator
-called afterwards fails with torch's "no kernel registered" error instead of breaking every import.
-Nothing is imported eagerly (reparam still depends on torch only).
+The repair: define the missing operator *schemas* (no kernels) in torch's ``torchvision``
+namespace, drop the half-imported ``torchvision.*`` submodules and execute the package again. A
+working installation is imported exactly as without it; a detection operator called afterwards fails
+with torch's "no kernel registered" error instead of breaking every import. Two ways to apply it
+(``import reparam`` applies neither; reparam itself never imports torchvision):
 
-Set the environment variable ``REPARAM_NO_TORCHVISION_FIX=1`` before importing reparam to leave the
-import system alone; :func:`import_torchvision` applies the same repair explicitly.
+* :func:`install_torchvision_fix` — an application calls it once at start-up: it puts one finder in
+  front of ``sys.meta_path`` that acts only for the top-level name ``torchvision`` and hands the
+  search to the other finders (an import that has already succeeded is never touched), so a plain
+  ``import torchvision`` / ``import timm`` works afterwards;
+* :func:`import_torchvision` / :func:`import_timm` — import one module with the repair, leaving the
+  import system alone.
 """
 
 from __future__ import annotations
 
 import importlib
 import importlib.abc
-import os
 import sys
 import threading
 from types import ModuleType
 from typing import Any, Sequence
 
-__all__ = ["import_timm", "import_torchvision", "install_torchvision_fix", "torchvision_fix_applied", "ENV_DISABLE"]
-
-#: environment variable that disables the import hook installed by ``import reparam``
-ENV_DISABLE = "REPARAM_NO_TORCHVISION_FIX"
+__all__ = ["import_timm", "import_torchvision", "install_torchvision_fix", "torchvision_fix_applied"]
 
 # operator schemas of torchvision's compiled library (the same in releases 0.17 to 0.2x)
 _TV_SCHEMAS = {
@@ -145,8 +142,9 @@ class _TorchvisionFinder(importlib.abc.MetaPathFinder):
 
 
 def install_torchvision_fix() -> bool:
-    """Put the torchvision import finder in front of ``sys.meta_path`` (once). ``import reparam`` calls
-    this unless ``REPARAM_NO_TORCHVISION_FIX=1``. Returns whether the finder is installed."""
+    """Put the torchvision import finder in front of ``sys.meta_path`` (once; an application calls
+    this at start-up, before anything imports torchvision). Returns whether the finder is
+    installed."""
     with _lock:
         if _state["finder"] is None:
             _state["finder"] = _TorchvisionFinder()
@@ -181,9 +179,3 @@ def import_timm() -> ModuleType:
         _purge_submodules("timm")
         sys.modules.pop("timm", None)
     return importlib.import_module("timm")
-
-
-def _auto_install() -> None:
-    if os.environ.get(ENV_DISABLE, "").strip() not in ("", "0"):
-        return
-    install_torchvision_fix()

@@ -5,7 +5,7 @@ Exactness guarantees:
 
 * :meth:`DiverseBranchBlock.from_conv` and :meth:`~DiverseBranchBlock.add_branch` with
   ``init="zero_gamma"`` are **bit-exact in train and eval mode**: the anchor is the original conv
-  (+ original BN, or a :class:`~reparam.branches.FrozenIdentityBN`), and every new branch ends in a
+  (+ original BN, or a :class:`~reparam.layers.FrozenIdentityBN`), and every new branch ends in a
   BN with ``γ = β = 0`` that outputs exact zeros; running statistics of the anchor evolve exactly as
   those of the original layer.
 * :meth:`~DiverseBranchBlock.merge`, :meth:`~DiverseBranchBlock.remove_branch` and
@@ -29,21 +29,17 @@ from __future__ import annotations
 
 import copy
 import logging
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Iterable, Mapping, Sequence, cast
 
 import torch
 from torch import Tensor, nn
 
-from .branches import (
-    KINDS,
-    ConvBNBranch,
-    FrozenIdentityBN,
-    acc_shape,
-    applicability,
-    make_branch,
-)
 from . import fused
-from .kinds import default_kinds, get_kind, is_kind, kind_names
+from .builtin_kinds import KINDS
+from .kind_conv import ConvBNBranch
+from .kinds import anchor_name, applicability, default_kinds, get_kind, is_kind, kind_names, make_branch
+from .layers import FrozenIdentityBN
+from .merge_algebra import acc_shape
 from .changes import StructureChange
 from .errors import AlignmentError, NotMergeableError, ReparamError, ReparamModeError
 from .geometry import ConvGeometry
@@ -54,8 +50,10 @@ __all__ = ["DiverseBranchBlock", "DEFAULT_BRANCHES", "DEPTHWISE_BRANCHES", "ANCH
 
 logger = logging.getLogger("reparam")
 
-DEFAULT_BRANCHES: tuple[str, ...] = ("kxk", "1x1", "1x1_kxk", "1x1_avg", "identity")
-DEPTHWISE_BRANCHES: tuple[str, ...] = ("kxk", "1x1_kxk", "1x1_avg", "identity")
+#: the built-in default branch sets (the kinds flagged ``in_default`` / ``in_depthwise_default``;
+#: with custom kinds registered: :func:`reparam.kinds.default_kinds`)
+DEFAULT_BRANCHES: tuple[str, ...] = default_kinds()
+DEPTHWISE_BRANCHES: tuple[str, ...] = default_kinds(depthwise=True)
 ANCHOR_NORMS: tuple[str, ...] = ("frozen_identity", "calibrated", "batchnorm")
 INITS: tuple[str, ...] = ("zero_gamma", "random_resolve")
 ANCHOR_STATS: tuple[str, ...] = ("keep", "adopt", "identity")
@@ -113,12 +111,13 @@ class DiverseBranchBlock(nn.Module):
         geometry: the main conv geometry (also the geometry of the merged conv).
         mode: ``"conv_bn"`` (anchor = host conv + host BN) or ``"conv"`` (host conv without BN).
         anchor_norm: ``"original"`` (conv_bn mode), ``"frozen_identity"``, ``"calibrated"`` or ``"batchnorm"``.
-        branches: ``nn.ModuleDict`` keyed by kind, in ``KINDS`` order; ``"kxk"`` (the anchor) is
-            present until the block is deployed (:meth:`switch_to_deploy`), after which it is empty.
+        branches: ``nn.ModuleDict`` keyed by kind, in forward order (:func:`reparam.kinds.kind_names`);
+            the anchor (``"kxk"``, :func:`reparam.kinds.anchor_name`) is present until the block is
+            deployed (:meth:`switch_to_deploy`), after which it is empty.
         bn_path / host_path: module paths of the host BN and conv (set by ``reparam.expand``).
         depth / max_depth: nesting depth of this block and the limit for nested growth.
         crop: whether branches may read an input window (a crop of the input, see
-            :mod:`reparam.branches`) where their own padding cannot align them; ``False`` keeps the
+            :func:`reparam.kind_conv.conv_layout`) where their own padding cannot align them; ``False`` keeps the
             classic rule (unpadded convs then admit only ``1x1_kxk`` and ``1x1_avg``).
         gamma_floor: γ guard of the anchor inverse: re-solving the anchor divides by its BN's γ,
             so ``|γ|`` is kept at least this large.
@@ -153,6 +152,9 @@ class DiverseBranchBlock(nn.Module):
     #: the built-in kinds; registered custom kinds are listed by :func:`reparam.kinds.kind_names`
     KINDS: tuple[str, ...] = KINDS
 
+    #: the merged conv once the block is deployed (:meth:`switch_to_deploy`; it always has a bias)
+    reparam_conv: nn.Conv2d | None
+
     def __init__(
         self,
         geometry: ConvGeometry,
@@ -171,8 +173,8 @@ class DiverseBranchBlock(nn.Module):
         super().__init__()
         if mode not in ("conv_bn", "conv"):
             raise ReparamError(f"mode must be 'conv_bn' or 'conv', got {mode!r}")
-        if "kxk" not in branches:
-            raise ReparamError("a DiverseBranchBlock needs the anchor branch 'kxk'")
+        if anchor_name() not in branches:
+            raise ReparamError(f"a DiverseBranchBlock needs the anchor branch {anchor_name()!r}")
         unknown = [k for k in branches if not is_kind(k)]
         if unknown:
             raise ReparamError(f"unknown branch kinds {unknown}; accepted values: {kind_names()}")
@@ -246,11 +248,11 @@ class DiverseBranchBlock(nn.Module):
         p = conv.weight
         factory: dict[str, Any] = {"device": p.device, "dtype": p.dtype}
         if bn is not None:
-            bn_stats(bn)  # refuses norms without running statistics
+            stats = bn_stats(bn)  # refuses norms without running statistics
             impure = bn_impurity(bn)
             if impure is not None:
                 raise NotMergeableError(impure)
-            n = getattr(bn, "num_features", None) or bn.running_mean.numel()
+            n = getattr(bn, "num_features", None) or stats.mean.numel()
             if n != geometry.out_channels:
                 raise ReparamError(f"bn has {n} channels but the conv has {geometry.out_channels} outputs")
         else:
@@ -275,20 +277,20 @@ class DiverseBranchBlock(nn.Module):
             kinds[kind] = opts
         new_bias = False
         if bn is not None:
-            mode, anchor_name, norm, eps = "conv_bn", "original", bn, float(bn.eps)
+            mode, norm_name, norm, eps = "conv_bn", "original", bn, float(cast(float, bn.eps))
         else:
-            mode, anchor_name, eps = "conv", anchor_norm, 1e-5
+            mode, norm_name, eps = "conv", anchor_norm, 1e-5
             norm = cls._make_anchor_norm(conv, anchor_norm, calibration_input, eps, factory)
             if conv.bias is None:
                 conv.bias = nn.Parameter(torch.zeros(geometry.out_channels, **factory))
                 geometry = geometry.replace(bias=True)
                 new_bias = True
-        anchor = ConvBNBranch("kxk", conv, norm)
+        anchor = anchor_name()
         block = cls(
             geometry,
-            {"kxk": anchor},
+            {anchor: ConvBNBranch(anchor, conv, norm)},
             mode=mode,
-            anchor_norm=anchor_name,
+            anchor_norm=norm_name,
             depth=depth,
             max_depth=max_depth,
             gamma_floor=gamma_floor,
@@ -342,7 +344,9 @@ class DiverseBranchBlock(nn.Module):
         p = conv.weight
         factory: dict[str, Any] = {"device": p.device, "dtype": p.dtype}
         eps = float(spec.get("eps", bn.eps if bn is not None else 1e-5))
+        norm: nn.Module
         if mode == "conv_bn":
+            assert bn is not None  # refused above
             norm = bn
         elif anchor_norm == "frozen_identity":
             norm = FrozenIdentityBN(geometry.out_channels, eps, **factory)
@@ -350,9 +354,10 @@ class DiverseBranchBlock(nn.Module):
             norm = nn.BatchNorm2d(geometry.out_channels, eps=eps, **factory)
         else:
             raise ReparamError(f"unknown anchor_norm {anchor_norm!r} in block spec")
+        anchor = anchor_name()
         block = cls(
             geometry,
-            {"kxk": ConvBNBranch("kxk", conv, norm)},
+            {anchor: ConvBNBranch(anchor, conv, norm)},
             mode=mode,
             anchor_norm=anchor_norm,
             depth=int(spec.get("depth", 0)),
@@ -394,9 +399,10 @@ class DiverseBranchBlock(nn.Module):
             return FrozenIdentityBN(o, eps, **factory)
         bn = nn.BatchNorm2d(o, eps=eps, **factory)
         bn.train(conv.training)
+        running_mean, running_var = cast(Tensor, bn.running_mean), cast(Tensor, bn.running_var)
         with torch.no_grad():
-            bn.running_mean.zero_()
-            bn.running_var.fill_(1.0 - eps)
+            running_mean.zero_()
+            running_var.fill_(1.0 - eps)
             bn.weight.fill_(1.0)
             bn.bias.zero_()
         if anchor_norm == "batchnorm":
@@ -424,10 +430,10 @@ class DiverseBranchBlock(nn.Module):
                 count = total
             var = m2 / count
             ok = var > eps
-            rm = torch.where(ok, mean, torch.zeros_like(mean)).to(bn.running_mean.dtype)
-            rv = torch.where(ok, var - eps, torch.full_like(var, 1.0 - eps)).to(bn.running_var.dtype)
-            bn.running_mean.copy_(rm)
-            bn.running_var.copy_(rv)
+            rm = torch.where(ok, mean, torch.zeros_like(mean)).to(running_mean.dtype)
+            rv = torch.where(ok, var - eps, torch.full_like(var, 1.0 - eps)).to(running_var.dtype)
+            running_mean.copy_(rm)
+            running_var.copy_(rv)
             bn.weight.copy_(torch.where(ok.to(rv.device), torch.sqrt(rv + eps), torch.ones_like(rv)))
             bn.bias.copy_(rm)
         n_fallback = int((~ok).sum())
@@ -452,7 +458,7 @@ class DiverseBranchBlock(nn.Module):
         if self.reparam_conv is not None:
             return self.reparam_conv.weight
         conv = self.anchor.conv
-        return conv._factory_weight() if hasattr(conv, "_equivalent") else conv.weight
+        return conv._factory_weight() if isinstance(conv, DiverseBranchBlock) else cast(nn.Conv2d, conv).weight
 
     def _new_branch(
         self, kind: str, opts: Mapping[str, Any], eps: float, *, zero_last: bool, generator: torch.Generator | None
@@ -491,12 +497,18 @@ class DiverseBranchBlock(nn.Module):
         self._order = tuple(self.branches.keys())
         return branch
 
+    def _present_anchor(self) -> ConvBNBranch | None:
+        """The anchor branch, ``None`` once the block is deployed."""
+        name = anchor_name()
+        return cast(ConvBNBranch, self.branches[name]) if name in self.branches else None
+
     def _anchor_standardized(self) -> bool:
         """Whether the anchor conv is a weight-standardised host conv (:mod:`reparam.hostforms`)."""
-        if self.reparam_conv is not None or "kxk" not in self.branches:
+        anchor = self._present_anchor()
+        if self.reparam_conv is not None or anchor is None:
             return False
-        conv = self.branches["kxk"].conv
-        if type(conv) is nn.Conv2d or hasattr(conv, "_equivalent"):
+        conv = anchor.conv
+        if type(conv) is nn.Conv2d or isinstance(conv, DiverseBranchBlock):
             return False
         form = conv_form(conv)
         return isinstance(form, ConvForm) and form.standardized
@@ -508,10 +520,11 @@ class DiverseBranchBlock(nn.Module):
     # ------------------------------------------------------------------------------ properties
     @property
     def anchor(self) -> ConvBNBranch:
-        """The ``kxk`` branch (host conv → norm)."""
-        if "kxk" not in self.branches:
+        """The anchor branch ``kxk`` (host conv → norm)."""
+        anchor = self._present_anchor()
+        if anchor is None:
             raise ReparamError("the block is deployed; it has no branches left")
-        return self.branches["kxk"]  # type: ignore[return-value]
+        return anchor
 
     @property
     def branch_names(self) -> list[str]:
@@ -558,7 +571,8 @@ class DiverseBranchBlock(nn.Module):
         padded by TensorFlow's ``SAME`` rule (then a padding-0 conv's input); same sum order."""
         order = self._order
         xp = pad_same(x, self.geometry.kernel_size, self.geometry.stride, self.geometry.dilation) if len(order) > 1 else x
-        outs = (self.branches[n](x if n == "kxk" else xp) for n in order)
+        anchor = anchor_name()
+        outs = (self.branches[n](x if n == anchor else xp) for n in order)
         out = next(outs)
         if len(order) > 1:
             out = out + next(outs)  # a fresh tensor: later sums accumulate in place
@@ -599,13 +613,18 @@ class DiverseBranchBlock(nn.Module):
     def padding_mode(self) -> str:
         return self.geometry.padding_mode
 
-    def _host_conv_module(self) -> nn.Module:
+    def _host_conv_module(self) -> nn.Conv2d:
         if self.reparam_conv is not None:
             return self.reparam_conv
-        conv = self.branches["kxk"].conv
-        while hasattr(conv, "_equivalent"):  # nested block: its own anchor
-            conv = conv._host_conv_module()
-        return conv
+        conv = self.anchor.conv
+        if isinstance(conv, DiverseBranchBlock):  # nested block: its own anchor
+            return conv._host_conv_module()
+        return cast(nn.Conv2d, conv)
+
+    def _deployed_pair(self) -> tuple[Tensor, Tensor]:
+        """Weight and bias of the merged conv of a deployed block."""
+        conv = cast(nn.Conv2d, self.reparam_conv)
+        return conv.weight, cast(Tensor, conv.bias)
 
     @property
     def weight(self) -> Tensor:
@@ -620,7 +639,7 @@ class DiverseBranchBlock(nn.Module):
     # ------------------------------------------------------------------------------ equivalent pairs
     def _equivalent(self, dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor]:
         if self.reparam_conv is not None:
-            w, b = self.reparam_conv.weight, self.reparam_conv.bias
+            w, b = self._deployed_pair()
             return (w, b) if dtype is None else (w.to(dtype), b.to(dtype))
         pairs = [get_kind(n).kernel_bias(self.branches[n], self.geometry, dtype) for n in self._order]
         return add_branches(pairs)
@@ -644,11 +663,12 @@ class DiverseBranchBlock(nn.Module):
         channels, each cast into ``out`` as soon as it is complete; ``out`` is returned.
         """
         if self.reparam_conv is not None:
+            w, b = self._deployed_pair()
             if out is not None:
-                out[0].copy_(self.reparam_conv.weight)
-                out[1].copy_(self.reparam_conv.bias)
+                out[0].copy_(w)
+                out[1].copy_(b)
                 return out
-            return self.reparam_conv.weight.to(dtype, copy=True), self.reparam_conv.bias.to(dtype, copy=True)
+            return w.to(dtype, copy=True), b.to(dtype, copy=True)
         chosen = list(self._order if names is None else [n for n in self._order if n in set(names)])
         # kinds whose kernel is a broadcast (O, C/g, 1, 1) term go first (the next term expands it)
         chosen.sort(key=lambda n: not get_kind(n).broadcast_merge)
@@ -755,7 +775,7 @@ class DiverseBranchBlock(nn.Module):
         with torch.no_grad():
             storage = self._consumable_anchor_weight(factory) if consume else None
             conv = self.geometry.make_conv(bias=True, initialize=False, weight=storage, **factory)
-            self._merged_pair(merge_dtype(conv.weight.dtype, compute_dtype), out=(conv.weight, conv.bias))
+            self._merged_pair(merge_dtype(conv.weight.dtype, compute_dtype), out=(conv.weight, cast(Tensor, conv.bias)))
         if self.same_pad:
             as_same_pad(conv)
         conv.train(self.training)
@@ -763,8 +783,8 @@ class DiverseBranchBlock(nn.Module):
 
     def _consumable_anchor_weight(self, factory: Mapping[str, Any]) -> Tensor | None:
         """The anchor kernel's tensor when the merged kernel may be written into it, else ``None``."""
-        anchor = self.branches["kxk"] if "kxk" in self.branches else None
-        conv = getattr(anchor, "conv", None)
+        anchor = self._present_anchor()
+        conv = anchor.conv if anchor is not None else None
         if type(conv) is not nn.Conv2d:
             return None
         w = conv.weight.detach()
@@ -790,7 +810,8 @@ class DiverseBranchBlock(nn.Module):
         """Set the anchor so that its eval pair is ``(k_t, b_t)`` (float64). Returns overwritten params."""
         self._require_writable_anchor("re-solving the anchor")
         anchor = self.anchor
-        conv, bn = anchor.conv, anchor.bn
+        conv: Any = anchor.conv  # a conv, or a nested block
+        bn: Any = anchor.bn  # a BatchNorm-like norm or a FrozenIdentityBN
         overwritten: list[nn.Parameter] = []
         f64 = torch.float64
 
@@ -827,7 +848,7 @@ class DiverseBranchBlock(nn.Module):
                         write(bn.weight, gamma)
                     if getattr(bn, "bias", None) is not None:
                         write(bn.bias, beta)
-                    if isinstance(stats, BNStats) and conv_bias_t is not None and not hasattr(conv, "_equivalent") and conv.bias is not None:
+                    if isinstance(stats, BNStats) and conv_bias_t is not None and not isinstance(conv, DiverseBranchBlock) and conv.bias is not None:
                         write(conv.bias, conv_bias_t)
             # gamma guard: the inverse below divides by γ; keep |γ| >= gamma_floor
             gamma_t = getattr(bn, "weight", None)
@@ -846,7 +867,7 @@ class DiverseBranchBlock(nn.Module):
             gamma = s.gamma.to(f64) if s.gamma is not None else torch.ones(n, dtype=f64, device=dev)
             beta = s.beta.to(f64) if s.beta is not None else torch.zeros(n, dtype=f64, device=dev)
             w = k_t * (sigma / gamma).reshape(-1, 1, 1, 1)
-            nested = hasattr(conv, "_equivalent")
+            nested = isinstance(conv, DiverseBranchBlock)
             if _writable_beta(bn) and not nested:
                 c = conv.bias.to(f64) if conv.bias is not None else torch.zeros_like(mu)
                 write(bn.bias, b_t - (gamma / sigma) * (c - mu))
@@ -874,7 +895,7 @@ class DiverseBranchBlock(nn.Module):
     def _solve_for_total(self, k_total: Tensor, b_total: Tensor, *, stats: str | BNStats = "keep", conv_bias_t: Tensor | None = None) -> list[nn.Parameter]:
         """Re-solve the anchor so the whole block's eval pair is ``(k_total, b_total)``."""
         with torch.no_grad():
-            rest = self._pairs_except(["kxk"], torch.float64)
+            rest = self._pairs_except([anchor_name()], torch.float64)
             k_t, b_t = k_total.to(torch.float64), b_total.to(torch.float64)
             if rest is not None:
                 k_t = k_t - rest[0]
@@ -889,13 +910,13 @@ class DiverseBranchBlock(nn.Module):
         """The anchor parameter whose optimizer group a new parameter ``p`` of module ``owner`` joins:
         conv weights -> anchor conv weight; BN weights -> anchor BN weight; BN biases -> anchor BN
         bias (conv mode: anchor conv bias); the anchor conv weight when no such parameter exists."""
-        conv = self.anchor.conv
-        conv_w = conv._factory_weight() if hasattr(conv, "_equivalent") else conv.weight
+        conv: Any = self.anchor.conv  # a conv, or a nested block
+        conv_w = cast(nn.Parameter, conv._factory_weight() if isinstance(conv, DiverseBranchBlock) else conv.weight)
         if isinstance(owner, nn.Conv2d):
             return conv_w
-        bn = self.anchor.bn
+        bn: Any = self.anchor.bn
         is_weight = getattr(owner, "weight", None) is p
-        conv_bias = None if hasattr(conv, "_equivalent") else getattr(conv, "bias", None)  # not a nested block's
+        conv_bias = None if isinstance(conv, DiverseBranchBlock) else getattr(conv, "bias", None)  # not a nested block's
         candidates = [getattr(bn, "weight", None)] if is_weight else [getattr(bn, "bias", None), conv_bias]
         for c in candidates:
             if isinstance(c, nn.Parameter):
@@ -964,11 +985,11 @@ class DiverseBranchBlock(nn.Module):
         """
         if self.reparam_conv is not None:
             raise ReparamError("cannot remove a branch from a deployed block")
-        if name == "kxk":
-            raise ReparamError("the anchor branch 'kxk' cannot be removed")
+        if name == anchor_name():
+            raise ReparamError(f"the anchor branch {name!r} cannot be removed")
         self._require_branch(name)
         self._require_writable_anchor(f"removing branch {name!r}")
-        k_a, b_a = self._merged_pair(torch.float64, ["kxk"])
+        k_a, b_a = self._merged_pair(torch.float64, [anchor_name()])
         k_r, b_r = self._merged_pair(torch.float64, [name])
         branch = self._delete(name)
         overwritten = self._solve_anchor(k_a + k_r, b_a + b_r, "keep")
@@ -979,7 +1000,7 @@ class DiverseBranchBlock(nn.Module):
         """Fold every non-anchor branch into the anchor at once (eval-exact)."""
         if self.reparam_conv is not None:
             raise ReparamError("cannot fold a deployed block")
-        others = [n for n in self._order if n != "kxk"]
+        others = [n for n in self._order if n != anchor_name()]
         if not others:
             return StructureChange(paths=self._path_list())
         self._require_writable_anchor("folding the branches into the anchor")
@@ -1041,10 +1062,11 @@ class DiverseBranchBlock(nn.Module):
         if anchor_stats == "adopt" and tstats is None:
             raise ReparamError("anchor_stats='adopt' needs target_bn (the target layer's BatchNorm)")
         if self.reparam_conv is not None:
+            w, b = self._deployed_pair()
             with torch.no_grad():
-                self.reparam_conv.weight.copy_(k_t)
-                self.reparam_conv.bias.copy_(b_t)
-            return StructureChange(overwritten=[self.reparam_conv.weight, self.reparam_conv.bias], paths=self._path_list())
+                w.copy_(k_t)
+                b.copy_(b_t)
+            return StructureChange(overwritten=[cast(nn.Parameter, w), cast(nn.Parameter, b)], paths=self._path_list())
         stats: str | BNStats = tstats if anchor_stats == "adopt" else anchor_stats  # type: ignore[assignment]
         overwritten = self._solve_for_total(k_t, b_t, stats=stats, conv_bias_t=b_conv if anchor_stats == "adopt" else None)
         return StructureChange(overwritten=overwritten, paths=self._path_list())
@@ -1067,7 +1089,7 @@ class DiverseBranchBlock(nn.Module):
         for name in self._order:
             attr = get_kind(name).nested_conv
             conv = getattr(self.branches[name], attr, None) if attr is not None else None
-            if is_genuine_conv(conv) and max(conv.kernel_size) > 1:
+            if conv is not None and is_genuine_conv(conv) and max(conv.kernel_size) > 1:
                 out.append(name)
         return out
 
@@ -1077,8 +1099,8 @@ class DiverseBranchBlock(nn.Module):
 
     def grow_nested(self, name: str, branches: Any = None, *, spec: Mapping[str, Any] | None = None,
                     generator: torch.Generator | None = None) -> StructureChange:
-        """Expand the K×K conv of branch ``name`` (a kind with a ``nested_conv``: ``"kxk"`` or
-        ``"1x1_kxk"``) into a nested block in ``conv`` mode (zero-γ growth: bit-exact in train and
+        """Expand the K×K conv of branch ``name`` (a kind with a ``nested_conv``: the anchor ``"kxk"``
+        or ``"1x1_kxk"``) into a nested block in ``conv`` mode (zero-γ growth: bit-exact in train and
         eval mode). A bias-free conv gets a zero bias, which the host branch's BN absorbs when
         flattened. Limited by ``max_depth``."""
         if self.reparam_conv is not None:
@@ -1092,7 +1114,7 @@ class DiverseBranchBlock(nn.Module):
             raise ReparamError(f"max_depth={self.max_depth} reached (this block has depth {self.depth})")
         branch = self.branches[name]
         conv = getattr(branch, attr)
-        if not isinstance(conv, nn.Conv2d) or hasattr(conv, "_equivalent"):
+        if not isinstance(conv, nn.Conv2d):
             raise ReparamError(f"the conv of branch {name!r} is already nested")
         if not is_genuine_conv(conv):
             raise NotMergeableError(
@@ -1162,12 +1184,12 @@ class DiverseBranchBlock(nn.Module):
         kind = get_kind(name)
         attr = kind.nested_conv
         nested = getattr(branch, attr) if attr is not None else None
-        if attr is None or not hasattr(nested, "_equivalent"):
+        if attr is None or not isinstance(nested, DiverseBranchBlock):
             raise ReparamError(f"branch {name!r} has no nested block")
         k, b = nested._merged_pair(torch.float64)
-        host = None if nested.is_merged else nested.anchor.conv
+        host: Any = None if nested.is_merged else nested.anchor.conv
         kept: set[int] = set()  # a new conv (the nested anchor is nested itself, or deployed): all new
-        if host is None or hasattr(host, "_equivalent"):
+        if host is None or isinstance(host, DiverseBranchBlock):
             host = nested.geometry.make_conv(bias=not nested.new_bias, initialize=False, **nested._factory())
         else:
             kept = {id(p) for p in host.parameters()}
@@ -1217,12 +1239,13 @@ class DiverseBranchBlock(nn.Module):
             if self.same_pad:
                 as_same_pad(host_conv)
             bn = nn.BatchNorm2d(self.geometry.out_channels, **self._factory())
+            weight, bias = self._deployed_pair()
             with torch.no_grad():
-                host_conv.weight.copy_(conv.weight)
+                host_conv.weight.copy_(weight)
                 if host_conv.bias is not None:
                     host_conv.bias.zero_()
-                bn.running_var.fill_(1.0 - bn.eps)
-                bn.bias.copy_(conv.bias)
+                cast(Tensor, bn.running_var).fill_(1.0 - bn.eps)
+                bn.bias.copy_(bias)
             host_conv.train(self.training)
             bn.train(self.training)
             return host_conv, bn
@@ -1233,13 +1256,13 @@ class DiverseBranchBlock(nn.Module):
                 host = copy.deepcopy(anchor_conv)  # the host class (it pads itself), holding the merged pair
                 with torch.no_grad():
                     host.weight.copy_(merged.weight)
-                    host.bias.copy_(merged.bias)
+                    cast(Tensor, host.bias).copy_(cast(Tensor, merged.bias))
                 return host, None
             return merged, None
-        if hasattr(self.anchor.conv, "_equivalent"):
-            self.flatten_nested("kxk")
+        if isinstance(self.anchor.conv, DiverseBranchBlock):
+            self.flatten_nested(anchor_name())
         self.fold_all()
-        return self.anchor.conv, self.anchor.bn
+        return cast(nn.Conv2d, self.anchor.conv), self.anchor.bn
 
     # ------------------------------------------------------------------------------ spec
     def spec(self) -> dict[str, Any]:
@@ -1254,7 +1277,8 @@ class DiverseBranchBlock(nn.Module):
             inner = self.nested_block(name)
             if inner is not None:
                 nested[name] = inner.spec()
-        anchor_bn = self.branches["kxk"].bn if "kxk" in self.branches else None
+        anchor = self._present_anchor()
+        anchor_bn = anchor.bn if anchor is not None else None
         out: dict[str, Any] = {
             "mode": self.mode,
             "bn_path": self.bn_path,

@@ -29,10 +29,12 @@ from typing import Any, Iterable, Mapping, Sequence
 import torch
 from torch import nn
 
+from .block import DiverseBranchBlock
 from .errors import ReparamError
 from .changes import StructureChange, apply_to_optimizer
 from .flops import block_macs, branch_macs, conv_output_hw, measure, model_macs
-from .kinds import get_kind, is_kind, kind_names
+from .builtin_kinds import KINDS
+from .kinds import anchor_name, applicability, flagged, get_kind, is_kind, kind_names
 
 __all__ = [
     "DEFAULT_SET",
@@ -45,16 +47,10 @@ __all__ = [
     "update_optimizer",
 ]
 
-ANCHOR = "kxk"
-#: the built-in phase-1 set of :func:`plan_bottom_up` (the registry flag ``in_first_plan``)
-DEFAULT_SET: tuple[str, ...] = ("kxk", "1x1", "1x1_kxk", "1x1_avg")
+#: the built-in phase-1 set of :func:`plan_bottom_up`: the built-in kinds flagged ``in_first_plan``
+DEFAULT_SET: tuple[str, ...] = tuple(k for k in KINDS if get_kind(k).in_first_plan)
 _INITS = ("zero_gamma", "random_resolve")
 _GROW_MODES = ("block", "nested")
-
-
-def _flagged(flag: str) -> tuple[str, ...]:
-    """Registered kinds (forward order) whose ``flag`` is set."""
-    return tuple(n for n in kind_names() if getattr(get_kind(n), flag))
 
 Key = tuple[str, str]
 
@@ -63,20 +59,12 @@ Key = tuple[str, str]
 # helpers
 
 
-def _block_cls() -> type:
-    from .block import DiverseBranchBlock
-
-    return DiverseBranchBlock
+def _iter_blocks(model: nn.Module) -> list[tuple[str, DiverseBranchBlock]]:
+    return [(p, m) for p, m in model.named_modules() if isinstance(m, DiverseBranchBlock)]
 
 
-def _iter_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    cls = _block_cls()
-    return [(p, m) for p, m in model.named_modules() if isinstance(m, cls)]
-
-
-def _names(block: nn.Module) -> list[str]:
-    names = getattr(block, "branch_names", None)
-    return list(names) if names is not None else list(block.branches.keys())
+def _names(block: DiverseBranchBlock) -> list[str]:
+    return block.branch_names
 
 
 def _check_kinds(kinds: Iterable[str], arg: str) -> tuple[str, ...]:
@@ -103,12 +91,11 @@ def _pair(v: Any) -> tuple[int, int]:
 
 def applicable_kinds(geometry: Any) -> tuple[str, ...]:
     """Branch kinds applicable to a host conv (those whose geometry can be embedded in the host
-    kernel exactly, see :func:`reparam.branches.applicability`), in forward order.
+    kernel exactly, see :func:`reparam.kinds.applicability`), in forward order.
 
     ``geometry`` is a ``ConvGeometry`` or an ``nn.Conv2d``. Returns ``()`` for convs that cannot
     be expanded (``K = 1`` or a geometry the package refuses).
     """
-    from .branches import applicability
     from .geometry import ConvGeometry
 
     if isinstance(geometry, nn.Conv2d):
@@ -124,11 +111,8 @@ def applicable_kinds(geometry: Any) -> tuple[str, ...]:
     return tuple(k for k in kind_names() if reasons.get(k) is None)
 
 
-def _block_applicable(block: nn.Module) -> tuple[str, ...]:
-    fn = getattr(block, "applicable", None)
-    if callable(fn):
-        return tuple(fn())
-    return applicable_kinds(block.geometry)
+def _block_applicable(block: DiverseBranchBlock) -> tuple[str, ...]:
+    return tuple(block.applicable())
 
 
 def _match(path: str, patterns: Iterable[str] | None) -> bool:
@@ -146,10 +130,9 @@ def _expandable_convs(
     """
     from .pairs import find_conv_bn_pairs
 
-    cls = _block_cls()
     inside_block: set[str] = set()
     for path, m in model.named_modules():
-        if isinstance(m, cls):
+        if isinstance(m, DiverseBranchBlock):
             inside_block.update(f"{path}.{sub}" if path else sub for sub, _ in m.named_modules() if sub)
             inside_block.add(path)
     convs = {p: m for p, m in model.named_modules() if isinstance(m, nn.Conv2d) and p not in inside_block}
@@ -246,13 +229,13 @@ def plan_bottom_up(
     and ResNet-18 whenever the branch set is not exhausted). Zero-MAC branches follow
     ``free_branches``.
 
-    Returns ``{conv path: kinds}`` (kinds in forward order, ``"kxk"`` first) for convs that get at
+    Returns ``{conv path: kinds}`` (kinds in forward order, the anchor ``"kxk"`` first) for convs that get at
     least one extra branch. Guaranteed: ``model_macs(expand(model, plan)) <= budget_macs`` whenever
     the plain model fits; an empty plan otherwise.
     """
     budget = _check_budget(budget_macs)
-    cand = _check_kinds(_flagged("in_first_plan") if candidate_set is None else candidate_set, "candidate_set")
-    fill_kinds = _check_kinds(_flagged("in_fill") if fill is None else fill, "fill")
+    cand = _check_kinds(flagged(lambda k: k.in_first_plan) if candidate_set is None else candidate_set, "candidate_set")
+    fill_kinds = _check_kinds(flagged(lambda k: k.in_fill) if fill is None else fill, "fill")
     if free_branches not in ("expanded_only", "always", "never"):
         raise ReparamError(
             f"free_branches must be 'expanded_only', 'always' or 'never', got {free_branches!r}"
@@ -275,13 +258,13 @@ def plan_bottom_up(
         (path, k): branch_macs(k, conv, hw)
         for path, conv, hw in convs
         for k in applic[path]
-        if k != ANCHOR
+        if not get_kind(k).anchor
     }
     free_ok = free_branches != "never"
 
     # phase 1: full set, bottom up, while it fits
     for path, conv, _hw in convs:
-        kinds = [k for k in cand if k != ANCHOR and k in applic[path]]
+        kinds = [k for k in cand if not get_kind(k).anchor and k in applic[path]]
         if conv.groups == conv.in_channels == conv.out_channels and conv.groups > 1:
             # the depthwise default set omits the (mergeable) 1x1 branch
             kinds = [k for k in kinds if get_kind(k).in_depthwise_default]
@@ -305,19 +288,19 @@ def plan_bottom_up(
         (cost[(path, k)], index[path], position[k], path, k)
         for path, _, _ in convs
         for k in fill_kinds
-        if k != ANCHOR and k in applic[path] and k not in plan.get(path, ())
+        if not get_kind(k).anchor and k in applic[path] and k not in plan.get(path, ())
     ]
     options.sort()
     paid = [o for o in options if o[0] > 0]
     best: tuple[float, list[tuple]] | None = None
     for order in (paid, sorted(paid, key=lambda o: (-o[0], o[1], o[2]))):
-        total, chosen = used, []
+        spent, chosen = used, []
         for o in order:
-            if total + o[0] <= budget:
+            if spent + o[0] <= budget:
                 chosen.append(o)
-                total += o[0]
-        if best is None or total > best[0]:
-            best = (total, chosen)
+                spent += o[0]
+        if best is None or spent > best[0]:
+            best = (spent, chosen)
     assert best is not None
     used = best[0]
     for _, _, _, path, k in best[1]:
@@ -327,8 +310,9 @@ def plan_bottom_up(
             if c == 0 and (free_branches == "always" or path in plan):
                 plan.setdefault(path, set()).add(k)
 
+    anchor = anchor_name()
     return {
-        path: tuple([ANCHOR] + [k for k in kind_names() if k != ANCHOR and k in kinds])
+        path: tuple([anchor] + [k for k in kind_names() if k != anchor and k in kinds])
         for path, kinds in sorted(plan.items(), key=lambda kv: index[kv[0]])
     }
 
@@ -573,10 +557,9 @@ def _score_order(keys: Iterable[Key], s_local: Mapping[Key, float], use_abs: boo
     return sorted(keys, key=sort_key)
 
 
-def _nested_applicability(block: nn.Module) -> dict[str, dict[str, str | None]]:
+def _nested_applicability(block: DiverseBranchBlock) -> dict[str, dict[str, str | None]]:
     """Per nestable (or nested) branch of ``block``: applicability of every kind to its K×K conv
     under its nested input-window policy (the anchor kind reported as absent)."""
-    from .branches import applicability
     from .geometry import ConvGeometry
 
     out: dict[str, dict[str, str | None]] = {}
@@ -593,7 +576,8 @@ def _nested_applicability(block: nn.Module) -> dict[str, dict[str, str | None]]:
 
 
 def _non_anchor(model: nn.Module) -> list[Key]:
-    return [(p, n) for p, b in _iter_blocks(model) for n in _names(b) if n != ANCHOR]
+    anchor = anchor_name()
+    return [(p, n) for p, b in _iter_blocks(model) for n in _names(b) if n != anchor]
 
 
 def _fold_until_fits(
@@ -684,7 +668,7 @@ def dymm(
         isinstance(max_new_per_round, bool) or not isinstance(max_new_per_round, int) or max_new_per_round < 0
     ):
         raise ReparamError(f"max_new_per_round must be None or an int >= 0, got {max_new_per_round!r}")
-    pool = _check_kinds(_flagged("growable") if pool is None else pool, "pool")
+    pool = _check_kinds(flagged(lambda k: k.growable) if pool is None else pool, "pool")
     if grow_mode not in _GROW_MODES:
         raise ReparamError(f"grow_mode must be one of {_GROW_MODES}, got {grow_mode!r}")
 
@@ -724,7 +708,7 @@ def dymm(
             for kind in kind_names():
                 if added >= cap:
                     break
-                if kind == ANCHOR or kind in present or kind not in applicable or kind not in pool:
+                if get_kind(kind).anchor or kind in present or kind not in applicable or kind not in pool:
                     continue
                 if not regrow_folded and kind in folded_kinds.get(path, ()):
                     continue
@@ -735,12 +719,12 @@ def dymm(
                 added += 1
             if grow_mode != "nested":
                 continue
-            applicability = _nested_applicability(block)
+            nested_reasons = _nested_applicability(block)
             for name in _names(block):
                 for kind in kind_names():
                     if added >= cap:
                         break
-                    if kind not in pool or applicability.get(name, {}).get(kind, "absent") is not None:
+                    if kind not in pool or nested_reasons.get(name, {}).get(kind, "absent") is not None:
                         continue
                     inner = block.nested_block(name)
                     if inner is not None and kind in _names(inner):

@@ -39,7 +39,11 @@ from typing import Any, Iterable, Mapping, NamedTuple, Sequence
 import torch
 from torch import nn
 
+from .block import DiverseBranchBlock
+from .builtin_kinds import KINDS
 from .errors import ReparamError
+from .kind_1x1_kxk import default_internal as _default_internal
+from .kinds import BranchKind, get_kind, is_kind, kind_names
 
 __all__ = [
     "BRANCH_KINDS",
@@ -56,8 +60,8 @@ __all__ = [
     "plan_macs",
 ]
 
-#: the built-in kinds (every registered kind: :func:`reparam.kinds.kind_names`)
-BRANCH_KINDS: tuple[str, ...] = ("kxk", "1x1", "1x1_kxk", "1x1_avg", "1xk", "kx1", "identity")
+#: the built-in kinds, :data:`reparam.KINDS` (every registered kind: :func:`reparam.kinds.kind_names`)
+BRANCH_KINDS: tuple[str, ...] = KINDS
 
 
 class _Geo(NamedTuple):
@@ -145,19 +149,12 @@ def conv_macs(geometry_or_conv: Any, in_hw: Any) -> int:
     return ho * wo * g.out_channels * (g.in_channels // g.groups) * g.kernel_size[0] * g.kernel_size[1]
 
 
-def _is_depthwise(g: _Geo) -> bool:
-    return g.groups == g.in_channels == g.out_channels and g.groups > 1
-
-
 def default_internal(geometry: Any) -> int:
     """Internal width ``D`` of ``1x1_kxk``: ``2C`` for depthwise convs, ``C`` otherwise."""
-    g = _geo(geometry)
-    return 2 * g.in_channels if _is_depthwise(g) else g.in_channels
+    return _default_internal(_geo(geometry))
 
 
-def _kind(name: str) -> Any:
-    from .kinds import get_kind, is_kind, kind_names
-
+def _kind(name: str) -> BranchKind:
     if not is_kind(name):
         raise ReparamError(f"kind must be one of {kind_names()}, got {name!r}")
     return get_kind(name)
@@ -175,7 +172,7 @@ def branch_macs(kind: str, geometry: Any, in_hw: Any, internal: int | None = Non
         options: further build options of the kind (e.g. ``path`` of ``1x1_avg``).
 
     The value does not check applicability (whether the branch can exist on this geometry, see
-    :func:`reparam.branches.applicability`); it is the cost the branch would have if it exists.
+    :func:`reparam.kinds.applicability`); it is the cost the branch would have if it exists.
     """
     k = _kind(kind)
     g = _geo(geometry)
@@ -190,26 +187,17 @@ def branch_macs(kind: str, geometry: Any, in_hw: Any, internal: int | None = Non
 # blocks
 
 
-def _block_cls() -> type | None:
-    try:
-        from .block import DiverseBranchBlock
-    except ImportError:  # pragma: no cover - only while the block module is absent
-        return None
-    return DiverseBranchBlock
-
-
 def _is_block(m: nn.Module) -> bool:
-    cls = _block_cls()
-    return cls is not None and isinstance(m, cls)
+    return isinstance(m, DiverseBranchBlock)
 
 
-def _nested_blocks(module: nn.Module) -> list[nn.Module]:
+def _nested_blocks(module: nn.Module) -> list[DiverseBranchBlock]:
     """Outermost DiverseBranchBlocks strictly inside ``module``."""
-    found: list[nn.Module] = []
+    found: list[DiverseBranchBlock] = []
 
     def visit(m: nn.Module) -> None:
         for child in m.children():
-            if _is_block(child):
+            if isinstance(child, DiverseBranchBlock):
                 found.append(child)
             else:
                 visit(child)
@@ -225,13 +213,13 @@ def block_macs(block: nn.Module, in_hw: Any) -> int:
     the anchor (or inside the second stage of ``1x1_kxk``) contributes its own block cost in place
     of the conv it replaced.
     """
-    if not _is_block(block):
+    if not isinstance(block, DiverseBranchBlock):
         if isinstance(block, nn.Conv2d):
             return conv_macs(block, in_hw)
         raise TypeError(f"block must be a DiverseBranchBlock or nn.Conv2d, got {type(block).__name__}")
     g = _geo(block.geometry)
     h, w = _hw(in_hw)
-    names = list(getattr(block, "branch_names", None) or list(block.branches.keys()))
+    names = block.branch_names
     if not names:  # deployed form: the block holds one merged conv
         for m in block.modules():
             if isinstance(m, nn.Conv2d):
@@ -321,7 +309,7 @@ def _hooks_for(model: nn.Module, sizes: dict | None, macs: dict | None) -> list:
 def _signature(model: nn.Module, input_shape: Sequence[int]) -> tuple:
     """What the measured sizes and MACs depend on: the module tree, every conv's geometry and every
     weight's shape (not the values)."""
-    parts: list[tuple] = [tuple(input_shape), type(model).__qualname__]
+    parts: list[Any] = [tuple(input_shape), type(model).__qualname__]
     for path, m in model.named_modules():
         w = getattr(m, "weight", None)
         shape = tuple(w.shape) if isinstance(w, torch.Tensor) else ()
@@ -425,6 +413,6 @@ def plan_macs(
     extra = 0
     for path, kinds in plan.items():
         for kind in kinds:
-            if kind != "kxk":
+            if not _kind(kind).anchor:
                 extra += branch_macs(kind, geometries[path], sizes[path])
     return extra

@@ -28,7 +28,12 @@ This module evaluates the same function with fewer of them:
   positions at stride 2).
 
 Branches that read an input window (``1x1`` or ``identity`` on an unpadded conv, see
-:mod:`reparam.branches`) are folded the same way, with the moments of their window.
+:mod:`reparam.kind_conv`) are folded the same way, with the moments of their window.
+
+Each branch kind says how its branches take part (:meth:`~reparam.kinds.BranchKind.fused_forward`):
+the centred convs and ``identity`` hand their folded BN to :class:`FusedForward`, ``1x1_kxk`` and
+``1x1_avg`` run :func:`one_by_one_kxk` and :func:`avg`, the anchor and custom kinds run their
+module.
 
 Everything is differentiable with ordinary autograd (the Gram matrix has a custom backward that
 writes one gradient tensor), exact in real arithmetic, and equal to the per-branch forward to
@@ -38,28 +43,29 @@ training mode, floating inputs of float32/float64, outputs of at least
 :data:`FUSED_MIN_OUTPUT_ELEMENTS` elements (below that its fixed cost exceeds what it saves), no
 forward hooks anywhere in the block (hook-based tools such as FLOP counters see the per-branch
 modules), not under tracing/scripting/autocast.
-Everything else, and every branch it does not know, runs the branch modules as before. Eval mode
+Everything else runs the branch modules as before. Eval mode
 is untouched. :func:`fused_training` switches the path off, e.g. to time the per-branch forward.
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator
+from typing import Any, Iterator, cast
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.modules import module as _mod
 
-from .branches import AvgBranch, ConvBNBranch, IdentityBasedConv1x1, IdentityBranch, OneByOneKxKBranch
-from .branches import _pad_value
+from .kinds import get_kind
+from .layers import IdentityBasedConv1x1, pad_value
 from .transforms import Window, avg_kernel, merge_1x1_kxk, value_pad, window_input
 
 __all__ = [
     "fused_training",
     "fused_training_enabled",
     "channel_moments",
+    "FusedForward",
     "FOLD_MIN_POSITIONS_PER_CHANNEL",
     "FUSED_MIN_OUTPUT_ELEMENTS",
 ]
@@ -157,10 +163,9 @@ class _Moments:
         return self._cache[key]
 
 
-def _windowed(x: Tensor, branch: Any) -> Tensor:
-    """The input a branch reads: ``x`` or its input window."""
-    window = getattr(branch, "window", None)
-    return x if window is None else window_input(x, window, branch.padding_mode)
+def _windowed(x: Tensor, window: Window | None, padding_mode: str) -> Tensor:
+    """The input a branch reads: ``x`` or its input ``window``."""
+    return x if window is None else window_input(x, window, padding_mode)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -278,7 +283,7 @@ def pool_value_padded(z: Tensor, value: Tensor | None, kernel: tuple[int, int], 
     ``value`` (zeros for ``None``): a zero-padded mean filter plus ``value ×`` the padded fraction."""
     out = box_filter(z, kernel, stride, padding)
     if value is not None and padding != (0, 0):
-        frac = _padded_fraction(tuple(z.shape[-2:]), kernel, stride, padding, z)
+        frac = _padded_fraction(_hw(z), kernel, stride, padding, z)
         out = out.add_(value.to(z.dtype).view(1, -1, 1, 1) * frac)
     return out
 
@@ -291,7 +296,7 @@ def conv_value_padded(z: Tensor, conv: nn.Conv2d, value: Tensor, padding: tuple[
     first stage); the ring always uses ``conv.weight``."""
     w = conv.weight if weight is None else weight
     out = F.conv2d(z, w, None, conv.stride, padding, conv.dilation, conv.groups)
-    ring = _ring_inside(inside, value.to(z.dtype), padding, tuple(z.shape[-2:]))
+    ring = _ring_inside(inside, value.to(z.dtype), padding, _hw(z))
     corr = F.conv2d(ring, conv.weight, conv.bias, conv.stride, 0, conv.dilation, conv.groups)
     return out.add_(corr)
 
@@ -349,8 +354,13 @@ def _is_1x1(conv: Any) -> bool:
     )
 
 
+def _hw(t: Tensor) -> tuple[int, int]:
+    """The spatial size ``(H, W)`` of ``t``."""
+    return (int(t.shape[-2]), int(t.shape[-1]))
+
+
 def _first_stage_weight(conv: nn.Module) -> Tensor:
-    return conv.effective_weight() if isinstance(conv, IdentityBasedConv1x1) else conv.weight
+    return conv.effective_weight() if isinstance(conv, IdentityBasedConv1x1) else cast(Tensor, conv.weight)
 
 
 def one_by_one_kxk(branch: Any, x: Tensor, moments: _Moments | None) -> Tensor:
@@ -359,12 +369,11 @@ def one_by_one_kxk(branch: Any, x: Tensor, moments: _Moments | None) -> Tensor:
     padding = branch.padding
     if branch.padding_mode != "zeros" or not _plain_conv(conv2) or tuple(conv2.padding) != (0, 0):
         return branch(x)
-    foldable = moments is not None and _is_1x1(conv1) and tuple(conv1.stride) == (1, 1) and _batch_bn(bn1)
-    if not foldable:
+    if moments is None or not (_is_1x1(conv1) and tuple(conv1.stride) == (1, 1) and _batch_bn(bn1)):
         z = bn1(conv1(x))
-        return branch.bn2(conv_value_padded(z, conv2, _pad_value(bn1), padding))
+        return branch.bn2(conv_value_padded(z, conv2, pad_value(bn1), padding))
     a, shift = _fold(bn1, _first_stage_weight(conv1), conv1.groups, moments.get())
-    value = _pad_value(bn1)  # after the running-statistics update, as in the per-branch forward
+    value = pad_value(bn1)  # after the running-statistics update, as in the per-branch forward
     o, _, kh, kw = conv2.weight.shape
     n, _, h, w = x.shape
     if conv1.groups == conv2.groups and n * h * w >= 2 * o * kh * kw:
@@ -388,7 +397,7 @@ def avg(branch: Any, x: Tensor, moments: _Moments | None) -> Tensor:
     conv, bn1 = branch.conv, branch.bn1
     if moments is not None and _is_1x1(conv) and tuple(conv.stride) == (1, 1) and _batch_bn(bn1):
         a, shift = _fold(bn1, conv.weight, conv.groups, moments.get())
-        value = _pad_value(bn1)
+        value = pad_value(bn1)
         if branch.stride != (1, 1) or x.shape[1] <= a.shape[0]:
             # the pool commutes with the folded 1×1 conv: pool the input (no wider than the
             # intermediate, or strided), then convolve at the output resolution;
@@ -396,13 +405,13 @@ def avg(branch: Any, x: Tensor, moments: _Moments | None) -> Tensor:
             pooled = box_filter(x, branch.kernel_size, branch.stride, branch.padding)
             y = F.conv2d(pooled, a, shift, 1, 0, 1, conv.groups)
             if branch.padding != (0, 0):
-                frac = _padded_fraction(tuple(x.shape[-2:]), branch.kernel_size, branch.stride, branch.padding, x)
+                frac = _padded_fraction(_hw(x), branch.kernel_size, branch.stride, branch.padding, x)
                 y = y.add_((value.to(x.dtype) - shift).view(1, -1, 1, 1) * frac)
             return branch.bn2(y)
         z = F.conv2d(x, a, shift, 1, 0, 1, conv.groups)
     else:
         z = bn1(conv(x))
-        value = _pad_value(bn1)
+        value = pad_value(bn1)
     return branch.bn2(pool_value_padded(z, value, branch.kernel_size, branch.stride, branch.padding))
 
 
@@ -410,56 +419,92 @@ def avg(branch: Any, x: Tensor, moments: _Moments | None) -> Tensor:
 # block
 
 
-def block_forward(block: Any, x: Tensor) -> Tensor:
-    """The fused training forward of a block whose :func:`usable` check passed."""
-    n, c, h, w = x.shape
-    fold_ok = n * h * w > 1 and n * h * w >= FOLD_MIN_POSITIONS_PER_CHANNEL * c
-    moments = _Moments(x) if fold_ok else None
-    parts: list[Tensor] = []
-    lin_w: Tensor | None = None  # folded 1x1 (+ identity) as one grouped 1x1 conv
-    lin_b: Tensor | None = None
-    lin_geo: tuple[tuple[int, int], int, Window | None] | None = None  # (stride, groups, input window)
-    lin_x = x  # the input (window) the folded 1x1 conv reads
-    identity: IdentityBranch | None = None
-    for name in block._order:
-        br = block.branches[name]
-        xin = _windowed(x, br)
+class FusedForward:
+    """One fused training forward of a block on the input ``x``: its channel moments (when BN
+    folding pays off, ``moments``; else ``None``) and the 1×1 branches folded into one grouped 1×1
+    conv. Each branch kind contributes through
+    :meth:`~reparam.kinds.BranchKind.fused_forward`, which may call :meth:`conv_bn` or
+    :meth:`identity_bn`; :meth:`finish` returns what was handed over."""
+
+    def __init__(self, x: Tensor) -> None:
+        n, c, h, w = x.shape
+        self.x = x
+        self.fold_ok = n * h * w > 1 and n * h * w >= FOLD_MIN_POSITIONS_PER_CHANNEL * c
+        self.moments = _Moments(x) if self.fold_ok else None
+        self._lin_w: Tensor | None = None  # folded 1x1 (+ identity) as one grouped 1x1 conv
+        self._lin_b: Tensor | None = None
+        self._lin_geo: tuple[tuple[int, int], int, Window | None] | None = None  # (stride, groups, input window)
+        self._lin_x = x  # the input (window) the folded 1x1 conv reads
+        self._identity: tuple[nn.BatchNorm2d, Window | None, str] | None = None
+
+    def conv_bn(self, branch: nn.Module, conv: nn.Module, bn: nn.Module, window: Window | None,
+                padding_mode: str) -> Tensor | None:
+        """A ``conv → bn`` branch on its input ``window``: a 1×1 conv (padding 0) followed by a
+        batch-statistics BN is folded into the shared 1×1 conv (``None``; the first such branch
+        starts it) or run as its own folded conv; any other runs as ``branch(x)``."""
+        x = self.x
+        if self.moments is None or not (_is_1x1(conv) and _batch_bn(bn)):
+            out: Tensor = branch(x)
+            return out
+        conv2d, batch_bn = cast(nn.Conv2d, conv), cast(nn.BatchNorm2d, bn)
+        xin = _windowed(x, window, padding_mode)
         hin, win = xin.shape[-2:]
-        if (
-            fold_ok
-            and name != "kxk"  # the anchor runs as is: a zero-γ expansion stays bit-exact in training
-            and isinstance(br, ConvBNBranch)
-            and _is_1x1(br.conv)
-            and _batch_bn(br.bn)
-            and n * ((hin - 1) // br.conv.stride[0] + 1) * ((win - 1) // br.conv.stride[1] + 1) > 1
-        ):
-            stride = (int(br.conv.stride[0]), int(br.conv.stride[1]))
-            mom = moments.get(stride, br.window, br.padding_mode)  # type: ignore[union-attr]
-            a, shift = _fold(br.bn, br.conv.weight, br.conv.groups, mom)
-            if lin_w is None:
-                lin_w, lin_b, lin_geo, lin_x = a, shift, (stride, br.conv.groups, br.window), xin
+        stride = (int(conv2d.stride[0]), int(conv2d.stride[1]))
+        if not x.shape[0] * ((hin - 1) // stride[0] + 1) * ((win - 1) // stride[1] + 1) > 1:
+            out = branch(x)
+            return out
+        a, shift = _fold(batch_bn, conv2d.weight, conv2d.groups, self.moments.get(stride, window, padding_mode))
+        if self._lin_w is None:
+            self._lin_w, self._lin_b, self._lin_geo, self._lin_x = a, shift, (stride, conv2d.groups, window), xin
+            return None
+        return F.conv2d(xin, a, shift, stride, 0, 1, conv2d.groups)
+
+    def identity_bn(self, branch: nn.Module, bn: nn.Module, window: Window | None, padding_mode: str) -> Tensor | None:
+        """A BN on the input ``window``: with batch statistics it is folded (``None``; into the
+        shared 1×1 conv when that reads the same window at stride 1, see :meth:`finish`); otherwise
+        it runs as ``branch(x)``."""
+        x = self.x
+        if self.moments is not None and _batch_bn(bn):
+            hin, win = _windowed(x, window, padding_mode).shape[-2:]
+            if x.shape[0] * hin * win > 1:
+                self._identity = (cast(nn.BatchNorm2d, bn), window, padding_mode)
+                return None
+        out: Tensor = branch(x)
+        return out
+
+    def finish(self) -> list[Tensor]:
+        """The outputs of the branches handed over by :meth:`conv_bn` and :meth:`identity_bn`."""
+        parts: list[Tensor] = []
+        lin_w, lin_b, lin_geo = self._lin_w, self._lin_b, self._lin_geo
+        if self._identity is not None and self.moments is not None:
+            bn, window, padding_mode = self._identity
+            x = self.x
+            t, shift = _fold_identity(bn, self.moments.get((1, 1), window, padding_mode))
+            if lin_w is not None and lin_b is not None and lin_geo is not None and lin_geo[0] == (1, 1) and lin_geo[2] == window:
+                c = x.shape[1]
+                cpg = lin_w.shape[1]
+                idx = torch.arange(c, device=x.device)
+                eye = torch.zeros_like(lin_w).index_put_((idx, idx % cpg, idx.new_zeros(c), idx.new_zeros(c)), t)
+                lin_w = lin_w + eye
+                lin_b = lin_b + shift
             else:
-                parts.append(F.conv2d(xin, a, shift, stride, 0, 1, br.conv.groups))
-        elif isinstance(br, IdentityBranch) and fold_ok and _batch_bn(br.bn) and n * hin * win > 1:
-            identity = br
-        elif isinstance(br, OneByOneKxKBranch):
-            parts.append(one_by_one_kxk(br, x, moments))
-        elif isinstance(br, AvgBranch):
-            parts.append(avg(br, x, moments))
-        else:
-            parts.append(br(x))
-    if identity is not None:
-        t, shift = _fold_identity(identity.bn, moments.get((1, 1), identity.window, identity.padding_mode))  # type: ignore[union-attr, arg-type]
-        if lin_w is not None and lin_geo is not None and lin_geo[0] == (1, 1) and lin_geo[2] == identity.window:
-            cpg = lin_w.shape[1]
-            idx = torch.arange(c, device=x.device)
-            eye = torch.zeros_like(lin_w).index_put_((idx, idx % cpg, idx.new_zeros(c), idx.new_zeros(c)), t)
-            lin_w = lin_w + eye
-            lin_b = lin_b + shift  # type: ignore[operator]
-        else:
-            parts.append(torch.addcmul(shift.view(1, -1, 1, 1), _windowed(x, identity), t.view(1, -1, 1, 1)))
-    if lin_w is not None and lin_geo is not None:
-        parts.append(F.conv2d(lin_x, lin_w, lin_b, lin_geo[0], 0, 1, lin_geo[1]))
+                parts.append(torch.addcmul(shift.view(1, -1, 1, 1), _windowed(x, window, padding_mode), t.view(1, -1, 1, 1)))
+        if lin_w is not None and lin_geo is not None:
+            parts.append(F.conv2d(self._lin_x, lin_w, lin_b, lin_geo[0], 0, 1, lin_geo[1]))
+        return parts
+
+
+def block_forward(block: Any, x: Tensor) -> Tensor:
+    """The fused training forward of a block whose :func:`usable` check passed: each branch's
+    :meth:`~reparam.kinds.BranchKind.fused_forward` in forward order, then what the branches handed
+    over (:meth:`FusedForward.finish`), summed in that order."""
+    fusion = FusedForward(x)
+    parts: list[Tensor] = []
+    for name in block.branch_names:
+        part = get_kind(name).fused_forward(block.branches[name], x, fusion)
+        if part is not None:
+            parts.append(part)
+    parts.extend(fusion.finish())
     out = parts[0] + parts[1] if len(parts) > 1 else parts[0]
     for p in parts[2:]:
         out = out.add_(p)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal, cast
 
 import torch
 from torch import nn
@@ -48,7 +48,7 @@ def _blank_conv(g: "ConvGeometry", dtype: torch.dtype | None) -> nn.Conv2d:
     dictionary (with fresh containers) instead.
     """
     dtype = dtype or torch.get_default_dtype()
-    kwargs = {
+    kwargs: dict[str, Any] = {
         "in_channels": g.in_channels, "out_channels": g.out_channels, "kernel_size": g.kernel_size,
         "stride": g.stride, "padding": g.padding, "dilation": g.dilation, "groups": g.groups,
         "bias": g.bias, "padding_mode": g.padding_mode,
@@ -183,14 +183,13 @@ class ConvGeometry:
         g = self.replace(**overrides) if overrides else self
         if not initialize:
             conv = _blank_conv(g, dtype)
-            factory = {"device": device, "dtype": conv.weight.dtype}
             if weight is None:
-                weight = torch.empty(conv.weight.shape, **factory)
+                weight = torch.empty(conv.weight.shape, device=device, dtype=conv.weight.dtype)
             elif tuple(weight.shape) != tuple(conv.weight.shape):
                 raise ReparamError(f"make_conv: weight has shape {tuple(weight.shape)}, expected {tuple(conv.weight.shape)}")
             conv.weight = nn.Parameter(weight)
             if conv.bias is not None:
-                conv.bias = nn.Parameter(torch.empty(conv.bias.shape, **factory))
+                conv.bias = nn.Parameter(torch.empty(conv.bias.shape, device=device, dtype=conv.weight.dtype))
             return conv
         return nn.Conv2d(
             in_channels=g.in_channels,
@@ -201,7 +200,7 @@ class ConvGeometry:
             dilation=g.dilation,
             groups=g.groups,
             bias=g.bias,
-            padding_mode=g.padding_mode,
+            padding_mode=cast(Literal["zeros", "reflect", "replicate", "circular"], g.padding_mode),
             device=device,
             dtype=dtype,
         )

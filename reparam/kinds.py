@@ -8,22 +8,30 @@ A branch kind is everything the package needs to know about one kind of branch, 
 * :meth:`BranchKind.build`: a new branch module for a main geometry;
 * :meth:`BranchKind.macs`: its closed-form forward MACs per sample (the FLOPs convention of
   :mod:`reparam.flops`);
-* :meth:`BranchKind.kernel_bias` / :meth:`BranchKind.accumulate`: its equivalent pair at the main
-  kernel size, i.e. how it merges into the main kernel;
+* :meth:`BranchKind.kernel_bias` / :meth:`BranchKind.merge_terms` / :meth:`BranchKind.accumulate`:
+  its equivalent pair at the main kernel size, i.e. how it merges into the main kernel;
+* :meth:`BranchKind.fused_forward`: its share of the fused training forward of a block
+  (:mod:`reparam.fused`; default: the branch's own forward);
 * flags that the default branch sets, :func:`reparam.dymm.plan_bottom_up` and
-  :func:`reparam.dymm.dymm` read (``in_default``, ``in_first_plan``, ``in_fill``, ``growable``), and
-  where nested growth may expand a conv of the branch (``nested_conv``).
+  :func:`reparam.dymm.dymm` read (``in_default``, ``in_first_plan``, ``in_fill``, ``growable``),
+  ``anchor`` (the block's host conv), and where nested growth may expand a conv of the branch
+  (``nested_conv``).
 
-:class:`~reparam.DiverseBranchBlock`, :mod:`reparam.flops` and :mod:`reparam.dymm` look kinds up
-here, so a new kind is one subclass of :class:`BranchKind` plus :func:`register_kind`::
+:class:`~reparam.DiverseBranchBlock`, :mod:`reparam.flops`, :mod:`reparam.fused`,
+:mod:`reparam.dymm` and :mod:`reparam.planning` read kinds from here only, so a new kind is one
+subclass of :class:`BranchKind` plus :func:`register_kind`::
 
     class Centre3x3(reparam.BranchKind):
         name = "3x3"
         ...
     reparam.register_kind(Centre3x3())
 
-The seven built-in kinds (``kxk, 1x1, 1x1_kxk, 1x1_avg, 1xk, kx1, identity``) are defined in
-:mod:`reparam.branches`, next to their modules, and cannot be unregistered.
+The seven built-in kinds (``kxk, 1x1, 1x1_kxk, 1x1_avg, 1xk, kx1, identity``; the list is
+:data:`reparam.KINDS`) are defined next to their branch modules, one module per family
+(:mod:`reparam.kind_conv`, :mod:`reparam.kind_1x1_kxk`, :mod:`reparam.kind_avg`,
+:mod:`reparam.kind_identity`), each class registered where it is defined; ``import reparam``
+registers them all. They cannot be unregistered or replaced, and only the built-in ``kxk`` is the
+``anchor``.
 
 A branch module built by a kind must provide ``forward(x)`` (no activation inside),
 ``equivalent_kernel_bias(geometry, dtype=None) -> (K, b)`` (a kernel at the main kernel size and a
@@ -36,13 +44,16 @@ from __future__ import annotations
 import abc
 import contextlib
 import itertools
-from typing import Any, Iterator, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, TypeVar, cast
 
 import torch
 from torch import Tensor, nn
 
-from .errors import ReparamError
+from .errors import AlignmentError, ReparamError
 from .geometry import ConvGeometry
+
+if TYPE_CHECKING:  # the fused forward imports this module, not the other way round
+    from .fused import FusedForward
 
 __all__ = [
     "BranchKind",
@@ -54,6 +65,10 @@ __all__ = [
     "branch_kinds",
     "kind_registered",
     "default_kinds",
+    "anchor_name",
+    "flagged",
+    "applicability",
+    "make_branch",
 ]
 
 HW = tuple[int, int]
@@ -66,7 +81,8 @@ class BranchKind(abc.ABC):
         name: the branch name (a valid ``nn.ModuleDict`` key: no ``"."``).
         order: forward-order position; built-ins use 0–60, so a new kind with the default order
             runs after them (ties: registration order).
-        anchor: the ``kxk`` anchor only (built by the block from the host conv, never removed).
+        anchor: the block's anchor (its host conv and norm, built by the block, never removed);
+            only the built-in ``kxk`` has it.
         in_default / in_depthwise_default: part of the default set for dense/grouped and for
             depthwise convs (``DiverseBranchBlock.from_conv(..., branches=None)``).
         in_first_plan: part of the full set a conv gets in phase 1 of
@@ -141,14 +157,15 @@ class BranchKind(abc.ABC):
         return in_hw
 
     def kernel_bias(self, branch: nn.Module, geometry: ConvGeometry, dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor]:
-        """The branch's equivalent pair at the main kernel size (differentiable, eval-exact)."""
-        return branch.equivalent_kernel_bias(geometry, dtype)  # type: ignore[operator]
+        """The branch's equivalent pair at the main kernel size (differentiable, eval-exact): the
+        module's ``equivalent_kernel_bias``."""
+        pair: tuple[Tensor, Tensor] = cast(Any, branch).equivalent_kernel_bias(geometry, dtype)
+        return pair
 
-    @torch.no_grad()
     def merge_terms(self, branch: nn.Module, geometry: ConvGeometry, dtype: torch.dtype) -> Any:
-        """Per-merge quantities computed once for all row chunks (``None``: none)."""
-        fn = getattr(branch, "merge_terms", None)
-        return fn(geometry, dtype) if callable(fn) else None
+        """Per-merge quantities that :meth:`accumulate` needs for every row chunk, computed once
+        per merge in ``dtype`` (``None``: none; the default :meth:`accumulate` needs none)."""
+        return None
 
     @torch.no_grad()
     def accumulate(
@@ -161,11 +178,9 @@ class BranchKind(abc.ABC):
         terms: Any = None,
     ) -> Tensor:
         """Add the branch's pair (output rows ``rows``) to ``acc`` and ``bias`` in place, in the
-        dtype of ``bias``; returns ``acc`` (allocated when ``None``). Uses the module's own
-        ``accumulate_`` when it has one, else :meth:`kernel_bias`."""
-        fn = getattr(branch, "accumulate_", None)
-        if callable(fn):
-            return fn(acc, bias, geometry, rows, terms)  # type: ignore[no-any-return]
+        dtype of ``bias``, without autograd; returns ``acc`` (allocated when ``None``; a broadcast
+        ``(O, C/g, 1, 1)`` accumulator is expanded). ``terms``: :meth:`merge_terms`, when the
+        caller computed it once for all chunks. The default goes through :meth:`kernel_bias`."""
         k, b = self.kernel_bias(branch, geometry, bias.dtype)
         if rows is not None:
             k, b = k[rows], b[rows]
@@ -177,6 +192,13 @@ class BranchKind(abc.ABC):
             return acc + k
         return acc.add_(k)
 
+    def fused_forward(self, branch: nn.Module, x: Tensor, fusion: "FusedForward") -> Tensor | None:
+        """The branch's output in the fused training forward of its block (:mod:`reparam.fused`),
+        or ``None`` when the branch handed its computation to ``fusion`` (which adds it to the
+        block output). Must equal ``branch(x)`` up to rounding. Default: ``branch(x)``."""
+        out: Tensor = branch(x)
+        return out
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.name!r})"
 
@@ -187,28 +209,28 @@ class BranchKind(abc.ABC):
 _REGISTRY: dict[str, BranchKind] = {}
 _SEQUENCE: dict[str, int] = {}
 _BUILTIN: set[str] = set()
+_ANCHOR: list[str] = []  # the name of the built-in anchor kind, once registered
 _NEXT = itertools.count(1)  # registration sequence: ties of ``order`` keep registration order
 
-
-def _load_builtins() -> None:
-    # the built-in kinds live beside their modules and register themselves on import
-    from . import branches  # noqa: F401
+K = TypeVar("K", bound=type[BranchKind])
 
 
 def register_kind(kind: BranchKind, *, replace: bool = False) -> BranchKind:
     """Register ``kind`` (an instance of a :class:`BranchKind` subclass); returns it.
 
     Raises:
-        ReparamError: not a ``BranchKind``, a bad name, or the name is taken (``replace=True``
-            replaces a registered custom kind; built-in kinds cannot be replaced).
+        ReparamError: not a ``BranchKind``, a bad name, an ``anchor`` kind, or the name is taken
+            (``replace=True`` replaces a registered custom kind; built-in kinds cannot be
+            replaced).
     """
-    _load_builtins()
     return _register(kind, replace=replace, builtin=False)
 
 
-def _register_builtin(kind: BranchKind) -> BranchKind:
-    """Register a built-in kind (called by :mod:`reparam.branches` while it is imported)."""
-    return _register(kind, replace=False, builtin=True)
+def builtin_kind(cls: K) -> K:
+    """Class decorator of reparam's own kind modules: register an instance of ``cls`` as a
+    built-in kind (it can then be neither replaced nor unregistered)."""
+    _register(cls(), replace=False, builtin=True)
+    return cls
 
 
 def _register(kind: BranchKind, *, replace: bool, builtin: bool) -> BranchKind:
@@ -224,24 +246,28 @@ def _register(kind: BranchKind, *, replace: bool, builtin: bool) -> BranchKind:
             raise ReparamError(f"branch kind {name!r} is built in and cannot be replaced")
         if not replace:
             raise ReparamError(f"branch kind {name!r} is already registered (pass replace=True to replace it)")
+    if kind.anchor and (not builtin or _ANCHOR):
+        raise ReparamError(f"branch kind {name!r}: a block has one anchor, the built-in one")
     _REGISTRY[name] = kind
     if name not in _SEQUENCE:
         _SEQUENCE[name] = next(_NEXT)
     if builtin:
         _BUILTIN.add(name)
+        if kind.anchor:
+            _ANCHOR.append(name)
     return kind
 
 
 def unregister_kind(name: str) -> BranchKind:
     """Remove a registered custom kind; returns it.
 
-    Blocks that already hold a branch of the kind keep it, but cannot be merged or saved without
-    the kind; unregister only kinds no live block uses.
+    Blocks that already hold a branch of the kind keep it, but cannot be merged, saved or trained
+    (the fused training forward asks the kind) without it; unregister only kinds no live block
+    uses.
 
     Raises:
         ReparamError: unknown or built-in kind.
     """
-    _load_builtins()
     if name in _BUILTIN:
         raise ReparamError(f"branch kind {name!r} is built in and cannot be unregistered")
     if name not in _REGISTRY:
@@ -252,7 +278,6 @@ def unregister_kind(name: str) -> BranchKind:
 
 def kind_names() -> tuple[str, ...]:
     """Names of every registered kind in forward order (``order``, then registration order)."""
-    _load_builtins()
     return tuple(sorted(_REGISTRY, key=lambda n: (_REGISTRY[n].order, _SEQUENCE[n])))
 
 
@@ -267,7 +292,6 @@ def get_kind(name: str) -> BranchKind:
     Raises:
         ReparamError: unknown name (the message lists the registered kinds).
     """
-    _load_builtins()
     kind = _REGISTRY.get(name) if isinstance(name, str) else None
     if kind is None:
         raise ReparamError(f"unknown branch kind {name!r}; accepted values: {kind_names()}")
@@ -276,8 +300,14 @@ def get_kind(name: str) -> BranchKind:
 
 def is_kind(name: Any) -> bool:
     """Whether ``name`` names a registered kind."""
-    _load_builtins()
     return isinstance(name, str) and name in _REGISTRY
+
+
+def anchor_name() -> str:
+    """The name of the anchor kind (``"kxk"``): the branch every block holds, its host conv."""
+    if not _ANCHOR:  # pragma: no cover - ``import reparam`` registers the built-in kinds
+        raise ReparamError("the built-in branch kinds are not registered (import reparam)")
+    return _ANCHOR[0]
 
 
 @contextlib.contextmanager
@@ -294,3 +324,65 @@ def kind_registered(kind: BranchKind, *, replace: bool = False) -> Iterator[Bran
 def default_kinds(depthwise: bool = False) -> tuple[str, ...]:
     """The default branch set (forward order) for dense/grouped or for depthwise convs."""
     return tuple(k.name for k in branch_kinds() if (k.in_depthwise_default if depthwise else k.in_default))
+
+
+def flagged(flag: Callable[[BranchKind], bool]) -> tuple[str, ...]:
+    """Registered kinds (forward order) for which ``flag(kind)`` holds, e.g.
+    ``flagged(lambda k: k.in_first_plan)``."""
+    return tuple(k.name for k in branch_kinds() if flag(k))
+
+
+# ---------------------------------------------------------------------------------------------
+# operations over the registered kinds
+
+
+def applicability(main: ConvGeometry, *, crop: bool = True) -> dict[str, str | None]:
+    """For every registered kind (forward order): ``None`` if it is applicable to ``main``, else the
+    reason it is not. ``crop`` allows input-window branches (branches that read a crop of the
+    input where their own padding cannot align them, see :func:`reparam.kind_conv.conv_layout`)."""
+    return {k.name: k.reason(main, crop=crop) for k in branch_kinds()}
+
+
+def make_branch(
+    kind: str,
+    main: ConvGeometry,
+    *,
+    eps: float = 1e-5,
+    momentum: float | None = 0.1,
+    device: torch.device | str | None = None,
+    dtype: torch.dtype | None = None,
+    zero_last: bool = True,
+    generator: torch.Generator | None = None,
+    crop: bool = True,
+    options: Mapping[str, Any] | None = None,
+) -> nn.Module:
+    """Create a new (non-anchor) branch of the registered ``kind`` for the main geometry.
+
+    Convs get Kaiming-normal fan-out init (identity-based residuals 0); inner BNs PyTorch defaults;
+    the last BN ``γ = β = 0`` when ``zero_last`` (the branch then outputs exactly 0 in train and eval
+    mode). ``options``: the kind's build options (:attr:`BranchKind.options`, e.g. ``internal`` and
+    ``identity_init`` of ``1x1_kxk``, ``path`` of ``1x1_avg``).
+
+    Raises:
+        AlignmentError: the kind is not applicable to ``main`` (reason in the message).
+        ReparamError: unknown kind or option, or a bad option value.
+    """
+    if not is_kind(kind) or get_kind(kind).anchor:
+        accepted = tuple(k.name for k in branch_kinds() if not k.anchor)
+        raise ReparamError(f"kind must be one of {accepted}, got {kind!r}")
+    k = get_kind(kind)
+    opts = dict(options or {})
+    bad = set(opts) - set(k.options)
+    if bad:
+        raise ReparamError(f"unknown options {sorted(bad)} for branch {kind!r}; accepted: {sorted(k.options)}")
+    reason = k.reason(main, crop=crop)
+    if reason is not None:
+        raise AlignmentError(reason)
+    factory: dict[str, Any] = {"device": device, "dtype": dtype}
+    branch = k.build(main, eps=eps, momentum=momentum, factory=factory, generator=generator, crop=crop, options=opts)
+    if zero_last:
+        last = cast(nn.Module, branch.last_bn)
+        with torch.no_grad():
+            cast(Tensor, last.weight).zero_()
+            cast(Tensor, last.bias).zero_()
+    return branch

@@ -27,14 +27,13 @@ from torch import nn
 
 from ._tree import iter_blocks
 from .block import DiverseBranchBlock
-from .branches import applicability
 from .changes import StructureChange
 from .dymm import applicable_kinds, plan_bottom_up
 from .errors import ReparamError
 from .flops import conv_output_hw, input_sizes, model_macs
 from .geometry import ConvGeometry
 from .hostforms import conv_form
-from .kinds import get_kind, kind_names
+from .kinds import anchor_name, applicability, get_kind, kind_names
 
 __all__ = [
     "GROW_MODES",
@@ -167,7 +166,7 @@ def nested_candidates(
     items: list[tuple[tuple[str, str, str], int]] = []
     for path, block, name, geo, hw in _nested_sites(model, sizes):
         inner = block.nested_block(name)
-        present = set(inner.branch_names) if inner is not None else {"kxk"}
+        present = set(inner.branch_names) if inner is not None else {anchor_name()}
         out_hw = conv_output_hw(geo, hw)
         for kind, reason in applicability(geo, crop=block.nested_crop(name)).items():
             k = get_kind(kind)
@@ -188,11 +187,12 @@ def first_plan(
     ``kinds``: the branch kinds the plan may use (default: all).
     """
     base = model_macs(plain, tuple(input_shape))
-    plan: dict[str, tuple[str, ...]] = {path: ("kxk",) for path, _ in expandable_convs(plain)}
+    anchor = anchor_name()
+    plan: dict[str, tuple[str, ...]] = {path: (anchor,) for path, _ in expandable_convs(plain)}
     if kinds is None:
         greedy = plan_bottom_up(plain, budget_macs, input_shape)
     else:
-        allowed = set(kinds) | {"kxk"}
+        allowed = set(kinds) | {anchor}
         greedy = plan_bottom_up(
             plain, budget_macs, input_shape,
             candidate_set=[k for k in kind_names() if get_kind(k).in_first_plan and k in allowed],
@@ -203,14 +203,14 @@ def first_plan(
         return plan
     items = candidate_costs(plain, input_shape, blocks_only=False, kinds=kinds)
     extra = {key: c for key, c in items}
-    used = sum(extra.get((p, k), 0) for p, kinds in plan.items() for k in kinds if k != "kxk")
+    used = sum(extra.get((p, k), 0) for p, kinds in plan.items() for k in kinds if k != anchor)
     reachable = min(budget_macs - base, sum(extra.values()))
     if reachable <= 0 or used >= 0.95 * reachable:
         return plan
     chosen = best_additions(items, budget_macs - base)
     if sum(extra[k] for k in chosen) <= used:
         return plan
-    plan = {path: ("kxk",) for path, _ in expandable_convs(plain)}
+    plan = {path: (anchor,) for path, _ in expandable_convs(plain)}
     for path, kind in chosen:
         plan[path] = plan[path] + (kind,)
     return plan

@@ -40,6 +40,7 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import nn
 
+from .block import DiverseBranchBlock
 from .errors import ReparamError
 
 __all__ = ["SaliencyMeter", "METRICS"]
@@ -51,9 +52,7 @@ _NORMALIZE = (None, "numel")
 Key = tuple[str, str]
 
 
-def _iter_blocks(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
-    from .block import DiverseBranchBlock
-
+def _iter_blocks(model: nn.Module) -> Iterator[tuple[str, DiverseBranchBlock]]:
     for path, m in model.named_modules():
         if isinstance(m, DiverseBranchBlock):
             yield path, m
@@ -138,9 +137,8 @@ class SaliencyMeter:
         )
 
     @staticmethod
-    def _names(block: nn.Module) -> list[str]:
-        names = getattr(block, "branch_names", None)
-        return list(names) if names is not None else list(block.branches.keys())
+    def _names(block: DiverseBranchBlock) -> list[str]:
+        return block.branch_names
 
     def _device(self) -> torch.device:
         for p in self.model.parameters():
@@ -272,7 +270,9 @@ class SaliencyMeter:
         for i, k in enumerate(keys):
             self._sums[k].add_(vals[i])
             self._counts[k].add_(inc)
-        self._skipped.add_(1.0 - inc)
+        skipped = self._skipped
+        assert skipped is not None  # set by refresh()
+        skipped.add_(1.0 - inc)
 
     def _to(self, device: torch.device) -> None:
         for d in (self._sums, self._counts):
@@ -351,4 +351,6 @@ class SaliencyMeter:
             if key in self._sums:
                 self._sums[key].fill_(float(s))
                 self._counts[key].fill_(float(c))
-        self._skipped.fill_(float(state.get("skipped", 0)))
+        skipped = self._skipped
+        assert skipped is not None  # set by refresh()
+        skipped.fill_(float(state.get("skipped", 0)))

@@ -162,8 +162,8 @@ def assert_equivalent(
     return worst
 
 
-def _bn_modules(model: nn.Module) -> list[nn.Module]:
-    out = []
+def _bn_modules(model: nn.Module) -> list[Any]:
+    out: list[Any] = []
     for m in model.modules():
         if isinstance(m, nn.modules.batchnorm._BatchNorm) or type(m).__name__ == "FrozenBatchNorm2d":
             out.append(m)
@@ -205,7 +205,7 @@ def perturb_(model: nn.Module, generator: torch.Generator | None = None, scale: 
 
     Every BatchNorm gets :func:`randomize_bn_` values; every other floating parameter ``p`` gets
     ``p += scale·r·N(0, 1)`` with ``r`` the root mean square of ``p``, or, for a parameter that is
-    exactly zero (the residual of an :class:`~reparam.branches.IdentityBasedConv1x1`, a zero
+    exactly zero (the residual of an :class:`~reparam.layers.IdentityBasedConv1x1`, a zero
     bias), ``r = 1/sqrt(fan_in)`` for a kernel and ``0.1`` for a vector. Buffers other than BN
     statistics (e.g. the identity kernel of an identity-based conv) are left alone. Returns
     ``model``.

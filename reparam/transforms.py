@@ -27,7 +27,7 @@ subclass whose message says why.
 
 from __future__ import annotations
 
-from typing import Any, Iterable, NamedTuple, Sequence
+from typing import Any, Iterable, NamedTuple, Sequence, cast
 
 import torch
 import torch.nn.functional as F
@@ -81,7 +81,7 @@ class BNStats(NamedTuple):
 
 def bn_stats(bn: Any) -> BNStats:
     """Extract eval statistics from ``BatchNorm2d``, ``SyncBatchNorm``, torchvision's
-    ``FrozenBatchNorm2d``, :class:`~reparam.branches.FrozenIdentityBN` or a :class:`BNStats`.
+    ``FrozenBatchNorm2d``, :class:`~reparam.layers.FrozenIdentityBN` or a :class:`BNStats`.
 
     Raises:
         NotMergeableError: GroupNorm / LayerNorm / InstanceNorm (statistics depend on the input),
@@ -104,7 +104,7 @@ def bn_stats(bn: Any) -> BNStats:
         )
     gamma = getattr(bn, "weight", None)
     beta = getattr(bn, "bias", None)
-    return BNStats(mean, var, gamma, beta, float(bn.eps))
+    return BNStats(mean, var, gamma, beta, float(cast(float, bn.eps)))
 
 
 #: BatchNorm classes (by name) whose forward adds optional ``drop`` and ``act`` layers after the
@@ -228,10 +228,10 @@ def unfold_bn(kernel: Tensor, bias: Tensor, bn: Any, conv_bias: Tensor | None = 
 
 
 def _pairs(pairs: Iterable[Pair] | Pair) -> list[Pair]:
-    items = list(pairs)
+    items: list[Any] = list(pairs)
     if len(items) == 2 and all(isinstance(t, Tensor) for t in items) and items[0].dim() == 4:
         return [(items[0], items[1])]  # a single pair was passed
-    return [tuple(p) for p in items]  # type: ignore[misc]
+    return [cast(Pair, tuple(p)) for p in items]
 
 
 def add_branches(pairs: Iterable[Pair]) -> Pair:

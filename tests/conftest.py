@@ -1,13 +1,15 @@
 """Shared test fixtures.
 
 torchvision and timm fail to import on CPU-only torch builds whose torchvision wheel was linked
-against CUDA; ``fedhetero._compat.import_torchvision`` registers the missing operator schemas once,
+against CUDA; ``reparam._compat.import_torchvision`` registers the missing operator schemas once,
 here, so every test module can ``import torchvision`` / ``import timm`` afterwards.
 """
 
 from __future__ import annotations
 
 import os
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -22,7 +24,11 @@ torch.set_num_threads(int(os.environ.get("FEDHETERO_TEST_THREADS", "1")))
 # Tests of the drop accounting itself lift it with the ``lenient`` fixture.
 os.environ["FEDHETERO_STRICT"] = "1"
 
-from fedhetero._compat import import_torchvision
+# the package itself, before pytest's tests/ entry on sys.path lets the tests/fedhetero folder
+# stand in for it (a folder without __init__.py is a namespace package there)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import fedhetero  # noqa: E402,F401
+from reparam._compat import import_torchvision
 
 try:
     import_torchvision()
@@ -50,7 +56,7 @@ def tv():
 @pytest.fixture
 def timm_module():
     """The timm module (skips the test when it is not installed)."""
-    from fedhetero._compat import import_timm
+    from reparam._compat import import_timm
 
     try:
         return import_timm()

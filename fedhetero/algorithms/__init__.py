@@ -1,129 +1,80 @@
-"""Federated algorithms, one module each, discovered by name.
+"""The methods, in one folder per family; each family owns its helpers.
 
-Every module in this package that defines :class:`~fedhetero.algorithms.base.Algorithm`
-subclasses with a ``name`` registers them; :func:`get_algorithm` looks a name up and
-:func:`list_algorithms` lists what is available.
+* ``classic/`` — FedAvg and the optimisation baselines (FedProx, SCAFFOLD, FedDyn, FedNova, MOON,
+  FedACG, FedEnsemble);
+* ``width/`` — width-sliced sub-models (HeteroFL, FedRolex, SplitMix);
+* ``kd/`` — knowledge distillation (FedDF, FedET, DS-FL, FedGen);
+* ``feddumap/`` — server data, adaptive momentum and adaptive pruning (FedDU, FedDUM, FedDUMAP,
+  FedAP) with their baselines;
+* ``dynamicfl/``, ``dynacomm/`` (with its selectors), ``dyninit/`` — one method each;
+* ``pruning/`` and ``features`` — structural tools several families share.
+
+:data:`BUILTIN` names every built-in method; :func:`fedhetero.core.registry.get_algorithm` loads
+one on demand. A method of your own subclasses :class:`Algorithm` and needs nothing but the names
+this package exports (see the guide).
 """
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
-import pkgutil
-import sys
-from pathlib import Path
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:  # pragma: no cover
-    from fedhetero.config import RunConfig
-
-from fedhetero.algorithms.base import Algorithm, ClientInfo, ClientResult, ClientTask, ClientUpdate
+from fedhetero.core.aggregation import weighted_average
+from fedhetero.core.algorithm import Algorithm
+from fedhetero.core.config import ConfigError, MethodOptions, option, require
+from fedhetero.core.registry import build_algorithm, get_algorithm, list_algorithms, register
+from fedhetero.core.types import ClientInfo, ClientResult, ClientTask, payload_bytes, state_bytes
 
 __all__ = [
     "Algorithm",
+    "BUILTIN",
     "ClientInfo",
     "ClientResult",
     "ClientTask",
-    "ClientUpdate",
+    "ConfigError",
+    "MethodOptions",
     "build_algorithm",
     "get_algorithm",
     "list_algorithms",
+    "option",
+    "payload_bytes",
+    "register",
+    "require",
+    "state_bytes",
+    "weighted_average",
 ]
 
-_REGISTRY: dict[str, type[Algorithm]] | None = None
+_P = __name__
 
-
-def _discover() -> dict[str, type[Algorithm]]:
-    global _REGISTRY
-    if _REGISTRY is None:
-        found: dict[str, type[Algorithm]] = {}
-        for info in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
-            if info.name.startswith("_") or info.name == "base":
-                continue
-            module = importlib.import_module(f"{__name__}.{info.name}")
-            for obj in vars(module).values():
-                if (
-                    isinstance(obj, type)
-                    and issubclass(obj, Algorithm)
-                    and obj.__module__ == module.__name__
-                    and obj.name != "base"
-                ):
-                    if obj.name in found:
-                        raise RuntimeError(f"two algorithms are named {obj.name!r}")
-                    found[obj.name] = obj
-        _REGISTRY = found
-    return _REGISTRY
-
-
-def list_algorithms() -> list[str]:
-    """Names of every available algorithm, sorted."""
-    return sorted(_discover())
-
-
-def _import_path(name: str) -> type[Algorithm]:
-    """``package.module:Class`` or ``path/to/file.py:Class``: an algorithm outside this package."""
-    from fedhetero.config import ConfigError
-
-    where, _, attr = name.rpartition(":")
-    try:
-        if where.endswith(".py"):
-            path = Path(where).resolve()
-            mod_name = f"_fedhetero_user_{path.stem}"
-            module = sys.modules.get(mod_name)
-            if module is None:
-                spec = importlib.util.spec_from_file_location(mod_name, path)
-                if spec is None or spec.loader is None or not path.is_file():
-                    raise ImportError(f"no such file: {path}")
-                module = importlib.util.module_from_spec(spec)
-                sys.modules[mod_name] = module
-                spec.loader.exec_module(module)
-        else:
-            module = importlib.import_module(where)
-        cls = getattr(module, attr)
-    except (ImportError, AttributeError, OSError, SyntaxError) as exc:
-        raise ConfigError(f"algorithm.name: cannot load {name!r} ({type(exc).__name__}: {exc})") from None
-    if not (isinstance(cls, type) and issubclass(cls, Algorithm)):
-        raise ConfigError(f"algorithm.name: {name!r} is not a fedhetero.algorithms.Algorithm subclass")
-    return cls
-
-
-def get_algorithm(name: str) -> type[Algorithm]:
-    """The algorithm class registered under ``name``, or loaded from ``module:Class`` /
-    ``file.py:Class`` for an algorithm of your own (worker processes and Flower nodes load it the
-    same way)."""
-    if ":" in name:
-        return _import_path(name)
-    if _REGISTRY is None and name.isidentifier() and not name.startswith("_"):
-        # fast path for a fresh process (a worker, a Flower node): the module named after the
-        # algorithm usually defines it, and importing every method's module costs about a second
-        try:
-            module = importlib.import_module(f"{__name__}.{name}")
-        except ImportError:
-            module = None
-        if module is not None:
-            for obj in vars(module).values():
-                if isinstance(obj, type) and issubclass(obj, Algorithm) and obj.__module__ == module.__name__ and obj.name == name:
-                    return obj
-    registry = _discover()
-    if name not in registry:
-        from fedhetero.config import ConfigError
-
-        raise ConfigError(f"algorithm.name: unknown algorithm {name!r}; available: {', '.join(sorted(registry))}")
-    return registry[name]
-
-
-def build_algorithm(cfg: "RunConfig") -> Algorithm:
-    """Instantiate the configured algorithm with validated options."""
-    from fedhetero.config import _from_mapping
-
-    from fedhetero.config import ConfigError
-
-    cls = get_algorithm(cfg.algorithm.name)
-    try:
-        options = _from_mapping(cls.Options, dict(cfg.algorithm.options), "algorithm.options")
-    except ConfigError:
-        raise
-    except (ValueError, TypeError) as exc:  # a range check of the options class
-        msg = str(exc)
-        raise ConfigError(msg if msg.startswith("algorithm.options") else f"algorithm.options ({cfg.algorithm.name}): {msg}") from None
-    return cls(options)
+#: name -> ``"module:Class"`` of every built-in method
+BUILTIN: dict[str, str] = {
+    "fedavg": f"{_P}.classic.fedavg:FedAvg",
+    "fedavg_small": f"{_P}.classic.fedavg:FedAvgSmall",
+    "fedprox": f"{_P}.classic.fedprox:FedProx",
+    "scaffold": f"{_P}.classic.scaffold:Scaffold",
+    "feddyn": f"{_P}.classic.feddyn:FedDyn",
+    "fednova": f"{_P}.classic.fednova:FedNova",
+    "moon": f"{_P}.classic.moon:Moon",
+    "fedacg": f"{_P}.classic.fedacg:FedACG",
+    "fedensemble": f"{_P}.classic.fedensemble:FedEnsemble",
+    "heterofl": f"{_P}.width.heterofl:HeteroFL",
+    "fedrolex": f"{_P}.width.fedrolex:FedRolex",
+    "splitmix": f"{_P}.width.splitmix:SplitMix",
+    "feddf": f"{_P}.kd.feddf:FedDF",
+    "fedet": f"{_P}.kd.fedet:FedET",
+    "dsfl": f"{_P}.kd.dsfl:DSFL",
+    "fedgen": f"{_P}.kd.fedgen:FedGen",
+    "feddu": f"{_P}.feddumap.feddu:FedDU",
+    "feddu_static": f"{_P}.feddumap.feddu:FedDUStatic",
+    "feddum": f"{_P}.feddumap.feddum:FedDUM",
+    "fedduap": f"{_P}.feddumap.feddumap:FedDUAP",
+    "feddumap": f"{_P}.feddumap.feddumap:FedDUMAP",
+    "fedap": f"{_P}.feddumap.fedap:FedAP",
+    "data_sharing": f"{_P}.feddumap.baselines:DataSharing",
+    "hybrid_fl": f"{_P}.feddumap.baselines:HybridFL",
+    "feddu_sm": f"{_P}.feddumap.baselines:FedDUServerM",
+    "feddu_dm": f"{_P}.feddumap.baselines:FedDUDeviceM",
+    "feddu_da": f"{_P}.feddumap.baselines:FedDUDA",
+    "hrank_fl": f"{_P}.feddumap.baselines:HRankFL",
+    "imc": f"{_P}.feddumap.baselines:IMC",
+    "dynamicfl": f"{_P}.dynamicfl.algorithm:DynamicFL",
+    "dynacomm": f"{_P}.dynacomm.algorithm:DynaComm",
+    "dyninit": f"{_P}.dyninit.algorithm:DynInit",
+}

@@ -121,7 +121,7 @@ def iterate_batches(
     batch_size = int(batch_size)
     idx = epoch_order(dataset, indices, generator, shuffle)
     n = int(idx.numel())
-    fill = dataset.pixel_fill() if augment else None
+    fill = dataset.pixel_fill() if augment else None  # the padding of the augmentation
     stop = n - n % batch_size if drop_last else n
     # the whole set in storage order (an evaluation): batches are views, not copies
     in_order = indices is None and not shuffle and not augment
@@ -133,7 +133,7 @@ def iterate_batches(
             b = idx[start : start + batch_size]
             x = dataset.images[b]
             y = dataset.labels[b]
-        if augment:
+        if fill is not None:  # augment
             x = random_crop_flip(x, padding=4, flip=True, fill=fill, generator=generator)
         if device is not None:
             x = x.to(device, non_blocking=True)

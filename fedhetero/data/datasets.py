@@ -49,8 +49,8 @@ import json
 import os
 import pickle
 import tarfile
-import zlib
 import warnings
+import zlib
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
@@ -58,6 +58,8 @@ from typing import Any, Callable, Mapping, Sequence
 import numpy as np
 import torch
 from torch import Tensor
+
+from reparam._compat import import_torchvision
 
 from .errors import DataConfigError, DatasetFormatError, DatasetNotFoundError
 
@@ -480,8 +482,6 @@ def _safe_extract(archive: Path, dest: Path) -> None:
 def _try_download(url: str, root: Path, md5: str | None, extract: bool) -> str | None:
     """Download with torchvision's downloader; returns an error string instead of raising."""
     try:
-        from fedhetero._compat import import_torchvision
-
         tv = import_torchvision()
         root.mkdir(parents=True, exist_ok=True)
         if extract:
@@ -834,8 +834,6 @@ def _load_idx_set(
     note = ""
     if folder is None and download:
         try:
-            from fedhetero._compat import import_torchvision
-
             tv = import_torchvision()
             cls = tv.datasets.MNIST if name == "mnist" else tv.datasets.FashionMNIST
             for train in (True, False):
@@ -905,8 +903,6 @@ def _load_svhn(root: Path, split: str, download: bool, normalize: bool, options:
     note = ""
     if path is None and download:
         try:
-            from fedhetero._compat import import_torchvision
-
             tv = import_torchvision()
             tv.datasets.SVHN(str(root), split=split, download=True)
             err = None

@@ -5,13 +5,15 @@
 1. load the train and test splits into memory;
 2. hold out the unlabelled public set of the distillation baselines (removed for every method, so
    all methods train on the same data);
-3. split off the server set (the FedDUMAP paper's shared server data; size and class coverage
+3. hold out the validation set (``val_fraction``, stratified by class), when there is one;
+4. split off the server set (the FedDUMAP paper's shared server data; size and class coverage
    configurable);
-4. partition the remaining pool among the clients.
+5. partition the remaining pool among the clients.
 
 Every index in :class:`FederatedData` refers to rows of ``train`` (``public_indices`` refers to
-rows of ``public_dataset`` when a separate public source is used). The client, server and public
-sets are pairwise disjoint and, with a public set taken from ``train``, together cover ``train``.
+rows of ``public_dataset`` when a separate public source is used). The client, server, public and
+validation sets are pairwise disjoint. Rows may stay unused: the tail of a ``device_pool`` that
+the server does not draw, and the writers ``natural`` leaves out.
 """
 
 from __future__ import annotations

@@ -39,6 +39,7 @@ Partitioners
 from __future__ import annotations
 
 import logging
+import math
 from typing import Any, Sequence
 
 import numpy as np
@@ -53,6 +54,8 @@ __all__ = [
     "kshards",
     "pathological",
     "natural",
+    "overlap_label_split",
+    "session_groups",
     "make_partition",
     "label_histograms",
     "partition_stats",
@@ -415,6 +418,78 @@ def natural(
     return parts
 
 
+# ---------------------------------------------------------------------------- session groups
+def overlap_label_split(num_classes: int, overlap: float) -> tuple[list[int], list[int]]:
+    """Labels of group A and group B for a cross-group label overlap ``o`` in [0, 1).
+
+    ``o = 0``: A gets the lower half of the labels, B the upper half. Otherwise, with
+    ``G = ⌊L/(2−o)⌋`` labels per group of which ``O = ⌊G·o⌋`` are shared and ``U = G − O`` are
+    a group's own: A = labels ``[0, U+O)``, B = labels ``[U, 2U+O)``; labels from ``2U+O`` on are
+    unused (10 classes, o = 0.2: A = 0..4, B = 4..8). ``O = 0`` falls back to halves."""
+    if not 0.0 <= overlap < 1.0:
+        raise ValueError(f"overlap must be in [0, 1), got {overlap}")
+    if num_classes < 2:
+        raise ValueError("two groups need at least 2 classes")
+    labels = list(range(num_classes))
+    half = num_classes // 2
+    if overlap == 0.0:
+        return labels[:half], labels[half:]
+    g = int(math.floor(num_classes / (2.0 - overlap)))
+    o = int(math.floor(g * overlap))
+    u = g - o
+    if o == 0:
+        return labels[:half], labels[half:]
+    return labels[: u + o], labels[u: 2 * u + o]
+
+
+def _fill_group(labels: np.ndarray, classes: Sequence[int], num_devices: int, alpha: float,
+                rng: np.random.Generator) -> list[np.ndarray]:
+    """Every sample of ``classes`` dealt to ``num_devices`` devices with balanced quotas; device
+    ``k`` draws its class mix ``p_k ~ Dir(α)`` and fills its quota by drawing a class from ``p_k``
+    and taking the next sample of that class's shuffled pool (any class with samples left once
+    ``3·|classes| + 5`` draws in a row hit empty pools)."""
+    pools = [list(rng.permutation(np.flatnonzero(labels == c))) for c in classes]
+    total = sum(len(p) for p in pools)
+    base, extra = divmod(total, num_devices)
+    quotas = [base + (1 if k < extra else 0) for k in range(num_devices)]
+    out: list[np.ndarray] = []
+    patience = 3 * len(classes) + 5
+    for quota in quotas:
+        p = rng.dirichlet(np.full(len(classes), float(alpha)))
+        cdf = np.cumsum(p)
+        got: list[int] = []
+        misses = 0
+        while len(got) < quota:
+            j = min(int(np.searchsorted(cdf, rng.random(), side="right")), len(classes) - 1)
+            if pools[j]:
+                got.append(int(pools[j].pop()))
+                misses = 0
+                continue
+            misses += 1
+            if misses >= patience:
+                j = next(i for i, pool in enumerate(pools) if pool)
+                got.append(int(pools[j].pop()))
+                misses = 0
+        out.append(np.sort(np.asarray(got, dtype=np.int64)))
+    return out
+
+
+def session_groups(labels: Any, num_clients: int, overlap: float, alpha: float,
+                   rng: np.random.Generator) -> list[np.ndarray]:
+    """Two device groups for arrival/departure experiments: clients ``[0, N/2)`` form group A and
+    hold the labels :func:`overlap_label_split` gives A, clients ``[N/2, N)`` group B with B's.
+    Inside a group every sample of its labels goes to its devices (:func:`_fill_group`); the
+    samples of shared labels are dealt independently in each group, so a sample can be held by one
+    device of A and one of B."""
+    y = np.asarray(labels).reshape(-1)
+    if num_clients < 2 or num_clients % 2:
+        raise ValueError(f"session_groups needs an even number of clients (two equal groups), got {num_clients}")
+    num_classes = int(y.max()) + 1
+    a_cls, b_cls = overlap_label_split(num_classes, overlap)
+    n = num_clients // 2
+    return _fill_group(y, a_cls, n, alpha, rng) + _fill_group(y, b_cls, n, alpha, rng)
+
+
 def make_partition(
     name: str,
     labels: Any,
@@ -437,9 +512,7 @@ def make_partition(
     required there and ignored by the others."""
     if name == "iid":
         return iid(labels, num_clients, rng)
-    if name == "session_groups":  # two device groups for sessions (fedhetero.sessions); uses overlap
-        from fedhetero.sessions import session_groups
-
+    if name == "session_groups":  # two device groups for sessions (sessions.count); uses overlap
         try:
             return session_groups(labels, num_clients, overlap, alpha, rng)
         except ValueError as exc:

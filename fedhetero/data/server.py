@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Iterable, Sequence
 
 import numpy as np
 
@@ -82,7 +82,7 @@ def js_divergence(p: Any, q: Any, *, base: float | str = 2) -> float:
     pp, qq = _as_dist(p, "p"), _as_dist(q, "q")
     if pp.ndim != 1 or qq.ndim != 1 or pp.shape != qq.shape:
         raise DataConfigError(f"p and q must be 1-D of equal length, got {pp.shape} and {qq.shape}")
-    return float(max(_js(pp, qq, base), 0.0))
+    return max(float(_js(pp, qq, base)), 0.0)
 
 
 def non_iid_degree(
@@ -180,7 +180,7 @@ def _size(name: str, size: Any, n: int) -> int:
 
 
 def resolve_server_classes(
-    classes: Any, present: Sequence[int], rng: np.random.Generator
+    classes: Any, present: Iterable[int], rng: np.random.Generator
 ) -> tuple[int, ...]:
     """Which classes the server set covers.
 

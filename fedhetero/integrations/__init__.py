@@ -1,6 +1,6 @@
-"""Optional integrations with other frameworks.
+"""Optional integrations with other frameworks, one sub-package each, each behind its own extra.
 
-Each sub-package needs its own extra and is never imported by the core: :mod:`fedhetero.integrations.flower`
-(extra ``fedhetero[flower]``) runs fedhetero's client tasks on Flower's simulation and deployment
-engines.
+:mod:`fedhetero.integrations.flower` (extra ``fedhetero[flower]``) runs fedhetero's client tasks on
+Flower's simulation and deployment engines: it builds its back end inside its ServerApp and hands it
+to the engine. Nothing in the core, the back ends or the methods imports an integration.
 """

@@ -21,18 +21,18 @@ Writes ``table_methods.md``, ``table_tiers.md`` (accuracy of the model each tier
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+from rich.console import Console
 
+from fedhetero.core.config import load_config
+from fedhetero.core.rundir import finite_json
 from fedhetero.lab.grid import run_grid
-from fedhetero.rundir import finite_json
 
-__all__ = ["CHOICES", "METHODS", "build_tables", "main", "plan"]
+__all__ = ["CHOICES", "METHODS", "build_tables", "plan", "run_ablation"]
 
 METHODS = ("fedavg", "dynamicfl", "heterofl", "fedrolex", "splitmix")
 
@@ -217,37 +217,23 @@ def build_tables(out: Path, runs: dict[str, tuple[str, dict[str, Any], list[str]
     return {"methods": t_methods, "tiers": t_tiers, "choices": t_choices, "fedap": t_fedap, "numbers": numbers}
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="fedhetero dynamicfl-ablation", description=__doc__.split("\n\n")[0])
-    p.add_argument("--config", default="examples/configs/fmnist_dynamicfl.yaml", help="base config")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override for every run, e.g. data.data_dir=...")
-    p.add_argument("--out", default="runs/dynamicfl-ablation", help="folder for the runs and the tables")
-    p.add_argument("--betas", default="0.1,0.5,5", help="Dirichlet β of the methods table")
-    p.add_argument("--seeds", default="0,1,2")
-    p.add_argument("--choice-betas", default="0.5", help="Dirichlet β of the choices runs (FedAP runs at the first)")
-    p.add_argument("--choices", default=",".join(CHOICES), help=f"DynamicFL variants ({', '.join(CHOICES)})")
-    p.add_argument("--no-fedap", action="store_true", help="leave out the FedAP runs")
-    p.add_argument("--jobs", type=int, default=max(1, os.cpu_count() or 1), help="runs in parallel (one thread each)")
-    p.add_argument("--no-run", action="store_true", help="only build the tables from finished runs")
-    args = p.parse_args(argv)
-    from rich.console import Console
-
-    from fedhetero.config import load_config
-
+def run_ablation(*, config: str, overrides: list[str], out: str | Path, betas: list[float], seeds: list[int],
+                 choice_betas: list[float], choices: list[str], fedap: bool, jobs: int, run: bool) -> int:
+    """``fedhetero dynamicfl-ablation``: run (with ``run``) the unfinished runs of :func:`plan` from the
+    base ``config`` with ``overrides``, ``jobs`` at a time, into ``out``; write and print the tables;
+    returns the exit status (1 when runs are missing, 2 for an unknown choice)."""
     console = Console()
-    load_config(args.config, overrides=args.set)  # one clear error for a bad base config
-    choices = [c.strip() for c in args.choices.split(",") if c.strip()]
+    load_config(config, overrides=overrides)  # one clear error for a bad base config
     bad = [c for c in choices if c not in CHOICES]
     if bad:
         console.print(f"unknown choice(s) {', '.join(bad)}; choose from {', '.join(CHOICES)}", markup=False)
         return 2
-    runs = plan([float(b) for b in args.betas.split(",")], [int(s) for s in args.seeds.split(",")],
-                [float(b) for b in args.choice_betas.split(",")], choices, not args.no_fedap)
-    out = Path(args.out)
+    runs = plan(betas, seeds, choice_betas, choices, fedap)
+    out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     wall = 0.0
-    if not args.no_run:
-        done = run_grid(args.config, {n: list(args.set) + ov for n, (_, _, ov) in runs.items()}, out, args.jobs,
+    if run:
+        done = run_grid(config, {n: list(overrides) + ov for n, (_, _, ov) in runs.items()}, out, jobs,
                         report=lambda line: console.print(line, markup=False, highlight=False))
         wall = done["wall_s"]
     res = build_tables(out, runs)

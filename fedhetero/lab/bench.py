@@ -15,7 +15,6 @@
 
 from __future__ import annotations
 
-import argparse
 import copy
 import json
 import statistics
@@ -28,13 +27,18 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from rich.console import Console
+from rich.table import Table
 
-__all__ = ["bare_fedavg", "engines_main", "round_main", "memory_main"]
+from fedhetero.backends.process import ProcessBackend
+from fedhetero.core.config import RunConfig, from_dict, to_dict
+from fedhetero.core.engine import Engine
+from fedhetero.data import iterate_batches
+
+__all__ = ["bare_fedavg", "engines_benchmark", "memory_benchmark", "round_benchmark"]
 
 
-def _round_cfg(clients: int, per_round: int, rounds: int, algorithm: str, dataset: str, model: str):
-    from fedhetero.config import from_dict
-
+def _round_cfg(clients: int, per_round: int, rounds: int, algorithm: str, dataset: str, model: str) -> RunConfig:
     return from_dict(
         {
             "seed": 0,
@@ -52,15 +56,13 @@ def _round_cfg(clients: int, per_round: int, rounds: int, algorithm: str, datase
     )
 
 
-def bare_fedavg(cfg, rounds: int) -> float:
+def bare_fedavg(cfg: RunConfig, rounds: int) -> float:
     """A hand-written FedAvg loop over the engine's own partitions and batch order; returns seconds."""
-    from fedhetero.data import iterate_batches
-    from fedhetero.engine import Engine
-
     eng = Engine(cfg, tempfile.mkdtemp(prefix="fedhetero-bare-"), progress=False)
     eng._setup()
     ctx, data = eng.ctx, eng.data
     global_model = eng.algorithm.global_model
+    assert global_model is not None  # made by the algorithm's setup
     t0 = time.perf_counter()
     for rnd in range(1, rounds + 1):
         ctx.round = rnd
@@ -78,7 +80,7 @@ def bare_fedavg(cfg, rounds: int) -> float:
             states.append(model.state_dict())
             weights.append(len(data.client_indices[cid]))
         total = float(sum(weights))
-        avg = {}
+        avg: dict[str, torch.Tensor] = {}
         for k, v in states[0].items():
             if torch.is_floating_point(v):
                 avg[k] = sum(s[k] * (w / total) for s, w in zip(states, weights))
@@ -89,41 +91,25 @@ def bare_fedavg(cfg, rounds: int) -> float:
     return time.perf_counter() - t0
 
 
-def round_main(argv: list[str] | None = None) -> int:
-    from rich.console import Console
-    from rich.table import Table
-
-    p = argparse.ArgumentParser(
-        prog="fedhetero bench round",
-        description="FedAvg through the engine vs a bare hand-written PyTorch loop doing the same training "
-        "(same data, clients, batch order, model), and the share of a DynamicFL round spent in REP, DYMM "
-        "and merge. Both sides run interleaved; the median of the repeats is reported.",
-    )
-    p.add_argument("--clients", type=int, default=100, help="clients in the federation (default 100)")
-    p.add_argument("--per-round", type=int, default=10, help="clients sampled per round (default 10)")
-    p.add_argument("--rounds", type=int, default=10, help="rounds per timed run (default 10)")
-    p.add_argument("--repeats", type=int, default=5, help="interleaved repeats of each side (default 5)")
-    p.add_argument("--model", default="lenet5", help="zoo model (default lenet5)")
-    p.add_argument("--dataset", default="digits", help="data set (default digits)")
-    p.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
-    p.add_argument("--dynamicfl-rounds", type=int, default=10, help="rounds of the DynamicFL share measurement")
-    p.add_argument("--json", help="write the numbers to this file")
-    args = p.parse_args(argv)
-    torch.set_num_threads(args.threads)
+def round_benchmark(*, clients: int, per_round: int, rounds: int, repeats: int, model: str, dataset: str,
+                    threads: int, dynamicfl_rounds: int, json_path: str | None = None) -> dict[str, Any]:
+    """``fedhetero bench round``: FedAvg through the engine vs :func:`bare_fedavg` (``repeats``
+    interleaved runs of ``rounds`` rounds each, the median reported) and the share of a DynamicFL round
+    spent in REP, DYMM and merge (``dynamicfl_rounds`` rounds); prints the table, writes the numbers
+    to ``json_path`` when given and returns them."""
+    torch.set_num_threads(threads)
     console = Console()
-    cfg = _round_cfg(args.clients, args.per_round, args.rounds, "fedavg", args.dataset, args.model)
+    cfg = _round_cfg(clients, per_round, rounds, "fedavg", dataset, model)
     eng_t, bare_t = [], []
     # warm-up: one-time costs of a fresh process (lazy imports, first optimizer) are not a round's
-    warm = _round_cfg(args.clients, args.per_round, 1, "fedavg", args.dataset, args.model)
+    warm = _round_cfg(clients, per_round, 1, "fedavg", dataset, model)
     bare_fedavg(warm, 1)
     _timed_run(warm)
-    for _ in range(args.repeats):  # interleaved so machine noise hits both alike
-        bare_t.append(bare_fedavg(cfg, args.rounds))
+    for _ in range(repeats):  # interleaved so machine noise hits both alike
+        bare_t.append(bare_fedavg(cfg, rounds))
         eng_t.append(_timed_run(cfg)[0])
     e, b = statistics.median(eng_t), statistics.median(bare_t)
-    dcfg = _round_cfg(20, 10, args.dynamicfl_rounds, "dynamicfl", args.dataset, args.model)
-    from fedhetero.config import from_dict, to_dict
-
+    dcfg = _round_cfg(20, 10, dynamicfl_rounds, "dynamicfl", dataset, model)
     d = to_dict(dcfg)
     d["train"]["local_epochs"] = 2
     d["data"]["partition"] = "dirichlet"
@@ -132,29 +118,29 @@ def round_main(argv: list[str] | None = None) -> int:
     _, rows = _timed_run(dcfg)
     wall = sum(r["wall_s"] for r in rows)
     shares = {k: sum(r["timers"].get(k, 0.0) for r in rows) / wall for k in ("rep", "dymm", "merge")}
-    table = Table(title=f"FedAvg round: engine vs bare PyTorch loop ({args.clients} clients, {args.per_round}/round, {args.dataset}, {args.model}, {args.rounds} rounds, median of {args.repeats})")
+    table = Table(title=f"FedAvg round: engine vs bare PyTorch loop ({clients} clients, {per_round}/round, {dataset}, {model}, {rounds} rounds, median of {repeats})")
     table.add_column("measure")
     table.add_column("value", justify="right")
     table.add_column("target", justify="right")
-    table.add_row("engine, s per round", f"{e / args.rounds:.4f}", "")
-    table.add_row("bare loop, s per round", f"{b / args.rounds:.4f}", "")
+    table.add_row("engine, s per round", f"{e / rounds:.4f}", "")
+    table.add_row("bare loop, s per round", f"{b / rounds:.4f}", "")
     table.add_row("engine / bare", f"{e / b:.3f}", "≤ 1.05")
     table.add_row("(reference: Flower simulation / bare)", "3.8–4.1", "")
-    table.add_row(f"DynamicFL round: REP share ({args.dynamicfl_rounds} rounds)", f"{100 * shares['rep']:.2f} %", "")
+    table.add_row(f"DynamicFL round: REP share ({dynamicfl_rounds} rounds)", f"{100 * shares['rep']:.2f} %", "")
     table.add_row("DynamicFL round: DYMM share", f"{100 * shares['dymm']:.2f} %", "")
     table.add_row("DynamicFL round: merge share", f"{100 * shares['merge']:.2f} %", "")
     table.add_row("DynamicFL round: REP + DYMM + merge", f"{100 * sum(shares.values()):.2f} %", "≤ 5 %")
     console.print(table)
-    out = {"engine_s": e, "bare_s": b, "ratio": e / b, "dynamicfl_shares": shares, "rounds": args.rounds}
-    if args.json:
-        Path(args.json).write_text(json.dumps(out, indent=2))
-    return 0
+    out = {"engine_s": e, "bare_s": b, "ratio": e / b, "dynamicfl_shares": shares, "rounds": rounds}
+    if json_path:
+        Path(json_path).write_text(json.dumps(out, indent=2))
+    return out
 
 
 _MEM_CHILD = r"""
 import json, resource, sys, tempfile
-from fedhetero.config import from_dict
-from fedhetero.engine import Engine
+from fedhetero.core.config import from_dict
+from fedhetero.core.engine import Engine
 clients, rate, rounds, algo = int(sys.argv[1]), float(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
 cfg = from_dict({"seed": 0, "threads": 1,
     "data": {"dataset": "synthetic", "synthetic_size": 12000, "num_clients": clients, "partition": "iid", "min_partition_size": 1},
@@ -177,35 +163,29 @@ def _child_peak(clients: int, rate: float, rounds: int, algo: str) -> dict[str, 
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def memory_main(argv: list[str] | None = None) -> int:
-    from rich.console import Console
-    from rich.table import Table
-
-    p = argparse.ArgumentParser(prog="fedhetero bench memory", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--algorithm", default="dynamicfl")
-    p.add_argument("--json", help="write the numbers to this file")
-    args = p.parse_args(argv)
-    small = _child_peak(100, 0.10, args.rounds, args.algorithm)
-    big = _child_peak(1000, 0.01, args.rounds, args.algorithm)
+def memory_benchmark(*, rounds: int, algorithm: str, json_path: str | None = None) -> dict[str, Any]:
+    """``fedhetero bench memory``: peak resident memory of 100 clients at 10 % sampling and of 1000
+    clients at 1 % sampling, ``rounds`` rounds of ``algorithm`` each in a fresh subprocess; prints the
+    table, writes the numbers to ``json_path`` when given and returns them."""
+    small = _child_peak(100, 0.10, rounds, algorithm)
+    big = _child_peak(1000, 0.01, rounds, algorithm)
     ratio = big["maxrss_kb"] / small["maxrss_kb"]
-    table = Table(title=f"Peak memory with the on-disk client state store ({args.algorithm}, {args.rounds} rounds, 10 clients per round)")
+    table = Table(title=f"Peak memory with the on-disk client state store ({algorithm}, {rounds} rounds, 10 clients per round)")
     table.add_column("setting")
     table.add_column("peak RSS (MiB)", justify="right")
     table.add_row("100 clients, 10 % sampled", f"{small['maxrss_kb'] / 1024:.1f}")
     table.add_row("1000 clients, 1 % sampled", f"{big['maxrss_kb'] / 1024:.1f}")
     table.add_row("ratio (target ≤ 1.2)", f"{ratio:.3f}")
     Console().print(table)
-    if args.json:
-        Path(args.json).write_text(json.dumps({"small": small, "big": big, "ratio": ratio}, indent=2))
-    return 0
+    out = {"small": small, "big": big, "ratio": ratio}
+    if json_path:
+        Path(json_path).write_text(json.dumps(out, indent=2))
+    return out
 
 
-def _timed_run(cfg, backend: Any = None) -> tuple[float, list[dict[str, Any]]]:
+def _timed_run(cfg: RunConfig, backend: Any = None) -> tuple[float, list[dict[str, Any]]]:
     """Seconds spent in rounds (set-up of data, model and tiers excluded) and the metrics of one
     engine run."""
-    from fedhetero.engine import Engine
-
     with tempfile.TemporaryDirectory(prefix="fedhetero-bench-") as d:
         res = Engine(cfg, d, progress=False, backend=backend).run()
     return sum(r["wall_s"] for r in res.metrics), res.metrics
@@ -231,8 +211,6 @@ def _twin_main() -> None:
     """A second process running the ``local`` job on demand (``fedhetero bench engines``' ceiling
     row): reads ``{"cfg": config}`` as one JSON line, warms up, says ``ready``, then answers every ``go``
     line with the job's seconds in rounds."""
-    from fedhetero.config import from_dict
-
     init = json.loads(sys.stdin.readline())
     cfg = from_dict(init["cfg"])  # its ``threads`` (1) is applied by the engine
     _timed_run(cfg)
@@ -281,49 +259,26 @@ class _Twin:
             self.proc.wait()
 
 
-def engines_main(argv: list[str] | None = None) -> int:
-    """``fedhetero bench engines``: back ends side by side on one FedAvg job."""
-    from rich.console import Console
-    from rich.table import Table
-
-    from fedhetero.config import from_dict, to_dict
-    from fedhetero.engines.process import ProcessBackend
-
-    p = argparse.ArgumentParser(
-        prog="fedhetero bench engines",
-        description="The same FedAvg job (digits, LeNet-5, 100 clients, 10 per round, 1 local epoch, "
-        "10 rounds; evaluation after the last round) on each back end, measured side by side: "
-        "process/local client throughput (also for the client phase alone, beside two independent "
-        "local runs at once and the bound a back end with free messages could reach on this "
-        "machine), local vs a bare hand-written loop and, with the flower extra, our Flower back end "
-        "vs Flower's own FedAvg strategy. Worker start-up is timed apart from the rounds.",
-    )
-    p.add_argument("--clients", type=int, default=100)
-    p.add_argument("--per-round", type=int, default=10)
-    p.add_argument("--rounds", type=int, default=10)
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--workers", type=int, default=2,
-                   help="engine.workers of the process back end: executors, this process included (default 2)")
-    p.add_argument("--dataset", default="digits")
-    p.add_argument("--model", default="lenet5")
-    p.add_argument("--no-flower", action="store_true", help="skip the Flower rows")
-    p.add_argument("--heavy-epochs", type=int, default=5,
-                   help="local epochs of the second process/local row (more work per client task; default 5)")
-    p.add_argument("--json", help="write the numbers to this file")
-    args = p.parse_args(argv)
+def engines_benchmark(*, clients: int, per_round: int, rounds: int, repeats: int, workers: int, dataset: str,
+                      model: str, flower: bool, heavy_epochs: int, json_path: str | None = None) -> dict[str, Any]:
+    """``fedhetero bench engines``: back ends side by side on one FedAvg job (``repeats`` interleaved
+    repeats, the best of each reported; ``workers`` executors of the process back end; a second
+    process/local row with ``heavy_epochs`` local epochs; with ``flower`` and the extra installed,
+    our Flower back end vs Flower's own FedAvg strategy); prints the table, writes the numbers to
+    ``json_path`` when given and returns them."""
     console = Console()
-    base = to_dict(_round_cfg(args.clients, args.per_round, args.rounds, "fedavg", args.dataset, args.model))
+    base = to_dict(_round_cfg(clients, per_round, rounds, "fedavg", dataset, model))
     base["threads"] = 1
 
-    def cfg_for(**engine: Any):
+    def cfg_for(**engine: Any) -> RunConfig:
         d = json.loads(json.dumps(base))
         d["engine"] = {**d.get("engine", {}), **engine}
         return from_dict(d)
 
     local_cfg = cfg_for(backend="local")
-    proc_cfg = cfg_for(backend="process", workers=args.workers)
-    base["train"]["local_epochs"] = args.heavy_epochs
-    heavy_local, heavy_proc = cfg_for(backend="local"), cfg_for(backend="process", workers=args.workers)
+    proc_cfg = cfg_for(backend="process", workers=workers)
+    base["train"]["local_epochs"] = heavy_epochs
+    heavy_local, heavy_proc = cfg_for(backend="local"), cfg_for(backend="process", workers=workers)
     torch.set_num_threads(1)
     def started(cfg: Any) -> ProcessBackend:
         backend = ProcessBackend(cfg)
@@ -348,13 +303,13 @@ def engines_main(argv: list[str] | None = None) -> int:
         _timed_run(local_cfg)  # warm-up of this process and of the workers (their first task
         _timed_run(proc_cfg, backend=pool)  # builds caches: a one-time cost, like start-up)
         _timed_run(heavy_proc, backend=heavy_pool)
-        for _ in range(args.repeats):  # interleaved so machine noise hits all alike
+        for _ in range(repeats):  # interleaved so machine noise hits all alike
             for name, cfg, backend in (("local", local_cfg, None), ("process", proc_cfg, pool)):
                 seconds, rows = _timed_run(cfg, backend=backend)
                 samples[name].append(seconds)
                 samples[f"{name}_clients"].append(_timer(rows, "client_phase"))
                 samples[f"{name}_eval"].append(_timer(rows, "evaluate"))
-            samples["bare"].append(bare_fedavg(local_cfg, args.rounds))
+            samples["bare"].append(bare_fedavg(local_cfg, rounds))
             samples["heavy_local"].append(_timed_run(heavy_local)[0])
             samples["heavy_process"].append(_timed_run(heavy_proc, backend=heavy_pool)[0])
             if twin is not None:
@@ -367,15 +322,15 @@ def engines_main(argv: list[str] | None = None) -> int:
         if twin is not None:
             twin.close()
     best = {k: min(v) for k, v in samples.items() if v}
-    tasks = args.rounds * args.per_round
+    tasks = rounds * per_round
     ceiling = bound = "skipped"
     if "two_local" in best:
         ceiling = f"{2 * best['local'] / best['two_local']:.2f}×"
         bound = f"{parallel_bound(best['local'], best['local_clients'], best['local_eval'], best['two_local'], split_eval):.2f}×"
-    rows = [
+    table_rows = [
         ("local: client tasks / s", f"{tasks / best['local']:.1f}", ""),
-        (f"process (engine.workers={args.workers}: this process + {args.workers - 1} worker"
-         f"{'s' if args.workers != 2 else ''}): client tasks / s", f"{tasks / best['process']:.1f}", ""),
+        (f"process (engine.workers={workers}: this process + {workers - 1} worker"
+         f"{'s' if workers != 2 else ''}): client tasks / s", f"{tasks / best['process']:.1f}", ""),
         ("process / local throughput", f"{best['local'] / best['process']:.2f}×", "≥ 1.7× with 2 workers on 2 cores"),
         ("process / local, median of pairs",
          f"{statistics.median(a / b for a, b in zip(samples['local'], samples['process'])):.2f}×",
@@ -388,33 +343,34 @@ def engines_main(argv: list[str] | None = None) -> int:
         ("process / local bound, no message cost", bound,
          "(the server's serial work alone, the client phase"
          f"{' and the evaluation' if split_eval else ''} halved at the slowdown of two busy cores)"),
-        (f"process / local throughput, {args.heavy_epochs} local epoch{'s' if args.heavy_epochs != 1 else ''}",
+        (f"process / local throughput, {heavy_epochs} local epoch{'s' if heavy_epochs != 1 else ''}",
          f"{best['heavy_local'] / best['heavy_process']:.2f}×", "(more work per client task)"),
         ("local / bare loop time", f"{best['local'] / best['bare']:.3f}", "≤ 1.05"),
         ("process worker start-up (once per run)", f"{startup:.2f} s", ""),
     ]
     out: dict[str, Any] = {"samples": samples, "startup_s": startup, "job": base}
-    if not args.no_flower:
+    if flower:
         try:
+            # deferred: it imports flwr, the optional "flower" extra (and Ray through the simulation)
             from fedhetero.integrations.flower import bench as fbench
         except ImportError as exc:
-            rows.append(("flower rows", "skipped", f"install fedhetero[flower] ({exc})"))
+            table_rows.append(("flower rows", "skipped", f"install fedhetero[flower] ({exc})"))
         else:
             # Flower's FedAvg samples nodes, so both sides get one SuperNode per client; each run
             # includes Ray's start-up, so they are repeated, interleaved, and the best of each taken
             ours_t, theirs_t = [], []
-            for _ in range(args.repeats):
-                ours_t.append(fbench.time_ours(local_cfg, supernodes=args.clients))
-                theirs_t.append(fbench.time_flower_fedavg(local_cfg, supernodes=args.clients))
+            for _ in range(repeats):
+                ours_t.append(fbench.time_ours(local_cfg, supernodes=clients))
+                theirs_t.append(fbench.time_flower_fedavg(local_cfg, supernodes=clients))
             out["flower"] = {"ours_s": ours_t, "flower_fedavg_s": theirs_t}
-            rows.append(("flower: ours / Flower's FedAvg strategy", f"{min(ours_t) / min(theirs_t):.3f}", "≤ 1.1"))
-    table = Table(title=f"Back ends on one FedAvg job ({args.clients} clients, {args.per_round}/round, {args.rounds} rounds, {args.dataset}, {args.model}; best of {args.repeats} interleaved repeats)")
+            table_rows.append(("flower: ours / Flower's FedAvg strategy", f"{min(ours_t) / min(theirs_t):.3f}", "≤ 1.1"))
+    table = Table(title=f"Back ends on one FedAvg job ({clients} clients, {per_round}/round, {rounds} rounds, {dataset}, {model}; best of {repeats} interleaved repeats)")
     table.add_column("measure")
     table.add_column("value", justify="right")
     table.add_column("target")
-    for r in rows:
+    for r in table_rows:
         table.add_row(*r)
     console.print(table)
-    if args.json:
-        Path(args.json).write_text(json.dumps(out, indent=2))
-    return 0
+    if json_path:
+        Path(json_path).write_text(json.dumps(out, indent=2))
+    return out

@@ -28,35 +28,38 @@ Rows:
 * inference time (eval mode, ``no_grad``) of the merged, the expanded and the plain original model;
 * training-step time (forward, backward, SGD step) of the expanded and the plain model, next to
   their forward-MAC ratio, and the overhead per MAC = step-time ratio ÷ MAC ratio. Measured twice:
-  first with the C allocator as the process found it, then after :func:`reparam.allocator.tune_malloc`
+  first with the C allocator as the process found it, then after :func:`fedhetero.core.allocator.tune_malloc`
   (the ``fedhetero`` trainer runs this way), where the expanded model is also timed with the
   per-branch forward (:func:`reparam.fused.fused_training` off). The target row is the tuned one.
 
-:func:`run_benchmark` returns the numbers as a dict and :func:`main` is the command-line entry
-point (``fedhetero bench reparam``; ``python -m reparam.bench`` forwards here).
+:func:`run_benchmark` returns the numbers as a dict and :func:`print_table` prints them;
+``fedhetero bench reparam`` runs both (its options are declared in :mod:`fedhetero.cli.bench`).
 """
 
 from __future__ import annotations
 
-import argparse
 import copy
-import json
 import time
-from typing import Any, Callable, Sequence
+from functools import partial
+from typing import Any, Callable, Literal, Protocol, Sequence, cast
 
 import numpy as np
 import torch
 import torch.nn.functional as F
+from rich.console import Console
+from rich.table import Table
 from torch import nn
 
 import reparam
-from reparam import allocator, flops, fused
+from fedhetero.core import allocator
+from fedhetero.models import build_model
+from reparam import AvgBranch, ConvBNBranch, IdentityBasedConv1x1, IdentityBranch, OneByOneKxKBranch, flops, fused
+from reparam._compat import import_torchvision
 from reparam.block import DiverseBranchBlock
-from reparam.branches import AvgBranch, ConvBNBranch, IdentityBasedConv1x1, IdentityBranch, OneByOneKxKBranch
 from reparam.testing import perturb_, rel_err
 
 __all__ = [
-    "run_benchmark", "main", "build_parser", "upstream_switch_to_deploy", "float64_products", "QUOTED_UPSTREAM", "TARGETS",
+    "run_benchmark", "print_table", "upstream_switch_to_deploy", "float64_products", "MODELS", "QUOTED_UPSTREAM", "TARGETS",
 ]
 
 #: figures of the upstream implementation quoted for comparison (not measured by this benchmark;
@@ -72,19 +75,46 @@ TARGETS: dict[str, float] = {"merge_over_upstream": 0.5, "merged_over_plain": 1.
 
 MODELS = ("resnet18", "tv-resnet18")
 
+_PaddingMode = Literal["zeros", "reflect", "replicate", "circular"]
+
+
+class _NormLike(Protocol):
+    """What the upstream conversion reads of a norm: a ``BatchNorm2d`` or a
+    :class:`~reparam.layers.FrozenIdentityBN` (an anchor norm)."""
+
+    weight: torch.Tensor
+    bias: torch.Tensor
+    running_mean: torch.Tensor
+    running_var: torch.Tensor
+    eps: float
+
+
+def _norm(module: nn.Module) -> _NormLike:
+    """``module`` seen as the BatchNorm-like norm every branch of the library ends with."""
+    return cast(_NormLike, module)
+
+
+def _conv(module: nn.Module) -> nn.Conv2d:
+    """``module`` seen as the conv it is (a branch's conv that is not a nested block, a conv of a
+    conv→BN pair)."""
+    return cast(nn.Conv2d, module)
+
 
 # --------------------------------------------------------------------------------------------
 # upstream deploy conversion, re-implemented (float32, per block, autograd on)
 
 
-def _up_fuse_bn(kernel: torch.Tensor, bn: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+def _up_fuse_bn(kernel: torch.Tensor, module: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
     """Upstream transform I: scale the kernel by γ/σ, bias β − μγ/σ (the conv bias is not used)."""
+    bn = _norm(module)
     gamma = bn.weight
     std = (bn.running_var + bn.eps).sqrt()
     return kernel * (gamma / std).reshape(-1, 1, 1, 1), bn.bias - bn.running_mean * gamma / std
 
 
-def _up_1x1_kxk(k1: torch.Tensor, b1: torch.Tensor, k2: torch.Tensor, b2: torch.Tensor, groups: int):
+def _up_1x1_kxk(
+    k1: torch.Tensor, b1: torch.Tensor, k2: torch.Tensor, b2: torch.Tensor, groups: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Upstream transform III: the sequential 1×1 → K×K pair as a convolution of the second kernel
     by the transposed first one, one convolution per group, plus the first bias through the second
     kernel."""
@@ -136,21 +166,23 @@ def _up_equivalent_kernel_bias(block: DiverseBranchBlock) -> tuple[torch.Tensor,
     conv-mode anchor (upstream's convs have none) is added through the anchor norm."""
     geo = block.geometry
     kh, kw = geo.kernel_size
-    kernels, biases = [], []
+    kernels: list[torch.Tensor] = []
+    biases: list[torch.Tensor] = []
     for name in block.branch_names:
         br = block.branches[name]
         if isinstance(br, ConvBNBranch):
             if hasattr(br.conv, "_equivalent"):
                 raise ValueError("upstream's conversion has no nested blocks")
-            k, b = _up_fuse_bn(br.conv.weight, br.bn)
-            if br.conv.bias is not None:
-                b = b + br.conv.bias * br.bn.weight / (br.bn.running_var + br.bn.eps).sqrt()
+            conv, bn = _conv(br.conv), _norm(br.bn)
+            k, b = _up_fuse_bn(conv.weight, br.bn)
+            if conv.bias is not None:
+                b = b + conv.bias * bn.weight / (bn.running_var + bn.eps).sqrt()
             kernels.append(_up_pad_to(k, kh, kw))
             biases.append(b)
         elif isinstance(br, OneByOneKxKBranch):
             first = br.conv1.weight + br.conv1.id_tensor if isinstance(br.conv1, IdentityBasedConv1x1) else br.conv1.weight
             k1, b1 = _up_fuse_bn(first, br.bn1)
-            k2, b2 = _up_fuse_bn(br.conv2.weight, br.bn2)
+            k2, b2 = _up_fuse_bn(_conv(br.conv2).weight, br.bn2)
             k, b = _up_1x1_kxk(k1, b1, k2, b2, geo.groups)
             kernels.append(k)
             biases.append(b)
@@ -159,20 +191,22 @@ def _up_equivalent_kernel_bias(block: DiverseBranchBlock) -> tuple[torch.Tensor,
                 raise ValueError("upstream's average kernel is square")
             k_avg = _up_avg_kernel(geo.out_channels, kh, geo.groups)
             if br.path == "dense":
-                k2, b2 = _up_fuse_bn(k_avg.to(br.bn2.weight.device), br.bn2)
+                k2, b2 = _up_fuse_bn(k_avg.to(_norm(br.bn2).weight.device), br.bn2)
                 k1, b1 = _up_fuse_bn(br.conv.weight, br.bn1)
                 k, b = _up_1x1_kxk(k1, b1, k2, b2, geo.groups)
             else:
-                k, b = _up_fuse_bn(k_avg.to(br.bn.weight.device), br.bn)
+                k, b = _up_fuse_bn(k_avg.to(_norm(br.bn).weight.device), br.bn)
             kernels.append(k)
             biases.append(b)
         elif isinstance(br, IdentityBranch):
-            k, b = _up_fuse_bn(_up_identity_kernel(geo.in_channels, geo.groups, kh, kw).to(br.bn.weight.device), br.bn)
+            identity = _up_identity_kernel(geo.in_channels, geo.groups, kh, kw)
+            k, b = _up_fuse_bn(identity.to(_norm(br.bn).weight.device), br.bn)
             kernels.append(k)
             biases.append(b)
         else:  # pragma: no cover - every kind of the library is handled above
             raise ValueError(f"no upstream conversion for branch {name!r}")
-    return sum(kernels), sum(biases)
+    # sum() starts from 0, which the first tensor replaces: both sums are tensors (a block has branches)
+    return cast(torch.Tensor, sum(kernels)), cast(torch.Tensor, sum(biases))
 
 
 def upstream_switch_to_deploy(model: nn.Module, pairs: dict[str, str]) -> nn.Module:
@@ -191,19 +225,25 @@ def upstream_switch_to_deploy(model: nn.Module, pairs: dict[str, str]) -> nn.Mod
         kernel, bias = _up_equivalent_kernel_bias(block)
         g = block.geometry
         conv = nn.Conv2d(g.in_channels, g.out_channels, g.kernel_size, g.stride, g.padding, g.dilation, g.groups,
-                         bias=True, padding_mode=g.padding_mode)
+                         bias=True, padding_mode=cast(_PaddingMode, g.padding_mode))
+        assert conv.bias is not None  # bias=True
         conv.weight.data = kernel
         conv.bias.data = bias
         for p in block.parameters():
             p.detach_()
         put(path, conv)
     for conv_path, bn_path in pairs.items():
-        old, bn = model.get_submodule(conv_path), model.get_submodule(bn_path)
+        old, bn = _conv(model.get_submodule(conv_path)), model.get_submodule(bn_path)
         kernel, bias = _up_fuse_bn(old.weight, bn)
         if old.bias is not None:  # upstream's ConvBN convs have none; kept exact for other models
-            bias = bias + old.bias * bn.weight / (bn.running_var + bn.eps).sqrt()
-        conv = nn.Conv2d(old.in_channels, old.out_channels, old.kernel_size, old.stride, old.padding, old.dilation,
-                         old.groups, bias=True, padding_mode=old.padding_mode)
+            norm = _norm(bn)
+            bias = bias + old.bias * norm.weight / (norm.running_var + norm.eps).sqrt()
+        # torch types a conv's kernel_size/stride/padding/dilation as tuple[int, ...], which its own
+        # constructor (tuple[int, int]) does not accept: the stubs disagree with themselves
+        conv = nn.Conv2d(old.in_channels, old.out_channels, old.kernel_size, old.stride,  # type: ignore[arg-type]
+                         old.padding, old.dilation, old.groups,  # type: ignore[arg-type]
+                         bias=True, padding_mode=cast(_PaddingMode, old.padding_mode))
+        assert conv.bias is not None  # bias=True
         conv.weight.data = kernel
         conv.bias.data = bias
         for p in list(old.parameters()) + list(bn.parameters()):
@@ -219,12 +259,8 @@ def upstream_switch_to_deploy(model: nn.Module, pairs: dict[str, str]) -> nn.Mod
 
 def _build_model(name: str, num_classes: int = 10) -> tuple[nn.Module, str]:
     if name == "resnet18":
-        from fedhetero.models import build_model
-
         return build_model("resnet18", num_classes=num_classes), "CIFAR ResNet-18 (fedhetero.models.build_model('resnet18'))"
     if name == "tv-resnet18":
-        from fedhetero._compat import import_torchvision
-
         tv = import_torchvision()
         return tv.models.resnet18(num_classes=num_classes), "torchvision resnet18"
     raise ValueError(f"model must be one of {MODELS}, got {name!r}")
@@ -306,7 +342,7 @@ def float64_products(model: nn.Module, seed: int = 0) -> _Products:
             if not isinstance(br, OneByOneKxKBranch):
                 continue
             g = geo.groups
-            o, dg, kh, kw = br.conv2.weight.shape
+            o, dg, kh, kw = _conv(br.conv2).weight.shape
             left = torch.randn((g, geo.in_channels // g + 1, dg), generator=gen, dtype=torch.float64)
             right = torch.randn((g, dg, (o // g) * kh * kw), generator=gen, dtype=torch.float64)
             operands.append((left, right))
@@ -329,7 +365,7 @@ def _merge_times(
     for rep in range(repeats + 1):
         for name, fn in variants.items():
             c = copy.deepcopy(expanded)
-            t = _timed(lambda fn=fn, c=c: fn(c))
+            t = _timed(partial(fn, c))
             if rep:
                 samples[name].append(t)
         t = _timed(lambda: reparam.merge(expanded))
@@ -372,7 +408,7 @@ def run_benchmark(
         model: a plain model (input ``3 × input_size²``), or a name from :data:`MODELS`
             (default ``"resnet18"``, the zoo's CIFAR ResNet-18).
         seed: seed of the random data and of the perturbation.
-        tune_allocator: also time training after :func:`reparam.allocator.tune_malloc` (the target
+        tune_allocator: also time training after :func:`fedhetero.core.allocator.tune_malloc` (the target
             row); with ``False`` the allocator is left alone and the first measurement is the target.
     """
     for name, v in (
@@ -403,8 +439,7 @@ def run_benchmark(
             num_classes = int(plain(x[:1]).shape[-1])
         y = torch.randint(0, num_classes, (batch,), generator=gen)
 
-        kwargs = {} if branches is None else {"branches": list(branches)}
-        expanded = reparam.expand(plain, **kwargs)
+        expanded = reparam.expand(plain, branches=None if branches is None else list(branches))
         perturb_(expanded, gen)  # as training would: no vacuous merge
         expanded.eval()
         plain.eval()
@@ -502,13 +537,8 @@ def run_benchmark(
 # presentation
 
 
-def _print_table(res: dict) -> None:
-    try:
-        from rich.console import Console
-        from rich.table import Table
-    except ImportError:  # pragma: no cover - rich is a dependency of the project
-        print(json.dumps(res, indent=2))
-        return
+def print_table(res: dict) -> None:
+    """Print the numbers of :func:`run_benchmark` as a table."""
 
     def ok(value: float, target: float) -> str:
         return "[green]yes[/green]" if value <= target else "[red]no[/red]"
@@ -556,53 +586,3 @@ def _print_table(res: dict) -> None:
     t.add_row("overhead per MAC (time ratio / MACs ratio)", f"{res['overhead_per_mac']:.2f}", "<= 1.3",
               ok(res["overhead_per_mac"], TARGETS["overhead_per_mac"]), f"{up['overhead_per_mac']:.2f} (quoted)")
     Console().print(t)
-
-
-def build_parser(prog: str = "fedhetero bench reparam") -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", choices=MODELS, default="resnet18",
-                   help="resnet18: the zoo's CIFAR ResNet-18 (default); tv-resnet18: torchvision's resnet18")
-    p.add_argument("--input-size", type=int, default=32, help="input height and width (default 32)")
-    p.add_argument("--batch", type=int, default=64, help="batch size (default 64)")
-    p.add_argument("--repeats", type=int, default=5, help="timed inference repeats, best reported (default 5)")
-    p.add_argument("--train-repeats", type=int, default=3, help="timed training steps per model (default 3)")
-    p.add_argument("--merge-repeats", type=int, default=5, help="timed repeats of each merge variant (default 5)")
-    p.add_argument("--warmup", type=int, default=1, help="untimed warm-up calls (default 1)")
-    p.add_argument("--threads", type=int, default=2, help="torch threads (default 2; 0 = keep torch's)")
-    p.add_argument("--branches", type=str, default=None,
-                   help="comma-separated branch kinds for expand (default: the library default set)")
-    p.add_argument("--json", type=str, default=None, metavar="PATH", help="also write the results as JSON")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--no-tune-malloc", action="store_true",
-                   help="leave the C allocator alone (time training once, as the process found it)")
-    return p
-
-
-def main(argv: Sequence[str] | None = None, prog: str = "fedhetero bench reparam") -> int:
-    """Command-line entry point; returns the exit status."""
-    args = build_parser(prog).parse_args(argv)
-    branches = None
-    if args.branches:
-        branches = [b.strip() for b in args.branches.split(",") if b.strip()]
-    res = run_benchmark(
-        model=args.model,
-        input_size=args.input_size,
-        batch=args.batch,
-        repeats=args.repeats,
-        train_repeats=args.train_repeats,
-        merge_repeats=args.merge_repeats,
-        warmup=args.warmup,
-        threads=args.threads or None,
-        branches=branches,
-        seed=args.seed,
-        tune_allocator=not args.no_tune_malloc,
-    )
-    _print_table(res)
-    if args.json:
-        with open(args.json, "w", encoding="utf-8") as fh:
-            json.dump(res, fh, indent=2)
-    return 0
-
-
-if __name__ == "__main__":  # pragma: no cover
-    raise SystemExit(main())

@@ -4,7 +4,7 @@ For each number of active clients ``n`` (10, 50, 100 by default) the benchmark d
 rounds of ``n`` clients from a label-Dirichlet partition of a balanced pool (``--population``
 clients, default ``10·n`` so that ``n`` is the paper's C = 0.1 of the federation; ``--samples``
 samples per client, ``--classes`` classes, concentration ``--alpha``) and runs, on the same round,
-every selector of :mod:`fedhetero.dynacomm`:
+every selector of :mod:`fedhetero.algorithms.dynacomm.selection`:
 
 * ``ensemble_dp`` — the default selector (``--orders`` random client orders);
 * ``exhaustive`` — every subset, only where ``n <= --exhaustive-max`` (2^n subsets);
@@ -22,46 +22,22 @@ the paper's selector-quality figures); ``--beta B`` allows at most ``⌊B·n⌋`
 
 from __future__ import annotations
 
-import argparse
-import json
 import math
 import statistics
 import time
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from fedhetero import dynacomm
+from fedhetero.algorithms.dynacomm import selection as dynacomm
 from fedhetero.data.partition import dirichlet, label_histograms
 
-__all__ = ["main", "run_benchmark", "TARGETS_S"]
+__all__ = ["SELECTORS", "TARGETS_S", "print_table", "run_benchmark"]
 
 #: Time targets of the default selector per call (seconds) by number of active clients.
 TARGETS_S = {10: 0.010, 100: 1.0}
 SELECTORS = ("ensemble_dp", "exhaustive", "random", "genetic")
-
-
-def _parser(prog: str) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0] if __doc__ else None)
-    p.add_argument("--clients", type=int, nargs="+", default=[10, 50, 100], help="active clients per round")
-    p.add_argument("--repeats", type=int, default=3, help="rounds (active sets) per client count")
-    p.add_argument("--population", type=int, default=None,
-                   help="clients in the partition (default 10 per active client; at least --clients)")
-    p.add_argument("--samples", type=int, default=500, help="samples per client in the pool")
-    p.add_argument("--classes", type=int, default=10)
-    p.add_argument("--alpha", type=float, default=0.1, help="Dirichlet concentration of the partition")
-    p.add_argument("--beta", type=float, default=None, help="Dynamic-β cap ⌊β·n⌋ on the group size")
-    p.add_argument("--orders", type=int, default=10, help="random client orders of ensemble_dp")
-    p.add_argument("--exhaustive-max", type=int, default=12, help="largest n searched exhaustively")
-    p.add_argument("--ga-population", type=int, default=50)
-    p.add_argument("--ga-iterations", type=int, default=200)
-    p.add_argument("--ga-mutation", type=float, default=0.01)
-    p.add_argument("--selectors", nargs="+", choices=SELECTORS, default=list(SELECTORS))
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", type=Path, default=None, help="write the results as JSON")
-    return p
 
 
 def _budget(n: int, beta: float | None) -> dynacomm.Budget | None:
@@ -176,7 +152,8 @@ def run_benchmark(
     }
 
 
-def _print(result: dict[str, Any]) -> None:
+def print_table(result: dict[str, Any]) -> None:
+    """Print the rows of :func:`run_benchmark` as a table."""
     s = result["settings"]
     pop = "10·n" if s["population"] is None else s["population"]
     beta = "none (unconstrained)" if s["beta"] is None else f"Dynamic-{s['beta']}"
@@ -198,24 +175,3 @@ def _print(result: dict[str, Any]) -> None:
             f"{row['size_mean']:>6.1f} {1000 * row['time_median_s']:>10.2f} {1000 * row['time_max_s']:>10.2f}  "
             f"{target}"
         )
-
-
-def main(argv: Sequence[str] | None = None, prog: str = "fedhetero bench selector") -> int:
-    """Command-line entry point; returns the exit status."""
-    args = _parser(prog).parse_args(argv)
-    result = run_benchmark(
-        args.clients, repeats=args.repeats, population=args.population, samples=args.samples,
-        classes=args.classes, alpha=args.alpha, beta=args.beta, orders=args.orders,
-        exhaustive_max=args.exhaustive_max, ga_population=args.ga_population,
-        ga_iterations=args.ga_iterations, ga_mutation=args.ga_mutation, selectors=args.selectors,
-        seed=args.seed,
-    )
-    _print(result)
-    if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=2))
-    return 0
-
-
-if __name__ == "__main__":  # pragma: no cover
-    raise SystemExit(main())

@@ -9,7 +9,7 @@ Runs (or reuses) every cell of the grid label overlap × Dirichlet α × host al
 * ``table_time_to_accuracy.md``: rounds to reach ρ × DynInit's best accuracy in the session
   (main-training rounds; "charged" adds DynInit's extra gradient rounds), the speed-up, the
   accumulated accuracy gain of DynInit over each baseline, and the latency and energy those rounds
-  cost under the wireless model of :class:`fedhetero.sessions.EnergyModel`;
+  cost under the wireless model of :class:`fedhetero.core.sessions.EnergyModel`;
 * ``results.json`` (every number) and, with matplotlib, ``accuracy_sessions.png`` (accuracy over
   rounds of the four methods for the first cell, session boundaries marked).
 
@@ -20,19 +20,21 @@ by running the command again.
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
-import os
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+from rich.console import Console
 
+from fedhetero.core.config import load_config
+from fedhetero.core.context import client_context
+from fedhetero.core.rundir import finite_json
+from fedhetero.core.sessions import EnergyModel
 from fedhetero.lab.grid import run_grid
-from fedhetero.rundir import finite_json
 
-__all__ = ["PAPER_FMNIST", "build_table", "main", "plan_runs"]
+__all__ = ["METHODS", "PAPER_FMNIST", "build_table", "plan_runs", "run_table"]
 
 METHODS = ("dyninit", "continuous", "previous", "average")
 LABEL = {"dyninit": "Proposed", "continuous": "Continuous", "previous": "Previous", "average": "Average"}
@@ -209,7 +211,7 @@ def build_table(out: Path, runs: dict[tuple[float, float, str, str, int], str], 
 
 def plot_sessions(out: Path, run_dirs: dict[str, Path], path: Path) -> bool:
     """Accuracy over rounds of several runs with the session boundaries marked (matplotlib)."""
-    try:
+    try:  # deferred: matplotlib is optional (the plot is skipped without it) and slow to import
         import matplotlib
 
         matplotlib.use("Agg")
@@ -235,56 +237,35 @@ def plot_sessions(out: Path, run_dirs: dict[str, Path], path: Path) -> bool:
     return True
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="fedhetero dyninit-table", description=__doc__.split("\n\n")[0])
-    p.add_argument("--config", default="examples/configs/fmnist_dyninit.yaml", help="base config (one DynInit run)")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override for every run, e.g. data.data_dir=...")
-    p.add_argument("--out", default="runs/dyninit-table", help="folder for the runs and the tables")
-    p.add_argument("--overlaps", default="0.0,0.2")
-    p.add_argument("--alphas", default="0.3,0.7")
-    p.add_argument("--hosts", default="fedprox,scaffold,moon,fedacg,fedavg")
-    p.add_argument("--methods", default=",".join(METHODS))
-    p.add_argument("--seeds", default="100,200,300")
-    p.add_argument("--jobs", type=int, default=max(1, os.cpu_count() or 1), help="runs in parallel (one thread each)")
-    p.add_argument("--rho", type=float, default=0.95, help="time-to-accuracy target: this fraction of DynInit's session peak")
-    p.add_argument("--no-run", action="store_true", help="only build the tables from finished runs")
-    args = p.parse_args(argv)
-    from rich.console import Console
-
-    from fedhetero.config import load_config
-    from fedhetero.sessions import EnergyModel
-
+def run_table(*, config: str, overrides: list[str], out: str | Path, overlaps: list[float], alphas: list[float],
+              hosts: list[str], methods: list[str], seeds: list[int], jobs: int, rho: float, run: bool) -> int:
+    """``fedhetero dyninit-table``: run (with ``run``) the grid's unfinished runs from the base
+    ``config`` with ``overrides``, ``jobs`` at a time, into ``out``; write and print both tables;
+    returns the exit status (1 when runs are missing, 2 for an unknown method)."""
     console = Console()
-    base = load_config(args.config, overrides=args.set)
-    out = Path(args.out)
+    base = load_config(config, overrides=overrides)
+    out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    fl = [float(x) for x in args.overlaps.split(",")]
-    al = [float(x) for x in args.alphas.split(",")]
-    hosts = [h.strip() for h in args.hosts.split(",") if h.strip()]
-    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     bad = [m for m in methods if m not in METHODS]
     if bad:
         console.print(f"[red]unknown method(s) {', '.join(bad)}; choose from {', '.join(METHODS)}[/red]")
         return 2
-    seeds = [int(s) for s in args.seeds.split(",")]
-    runs = plan_runs(fl, al, hosts, methods, seeds)
+    runs = plan_runs(overlaps, alphas, hosts, methods, seeds)
     grid: dict[str, list[str]] = {}
     for key, name in runs.items():
-        grid.setdefault(name, list(args.set) + cell_overrides(key[0], key[1], key[2], key[3], key[4]))
+        grid.setdefault(name, list(overrides) + cell_overrides(key[0], key[1], key[2], key[3], key[4]))
     wall = 0.0
-    if not args.no_run:
-        done = run_grid(args.config, grid, out, args.jobs, report=lambda line: console.print(line, markup=False, highlight=False))
+    if run:
+        done = run_grid(config, grid, out, jobs, report=lambda line: console.print(line, markup=False, highlight=False))
         wall = done["wall_s"]
     devices = len(base.sessions.devices[0]) if base.sessions.devices else base.data.num_clients // 2
-    from fedhetero.context import client_context
-
     ctx = client_context(base)
     model = ctx.build_model()
     params = sum(p.numel() for p in model.parameters())
     phi = 2.0 * ctx.plain_macs / params  # forward FLOPs per parameter
     steps = max(1, math.ceil(np.mean([len(ix) for ix in ctx.data.client_indices]) / base.train.batch_size)) * base.train.local_epochs
     cost = EnergyModel().round_cost(params, phi, devices, steps=steps, batch=base.train.batch_size, rng=0)
-    res = build_table(out, runs, rho=args.rho, grad_rounds=1, energy=cost)
+    res = build_table(out, runs, rho=rho, grad_rounds=1, energy=cost)
     console.print(res["transitions"], markup=False, highlight=False, soft_wrap=True)
     console.print(res["tta"], markup=False, highlight=False, soft_wrap=True)
     first = next(iter(runs))

@@ -20,8 +20,8 @@ from typing import Any, Sequence
 
 import torch
 
-from fedhetero.config import load_config
-from fedhetero.engine import Engine
+from fedhetero.core.config import load_config
+from fedhetero.core.engine import Engine
 
 __all__ = ["RUNS", "fingerprint", "main"]
 

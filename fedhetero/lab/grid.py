@@ -15,6 +15,11 @@ from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
+import torch
+
+from fedhetero.core.config import config_hashes, load_config
+from fedhetero.core.engine import Engine
+
 __all__ = ["FINISHED_ELSEWHERE", "pending", "run_grid", "run_one"]
 
 
@@ -28,11 +33,6 @@ def run_one(base: str, overrides: Sequence[str], out_dir: str) -> tuple[str, flo
     The directory is checked again first: a grid listed before another command on the same folder
     finished this run reuses it (``error`` is :data:`FINISHED_ELSEWHERE`) instead of overwriting
     it, and a run another process is still writing fails on its lock instead of being restarted."""
-    import torch
-
-    from fedhetero.config import load_config
-    from fedhetero.engine import Engine
-
     torch.set_num_threads(1)
     t0 = time.perf_counter()
     if _finished(Path(out_dir), base, overrides):
@@ -51,8 +51,6 @@ def _finished(path: Path, config: str | None, overrides: Sequence[str]) -> bool:
         return False
     if config is None:
         return True
-    from fedhetero.config import config_hashes, load_config
-
     try:
         made = json.loads((path / "run.json").read_text()).get("config_hash")
     except (OSError, ValueError):

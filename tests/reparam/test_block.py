@@ -14,10 +14,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import reparam
 from reparam import DiverseBranchBlock, FrozenIdentityBN, IdentityBasedConv1x1, KINDS
-from reparam.branches import applicability
+from reparam.kinds import applicability
 from reparam.errors import AlignmentError, NotMergeableError, ReparamError, ReparamModeError
 from reparam.geometry import ConvGeometry
 from reparam.testing import assert_equivalent, randomize_bn_, rel_err
@@ -139,12 +140,28 @@ def test_block_merge_float32(case, gen) -> None:
     assert_merge_exact(block, x, gen, tol=1e-5)
 
 
+class _CountConvolutions(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += "convolution" in func.overloadpacket.__name__
+        return func(*args, **(kwargs or {}))
+
+
+def _merge_convolutions(block: DiverseBranchBlock, **kwargs) -> int:
+    """Convolutions a merge of ``block`` runs (the 1x1_kxk product as a oneDNN convolution)."""
+    with _CountConvolutions() as ops:
+        block.merge(**kwargs)
+    return ops.count
+
+
 @pytest.mark.parametrize("case", GEOMS, ids=GEOM_IDS)
-def test_float32_merge_computes_in_float32_to_the_float64_reference(case, gen, monkeypatch) -> None:
+def test_float32_merge_computes_in_float32_to_the_float64_reference(case, gen) -> None:
     """A float32 block merges in float32 by default (the 1x1_kxk product of a dense conv as a
     oneDNN convolution, else a matrix product), in place or not, to float32 rounding of the
     float64 reference; float64 arithmetic stays available and no more accurate at the output."""
-    import reparam.branches as branches
     from reparam.transforms import merge_dtype
 
     assert merge_dtype(torch.float32) == torch.float32 and merge_dtype(torch.float64) == torch.float64
@@ -159,9 +176,9 @@ def test_float32_merge_computes_in_float32_to_the_float64_reference(case, gen, m
     with torch.no_grad():
         outs["default"] = block32.merge()(x32)
         outs["float64 arithmetic"] = block32.merge(compute_dtype=torch.float64)(x32)
-        monkeypatch.setattr(branches, "_compose_by_conv", lambda dtype, device: False)
-        outs["matrix product"] = block32.merge()(x32)
-        monkeypatch.undo()
+        with torch.backends.mkldnn.flags(enabled=False):  # a process without oneDNN: the matrix product
+            by_product = block32.merge()
+        outs["matrix product"] = by_product(x32)
         deployed = copy.deepcopy(block32)
         deployed.switch_to_deploy()  # in place: the anchor's storage is reused
         outs["in place"] = deployed(x32)
@@ -172,10 +189,10 @@ def test_float32_merge_computes_in_float32_to_the_float64_reference(case, gen, m
     assert errs["default"] <= 4 * max(forward32, 1e-7), (errs, forward32)
     assert torch.equal(outs["default"], outs["in place"])
     dense = ConvGeometry.from_conv(conv).groups == 1
-    assert branches._compose_by_conv(torch.float32, torch.device("cpu")) == torch.backends.mkldnn.is_available()
-    assert branches._compose_by_conv(torch.float64, torch.device("cpu")) is False
-    with torch.backends.mkldnn.flags(enabled=False):  # a process without oneDNN: the matrix product
-        assert branches._compose_by_conv(torch.float32, torch.device("cpu")) is False
+    assert (_merge_convolutions(block32) > 0) == (dense and torch.backends.mkldnn.is_available())
+    assert _merge_convolutions(block32, compute_dtype=torch.float64) == 0
+    with torch.backends.mkldnn.flags(enabled=False):
+        assert _merge_convolutions(block32) == 0
     if not (dense and torch.backends.mkldnn.is_available()):  # the same matrix product both times
         assert torch.equal(outs["default"], outs["matrix product"])
 
@@ -734,7 +751,7 @@ def test_assert_equivalent_and_rel_err(gen) -> None:
 
 @pytest.mark.parametrize("case", [GEOMS[0], GEOMS[1], GEOMS[6], GEOMS[18], GEOMS[19]], ids=lambda c: c[0])
 def test_branches_compute_the_spec_structure(case, gen) -> None:
-    """Each branch's forward is the documented branch structure (see ``reparam.branches``) written
+    """Each branch's forward is the documented branch structure (see ``reparam.builtin_kinds``) written
     with plain torch ops
     (AvgPool2d for the pool, value padding from bn1's running statistics)."""
     conv, bn, x = make_layer(case, gen)

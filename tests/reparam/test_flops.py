@@ -112,7 +112,7 @@ class ValuePad(nn.Module):
 
 
 def explicit_branch(kind: str, conv: nn.Conv2d) -> nn.Module:
-    """The branch layout documented in ``reparam.branches``, built by hand from plain torch modules."""
+    """The branch layout documented in ``reparam.builtin_kinds``, built by hand from plain torch modules."""
     c, o, g = conv.in_channels, conv.out_channels, conv.groups
     k, s, p, d = conv.kernel_size, conv.stride, conv.padding, conv.dilation
     q = tuple(pi - di * (ki - 1) // 2 for pi, di, ki in zip(p, d, k))

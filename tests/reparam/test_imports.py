@@ -1,7 +1,8 @@
 """Dependency direction and the torchvision import repair.
 
 ``reparam`` depends on torch only (numpy and the standard library aside): importing any of its
-modules must not import ``fedhetero`` or the model zoo ``models``. Each check runs in a fresh
+modules must not import ``fedhetero`` or the model zoo ``models``, and must leave the import system
+alone (the torchvision repair is the application's to install). Each check runs in a fresh
 interpreter, because the test process itself has imported both (and ``tests/conftest.py`` has
 already repaired torchvision's import).
 """
@@ -31,7 +32,7 @@ def _run(code: str, env: dict[str, str] | None = None) -> subprocess.CompletedPr
 
 def test_every_reparam_module_imports_without_fedhetero_or_models() -> None:
     names = sorted(m.name for m in pkgutil.walk_packages(reparam.__path__, "reparam."))
-    assert "reparam.convert" in names
+    assert "reparam.kinds" in names and "reparam.builtin_kinds" in names
     code = (
         "import importlib, json, sys\n"
         f"for name in {names!r}:\n"
@@ -45,9 +46,10 @@ def test_every_reparam_module_imports_without_fedhetero_or_models() -> None:
 
 
 @pytest.mark.skipif(importlib.util.find_spec("torchvision") is None, reason="torchvision not installed")
-def test_import_reparam_then_torchvision_works_as_in_the_readme() -> None:
+def test_installed_repair_lets_torchvision_import() -> None:
     code = (
         "import torch, reparam\n"
+        "reparam._compat.install_torchvision_fix()\n"
         "from torchvision.models import resnet18\n"
         "m = resnet18()\n"
         "print(type(m).__name__, reparam._compat.torchvision_fix_applied())\n"
@@ -57,10 +59,16 @@ def test_import_reparam_then_torchvision_works_as_in_the_readme() -> None:
     assert proc.stdout.split()[0] == "ResNet"
 
 
-def test_the_repair_can_be_switched_off() -> None:
+def test_import_reparam_installs_no_import_hook() -> None:
     code = (
-        "import sys, reparam\n"
-        "print(any(type(f).__name__ == '_TorchvisionFinder' for f in sys.meta_path))\n"
+        "import sys\n"
+        "before = list(sys.meta_path)\n"
+        "import reparam\n"
+        "print(sys.meta_path == before)\n"
+        "reparam._compat.install_torchvision_fix()\n"
+        "reparam._compat.install_torchvision_fix()  # once\n"
+        "print(len(sys.meta_path) - len(before))\n"
     )
-    assert _run(code).stdout.strip() == "True"
-    assert _run(code, {"REPARAM_NO_TORCHVISION_FIX": "1"}).stdout.strip() == "False"
+    proc = _run(code)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["True", "1"]

@@ -46,7 +46,7 @@ import torch
 from torch import nn
 
 import reparam
-from reparam.branches import applicability
+from reparam.kinds import applicability
 from reparam.changes import StructureChange, apply_to_optimizer
 from reparam.dymm import dymm, shrink_to_budget
 from reparam.flops import model_macs

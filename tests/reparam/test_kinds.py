@@ -108,6 +108,9 @@ def test_registry_lists_orders_and_refuses(inner) -> None:
         reparam.register_kind(type("Fake", (InnerConvKind,), {"name": "1x1"})())
     with pytest.raises(ReparamError, match="instance"):
         reparam.register_kind(InnerConvKind)  # type: ignore[arg-type]
+    with pytest.raises(ReparamError, match="one anchor"):
+        reparam.register_kind(type("SecondAnchor", (InnerConvKind,), {"name": "anchor2", "anchor": True})())
+    assert reparam.kinds.anchor_name() == "kxk"
     with pytest.raises(ReparamError, match="name"):
         reparam.register_kind(type("Dotted", (InnerConvKind,), {"name": "a.b"})())
     with pytest.raises(ReparamError, match="unknown branch kind"):

@@ -109,7 +109,7 @@ def _round_trip(build, dtype: torch.dtype, tol: float, gen: torch.Generator) -> 
 
 @pytest.mark.parametrize("name, dtype, tol", CASES, ids=[c[0] for c in CASES])
 def test_model_round_trip(name, dtype, tol, tv, gen) -> None:
-    from fedhetero._compat import import_timm
+    from reparam._compat import import_timm
 
     def timm_loader():
         try:

@@ -186,7 +186,7 @@ def _build(builder: Callable[[], nn.Module]) -> nn.Module:
 
 
 def _has_standardized_block(model: nn.Module) -> bool:
-    return any(blk._anchor_standardized() for _, blk in reparam.iter_blocks(model))
+    return any(blk.host_form is not None and blk.host_form.standardized for _, blk in reparam.iter_blocks(model))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -23,8 +23,8 @@ from torch import nn
 
 from fedhetero import models
 import reparam
-from reparam import DiverseBranchBlock, IdentityBasedConv1x1
-from reparam.branches import ConvBNBranch, IdentityBranch, applicability
+from reparam import ConvBNBranch, DiverseBranchBlock, IdentityBasedConv1x1, IdentityBranch
+from reparam.kinds import applicability
 from reparam.dymm import applicable_kinds
 from reparam.errors import AlignmentError
 from reparam.fused import fused_training

@@ -7,7 +7,7 @@ Needs the extra: ``pip install "fedhetero[flower]"`` (``flwr[simulation]>=1.21,<
 * :mod:`.server_app` (``app``) and :mod:`.client_app` (``app``) are the Flower ServerApp and
   ClientApp; ``fedhetero flower app DIR`` writes a Flower App that points at them, for
   ``flwr run`` on a SuperLink with SuperNodes (see ``docs/flower.md``).
-* :class:`~.backend.FlowerBackend` is the :class:`~fedhetero.engines.Backend` inside the ServerApp;
+* :class:`~.backend.FlowerBackend` is the :class:`~fedhetero.core.backend.Backend` inside the ServerApp;
   :mod:`.codec` encodes tasks and results into Flower records without pickle.
 
 fedhetero keeps its own round loop (sampling over client ids, seeds, checkpoints, resume): a job
@@ -26,7 +26,7 @@ _MISSING = (
 
 def require_flwr() -> None:
     """Raise an :class:`ImportError` that says what to install when Flower is missing."""
-    try:
+    try:  # deferred: this is the check whether flwr, the optional "flower" extra, is installed
         import flwr  # noqa: F401
         from flwr.app import Message  # noqa: F401  (the Message API: flwr >= 1.21)
     except ImportError as exc:
@@ -37,6 +37,9 @@ __all__ = ["FlowerBackend", "require_flwr", "simulate", "write_app"]
 
 
 def __getattr__(name: str) -> Any:
+    # deferred (PEP 562): the package must import without flwr, the optional "flower" extra
+    # (require_flwr, the CLI's parser), so these are loaded on first access, after the check;
+    # simulate and FlowerBackend import flwr, write_app writes an App that only Flower can run
     if name in ("simulate", "FlowerBackend", "write_app"):
         require_flwr()
     if name == "simulate":

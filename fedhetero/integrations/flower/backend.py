@@ -2,7 +2,7 @@
 
 :class:`FlowerBackend` lives inside a Flower ServerApp (:mod:`.server_app`) and talks to the nodes
 through the ServerApp's ``grid``. Everything that decides the numbers stays in fedhetero's
-:class:`~fedhetero.engine.Engine`: sampling (over *client ids*, never over Flower's random node
+:class:`~fedhetero.core.engine.Engine`: sampling (over *client ids*, never over Flower's random node
 ids), seeds, aggregation, evaluation, checkpoints and resume. The back end only delivers tasks:
 
 1. **Nodes.** On first use it waits (at most ``node_wait_s``) until the expected number of nodes has
@@ -13,7 +13,7 @@ ids), seeds, aggregation, evaluation, checkpoints and resume. The back end only 
    config encoded losslessly (:mod:`.codec`). A node gets one task at a time (its next task leaves
    when its previous reply is in), so the state a node keeps for its clients is never written by
    two tasks at once.
-3. **Replies** are decoded into :class:`~fedhetero.engines.Outcome` objects and returned sorted by
+3. **Replies** are decoded into :class:`~fedhetero.core.backend.Outcome` objects and returned sorted by
    client id. An error reply, a reply that does not decode, or no reply within
    ``engine.client_timeout_s`` (+ ``delivery_grace_s`` for transport) becomes a failed outcome with
    the reason; the engine drops that client from its round as on every back end.
@@ -39,12 +39,14 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 
     raise ImportError(_MISSING) from exc
 
-from fedhetero.config import RunConfig
-from fedhetero.context import RunError
-from fedhetero.engines import Backend, Outcome
+from fedhetero.core.algorithm import Algorithm
+from fedhetero.core.backend import Backend
+from fedhetero.core.config import RunConfig
+from fedhetero.core.context import RunError
+from fedhetero.core.types import ClientTask, Outcome
 from fedhetero.integrations.flower._common import config_text
 from fedhetero.integrations.flower.client_app import NODE_RECORD
-from fedhetero.integrations.flower.codec import PROTOCOL, decode_outcome, encode_task
+from fedhetero.integrations.flower.codec import PROTOCOL, decode_outcome, encode_task, record_int
 
 __all__ = ["FlowerBackend", "NodeInfo"]
 
@@ -92,7 +94,7 @@ class FlowerBackend(Backend):
         how many nodes to wait for before the first round (None: those connected once at least one
         is, after a short settling time).
     node_wait_s:
-        how long to wait for them (then a :class:`~fedhetero.context.RunError` says how many came).
+        how long to wait for them (then a :class:`~fedhetero.core.context.RunError` says how many came).
     delivery_grace_s:
         added to ``engine.client_timeout_s`` for delivery (a SuperNode polls for messages and starts
         a ClientApp process per message) before a missing reply counts as a time-out.
@@ -181,13 +183,13 @@ class FlowerBackend(Backend):
                 failed.append(f"node {n}: the reply is not from fedhetero's ClientApp")
                 continue
             info = dict(rec)
-            if int(info.get("protocol", -1)) != PROTOCOL:
+            if record_int(info.get("protocol")) != PROTOCOL:
                 failed.append(
-                    f"node {n}: fedhetero wire protocol {info.get('protocol')} there, {PROTOCOL} here "
+                    f"node {n}: fedhetero wire protocol {info.get('protocol')!s} there, {PROTOCOL} here "
                     "(install the same fedhetero version everywhere)"
                 )
                 continue
-            nodes.append(NodeInfo(int(n), int(info.get("partition-id", -1)), info))
+            nodes.append(NodeInfo(int(n), record_int(info.get("partition-id")), info))
         if failed:
             raise RunError("flower: the nodes could not be set up: " + "; ".join(failed))
         return nodes
@@ -229,40 +231,46 @@ class FlowerBackend(Backend):
         return nodes[int(cid) % len(nodes)].node_id
 
     # ------------------------------------------------------------------ messages
-    def _push(self, msgs: list[Message]) -> dict[str, Any]:
+    def _push(self, msgs: list[Message]) -> dict[str, int]:
         """Push messages; ``{message_id: dst_node_id}`` of those the SuperLink accepted."""
         if not msgs:
             return {}
         ids = list(self.grid.push_messages(msgs))
         accepted = {str(i) for i in ids if i}
-        out: dict[str, Any] = {}
+        out: dict[str, int] = {}
         for m in msgs:
             mid = str(m.metadata.message_id)
             if mid in accepted:
                 out[mid] = int(m.metadata.dst_node_id)
         return out
 
-    def _message(self, task: Any) -> Message:
+    def _message(self, task: ClientTask) -> Message:
         content = encode_task(task, None, config=self._config, config_hash=self._config_hash)
         ttl = None
         if self.timeout is not None:
             ttl = max(60.0, 2 * (self.timeout + self.delivery_grace_s))
         return Message(content, self.node_of(task.cid), MessageType.TRAIN, ttl=ttl, group_id=f"{task.round}.{task.step}")
 
-    def run(self, algorithm, tasks, states, on_done: Callable[[Outcome], None] | None = None):  # type: ignore[no-untyped-def]
+    def run(
+        self,
+        algorithm: Algorithm,
+        tasks: list[ClientTask],
+        states: dict[int, dict[str, Any] | None],
+        on_done: Callable[[Outcome], None] | None = None,
+    ) -> list[Outcome]:
         """Send every task to its client's node and collect the outcomes (sorted by client id)."""
         order = sorted(tasks, key=lambda t: t.cid)
         if not order:
             return []
         nodes = self.connect()
         t0 = time.perf_counter()
-        queues: dict[int, list[Any]] = {x.node_id: [] for x in nodes}
+        queues: dict[int, list[ClientTask]] = {x.node_id: [] for x in nodes}
         for task in order:
             queues[self.node_of(task.cid)].append(task)
         done: dict[int, Outcome] = {}
-        inflight: dict[str, tuple[Any, float]] = {}  # message id -> (task, sent at)
+        inflight: dict[str, tuple[ClientTask, float]] = {}  # message id -> (task, sent at)
 
-        def finish(task: Any, outcome: Outcome) -> None:
+        def finish(task: ClientTask, outcome: Outcome) -> None:
             done[task.cid] = outcome
             if on_done is not None:
                 on_done(outcome)

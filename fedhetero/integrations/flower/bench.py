@@ -19,10 +19,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from flwr.app import (
@@ -33,10 +34,13 @@ from flwr.app import (
     MetricRecord,
     RecordDict,
 )
+from flwr.serverapp.strategy import FedAvg
 
-from fedhetero.algorithms.base import ClientTask
-from fedhetero.config import RunConfig, from_dict, to_dict
-from fedhetero.context import derive_seed
+from fedhetero.core.config import RunConfig, from_dict, to_dict
+from fedhetero.core.context import client_context
+from fedhetero.core.types import ClientTask, derive_seed
+from fedhetero.integrations.flower.codec import record_int
+from fedhetero.integrations.flower.simulation import simulate
 
 try:  # flwr >= 1.21
     from flwr.clientapp import ClientApp
@@ -44,6 +48,9 @@ try:  # flwr >= 1.21
 except ImportError:  # pragma: no cover - older flwr
     from flwr.client import ClientApp  # type: ignore[no-redef]
     from flwr.server import Grid, ServerApp  # type: ignore[no-redef]
+
+if TYPE_CHECKING:
+    from flwr.app.typing import MetricRecordValues
 
 __all__ = ["fedavg_config", "time_flower_fedavg", "time_ours"]
 
@@ -63,8 +70,6 @@ def _nodes(cfg: RunConfig, supernodes: int | None) -> int:
 
 def time_ours(cfg: RunConfig, supernodes: int | None = None, *, num_cpus: int | None = None) -> float:
     """Wall seconds of the FedAvg job through fedhetero's FlowerBackend in the simulation engine."""
-    from fedhetero.integrations.flower.simulation import simulate
-
     job = fedavg_config(cfg)
     with tempfile.TemporaryDirectory(prefix="fedhetero-bench-") as tmp:
         t0 = time.perf_counter()
@@ -79,8 +84,6 @@ _SIDE: dict[str, Any] = {}
 def _client_context(cfg_json: str) -> Any:
     hit = _SIDE.get(cfg_json)
     if hit is None:
-        from fedhetero.context import client_context
-
         cfg = from_dict(json.loads(cfg_json))
         torch.set_num_threads(cfg.threads or 1)
         _SIDE.clear()
@@ -95,21 +98,21 @@ fedavg_client = ClientApp()
 
 @fedavg_client.train()
 def _train(msg: Message, context: Context) -> Message:
-    conf = msg.content["config"]
+    conf = msg.content.config_records["config"]
     ctx = _client_context(str(conf["fedhetero-config"]))
     cfg = ctx.cfg
     cid = int(context.node_config["partition-id"])
-    rnd = int(conf["server-round"])
+    rnd = record_int(conf["server-round"])
     n = len(ctx.data.client_indices[cid])
     model = ctx.build_model()
-    model.load_state_dict(msg.content["arrays"].to_torch_state_dict())
+    model.load_state_dict(msg.content.array_records["arrays"].to_torch_state_dict())
     task = ClientTask(
         cid=cid, tier="", ratio=1.0, budget_macs=float(ctx.plain_macs), num_samples=n, round=rnd,
         seed=derive_seed(cfg.seed, "client", rnd, cid),
     )
     with ctx.client_scope(task):
         report = ctx.train(model, task, cfg.train.local_epochs)
-    metrics = {"num-examples": n}
+    metrics: dict[str, MetricRecordValues] = {"num-examples": n}
     if isinstance(report.get("loss"), (int, float)):
         metrics["train-loss"] = float(report["loss"])
     content = RecordDict({"arrays": ArrayRecord(model.state_dict()), "metrics": MetricRecord(metrics)})
@@ -117,10 +120,6 @@ def _train(msg: Message, context: Context) -> Message:
 
 
 def _fedavg_server(job: RunConfig, nodes: int) -> ServerApp:
-    from flwr.serverapp.strategy import FedAvg
-
-    from fedhetero.context import client_context
-
     server = ServerApp()
 
     @server.main()
@@ -153,8 +152,7 @@ def time_flower_fedavg(cfg: RunConfig, supernodes: int | None = None, *, num_cpu
     """Wall seconds of the same FedAvg job through Flower's ``FedAvg`` strategy in the simulation
     engine (node ``p`` trains client ``p``'s partition, so ``supernodes`` must equal the number
     of clients)."""
-    import os
-
+    # deferred: flwr.simulation imports Ray, slow to load; only this timing needs it
     from flwr.simulation import run_simulation
 
     job = fedavg_config(cfg)

@@ -9,9 +9,17 @@ This module imports Flower only when a command runs, so the main CLI works witho
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 from typing import Any
+
+from rich.console import Console
+
+from fedhetero.core.config import load_config
+from fedhetero.core.reports import default_out_dir, print_summary
+from fedhetero.integrations.flower import require_flwr
+from fedhetero.integrations.flower.deploy import flower_config, write_app
 
 __all__ = ["add_parser", "handle"]
 
@@ -66,9 +74,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def _simulate(args: argparse.Namespace, console: Any) -> int:
-    from fedhetero.reports import default_out_dir, print_summary
-    from fedhetero.config import load_config
-    from fedhetero.integrations.flower import simulate
+    # deferred: the simulation imports Flower (the optional extra), which handle() has found installed
+    from fedhetero.integrations.flower.simulation import simulate
 
     # on --resume without --config: the saved config, with the --set overrides applied to it
     cfg = None if args.resume and not args.config else load_config(args.config, args.set)
@@ -97,11 +104,6 @@ def _simulate(args: argparse.Namespace, console: Any) -> int:
 
 
 def _app(args: argparse.Namespace, console: Any) -> int:
-    import os
-
-    from fedhetero.config import load_config
-    from fedhetero.integrations.flower.deploy import flower_config, write_app
-
     cfg = None if args.resume and not (args.config or args.set) else load_config(args.config, args.set)
     if args.resume and not args.out:
         raise SystemExit("fedhetero flower app: --resume needs --out (the run directory)")
@@ -125,15 +127,11 @@ def _app(args: argparse.Namespace, console: Any) -> int:
 
 def handle(args: argparse.Namespace) -> int:
     """Run ``fedhetero flower <command>``."""
-    from rich.console import Console
-
     console = Console(highlight=False)
     command = getattr(args, "flower_command", None)
     if command is None:
         return 0
     try:
-        from fedhetero.integrations.flower import require_flwr
-
         require_flwr()
     except ImportError as exc:
         print(f"fedhetero flower: {exc}", file=sys.stderr)

@@ -3,11 +3,11 @@
 * ``query`` messages are answered with the node's ``partition-id`` / ``num-partitions`` (from its
   node config; the simulation engine sets them, a SuperNode gets them from ``--node-config``) and
   versions, so the ServerApp can map client ids onto nodes.
-* ``train`` messages carry one :class:`~fedhetero.algorithms.base.ClientTask` and the run's config
+* ``train`` messages carry one :class:`~fedhetero.core.algorithm.ClientTask` and the run's config
   (:mod:`fedhetero.integrations.flower.codec`). The client side (data set, model builder, trainer:
-  a :class:`~fedhetero.context.ClientContext`) is built from that config once per process and
-  cached by the config's hash; the task runs through :func:`fedhetero.engines.run_task`, exactly as
-  on the embedded back ends, and the :class:`~fedhetero.engines.Outcome` goes back encoded.
+  a :class:`~fedhetero.core.context.ClientContext`) is built from that config once per process and
+  cached by the config's hash; the task runs through :func:`fedhetero.core.backend.run_task`, exactly as
+  on the embedded back ends, and the :class:`~fedhetero.core.backend.Outcome` goes back encoded.
 
 A client's private state (``ClientResult.client_state``) stays on the node: it is kept in the
 node's ``context.state`` under the client id (with the round that wrote it, so a task reads the
@@ -31,8 +31,9 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict
 
 import fedhetero
-from fedhetero.config import RunConfig, from_dict
-from fedhetero.engines import Outcome, check_result, run_task
+from fedhetero.core.config import RunConfig, from_dict
+from fedhetero.core.types import Outcome, check_result
+from fedhetero.core.backend import run_task
 from fedhetero.integrations.flower._common import (
     parse_config,
     run_config_get,
@@ -45,6 +46,10 @@ from fedhetero.integrations.flower.codec import (
     encode_outcome,
     encode_value,
 )
+from fedhetero.core.registry import build_algorithm
+from fedhetero.core.allocator import tune_malloc
+from fedhetero.core.context import client_context
+from fedhetero.integrations.flower.codec import META
 
 try:  # flwr >= 1.21
     from flwr.clientapp import ClientApp
@@ -62,7 +67,7 @@ app = ClientApp()
 @dataclass
 class _ClientSide:
     cfg: RunConfig
-    ctx: Any  # fedhetero.context.ClientContext
+    ctx: Any  # fedhetero.core.context.ClientContext
     cls: type
     options: Any
 
@@ -83,11 +88,7 @@ def _client_side(config_json: str, config_hash: str, context: Context) -> _Clien
         cfg = parse_config(run_config_get(rc, "config", ""), split_overrides(run_config_get(rc, "set", "")))
     torch.set_num_threads(cfg.threads or 1)
     if cfg.tune_malloc and cfg.device == "cpu":
-        from reparam.allocator import tune_malloc
-
         tune_malloc()
-    from fedhetero.algorithms import build_algorithm
-    from fedhetero.context import client_context
 
     ctx = client_context(cfg)
     proto = build_algorithm(cfg)
@@ -163,8 +164,6 @@ def query(msg: Message, context: Context) -> Message:
 @app.train()
 def train(msg: Message, context: Context) -> Message:
     """Run one client task and reply with its encoded outcome."""
-    from fedhetero.integrations.flower.codec import META
-
     meta = msg.content.config_records.get(META)
     config_json = str(meta.get("config", "")) if meta is not None else ""
     config_hash = str(meta.get("config-hash", "")) if meta is not None else ""

@@ -8,7 +8,7 @@ A value (a task's fields and payload, a client's private state, a result) is spl
 * everything else becomes a JSON document in a :class:`flwr.app.ConfigRecord`, in which each
   container is a one-key object naming its type (``{"D": ...}`` dict, ``{"L": ...}`` list,
   ``{"U": ...}`` tuple, ``{"T": ...}`` tensor, …) so that dicts with non-string keys, tuples,
-  bytes, NumPy scalars, non-finite floats and :class:`~fedhetero.submodel.SubmodelSpec` objects
+  bytes, NumPy scalars, non-finite floats and :class:`~fedhetero.core.submodel.SubmodelSpec` objects
   come back as they left. A tensor referenced twice is sent once and comes back shared.
 
 Only plain data is accepted: an object of any other type raises :class:`TypeError` naming the
@@ -22,14 +22,18 @@ import dataclasses
 import json
 import math
 from collections import OrderedDict
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, MetricRecord, RecordDict
 
-from fedhetero.algorithms.base import ClientResult, ClientTask
-from fedhetero.engines import Outcome
+if TYPE_CHECKING:
+    from flwr.app.typing import MetricRecordValues
+
+from fedhetero.core.types import ClientResult, ClientTask
+from fedhetero.core.types import Outcome
+from fedhetero.core.submodel import SubmodelSpec
 
 __all__ = [
     "PROTOCOL",
@@ -39,6 +43,7 @@ __all__ = [
     "encode_outcome",
     "encode_task",
     "encode_value",
+    "record_int",
 ]
 
 #: Version of the wire format; the server and the nodes must agree on it.
@@ -47,6 +52,14 @@ PROTOCOL = 1
 META = "fedhetero"  # ConfigRecord: the JSON document and the run's settings
 ARRAYS = "fedhetero.arrays"  # ArrayRecord: the tensors the document refers to
 METRICS = "metrics"  # MetricRecord: a few numbers for Flower's own tools (not read back)
+
+
+def record_int(value: object, default: int = -1) -> int:
+    """A record value (a ``ConfigRecord`` entry, a node's config) as an int: a number or numeric
+    text converts, anything else (absent: None, a list) is ``default``."""
+    if isinstance(value, (int, float, str, bytes)):
+        return int(value)
+    return default
 
 
 # ---------------------------------------------------------------------------------- values
@@ -67,7 +80,7 @@ class _Encoder:
         dtype = str(t.dtype).removeprefix("torch.")
         try:
             arr = src.numpy()
-            tag = [key, dtype]
+            tag: list[Any] = [key, dtype]
         except (TypeError, RuntimeError):  # a dtype NumPy lacks: send the raw bytes
             arr = src.contiguous().reshape(-1).view(torch.uint8).numpy()
             tag = [key, dtype, list(t.shape)]
@@ -109,7 +122,6 @@ class _Encoder:
             return {"L": [self.value(v, f"{path}[{i}]") for i, v in enumerate(obj)]}
         if isinstance(obj, tuple):
             return {"U": [self.value(v, f"{path}[{i}]") for i, v in enumerate(obj)]}
-        from fedhetero.submodel import SubmodelSpec
 
         if isinstance(obj, SubmodelSpec):
             return {"P": self.value(obj.to_dict(), f"{path}.spec")}
@@ -181,8 +193,6 @@ class _Decoder:
             if tag == "Y":
                 return _torch_dtype(v)
             if tag == "P":
-                from fedhetero.submodel import SubmodelSpec
-
                 return SubmodelSpec.from_dict(self.value(v))
         raise ValueError(f"malformed value in a Flower message: {str(obj)[:80]}")
 
@@ -211,9 +221,9 @@ def _unpack(content: RecordDict, device: torch.device | None) -> tuple[Any, Conf
     if META not in content.config_records:
         raise ValueError("not a fedhetero message (no 'fedhetero' config record)")
     meta = content.config_records[META]
-    if int(meta.get("protocol", -1)) != PROTOCOL:
+    if record_int(meta.get("protocol")) != PROTOCOL:
         raise ValueError(
-            f"fedhetero wire protocol {meta.get('protocol')} on the other side, {PROTOCOL} here: "
+            f"fedhetero wire protocol {meta.get('protocol')!s} on the other side, {PROTOCOL} here: "
             "install the same fedhetero version on the server and every node"
         )
     arrays = content.array_records.get(ARRAYS, ArrayRecord())
@@ -256,7 +266,7 @@ def encode_outcome(outcome: Outcome) -> RecordDict:
         "kind": outcome.kind,
     }
     rd = _pack(doc, {"cid": int(outcome.task.cid)}, f"result[cid={outcome.task.cid}]")
-    numbers: dict[str, int | float] = {"seconds": float(outcome.seconds), "ok": int(res is not None)}
+    numbers: dict[str, MetricRecordValues] = {"seconds": float(outcome.seconds), "ok": int(res is not None)}
     if res is not None:
         numbers.update(
             {"num-examples": int(res.num_samples), "macs": int(res.macs), "bytes-up": int(res.bytes_up), "bytes-down": int(res.bytes_down)}
@@ -266,7 +276,7 @@ def encode_outcome(outcome: Outcome) -> RecordDict:
 
 
 def decode_outcome(content: RecordDict, task: ClientTask, device: torch.device | None = None) -> Outcome:
-    """The :class:`~fedhetero.engines.Outcome` of ``task`` from its reply's content."""
+    """The :class:`~fedhetero.core.backend.Outcome` of ``task`` from its reply's content."""
     doc, _ = _unpack(content, device)
     res = doc["result"]
     result = None if res is None else ClientResult(**res)

@@ -13,7 +13,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from fedhetero.config import RunConfig, to_dict
+from fedhetero.core.config import RunConfig, to_dict
+from fedhetero import __version__
 
 __all__ = ["APP_CLIENT", "APP_SERVER", "flower_config", "write_app"]
 
@@ -47,8 +48,6 @@ def write_app(
     ``cfg`` is embedded as JSON (None: the defaults, or the run directory's config with
     ``resume``); ``out_dir`` is made absolute (it is a path on the SuperLink's machine).
     Everything can be overridden at submission with ``flwr run DIR --run-config "key=value"``."""
-    from fedhetero import __version__
-
     folder = Path(directory).expanduser()
     folder.mkdir(parents=True, exist_ok=True)
     settings: dict[str, Any] = {
@@ -93,6 +92,8 @@ def flower_config(flwr_home: str | Path, address: str, *, name: str = "fedhetero
     """Add (or replace) the SuperLink connection ``name`` at ``address`` (``host:port``) in
     ``config.toml`` of ``flwr_home`` (Flower's user folder, ``FLWR_HOME``), keeping every other
     entry; it becomes the default connection only when none is set."""
+    # deferred: tomli (Python 3.10's tomllib) and tomli_w come with flwr, the optional "flower"
+    # extra, and this module must import without it (the CLI's parser and write_app use it)
     try:
         import tomllib
     except ImportError:  # Python 3.10: tomli, a Flower dependency

@@ -11,10 +11,11 @@ import os
 from pathlib import Path
 from typing import Any
 
-from fedhetero.config import RunConfig
-from fedhetero.context import RunError
-from fedhetero.engine import resume_config
+from fedhetero.core.config import RunConfig
+from fedhetero.core.context import RunError
+from fedhetero.core.engine import resume_config
 from fedhetero.integrations.flower.server_app import ServerSettings, make_server_app
+from fedhetero.integrations.flower.client_app import app as client_app
 
 __all__ = ["simulate"]
 
@@ -36,7 +37,7 @@ def simulate(
     overrides: list[str] | None = None,
 ) -> Any:
     """Run (or resume) ``cfg`` on ``num_supernodes`` simulated SuperNodes; returns the
-    :class:`~fedhetero.engine.RunResult`.
+    :class:`~fedhetero.core.engine.RunResult`.
 
     Parameters
     ----------
@@ -54,9 +55,8 @@ def simulate(
     stop_after:
         stop after this round as if killed (tests and drills; continue with ``resume=True``).
     """
+    # deferred: flwr.simulation imports Ray, slow to load; only a simulation needs it
     from flwr.simulation import run_simulation
-
-    from fedhetero.integrations.flower.client_app import app as client_app
 
     out = Path(out_dir).expanduser().resolve()
     ref = cfg

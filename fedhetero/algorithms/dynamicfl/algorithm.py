@@ -1,0 +1,527 @@
+"""DynamicFL by structural re-parameterization (Algorithm 1 of "Everyone Counts: Fair and
+Accurate Heterogeneous Federated Learning with Resource-Adaptive Model Modulation").
+
+The server holds a **plain** global model ω_g (every conv+BN folded into one biased conv). A client
+with a FLOPs budget of ``r`` × the plain model trains a multi-branch model that computes exactly the
+global function when it starts, modulates its structure with gradient saliency, and uploads the
+merged plain weights:
+
+1. first time sampled: ζ ← REP(ω_g) — expand "bottom to up" to the budget (Eq. 2); train E epochs,
+   S_l ← saliency of the last epoch;
+2. budget below the stored structure's cost: ζ ← REP(ω_g, S_l) — fold the lowest-S_l branches
+   until it fits (Eq. 9), re-solve to equal ω_g; train E epochs;
+3. otherwise ε ← REP(ω_g, ζ) — keep the stored structure and branch statistics, re-solve each
+   block's main branch so the block equals ω_g's conv exactly (Eq. 4); train one epoch recording
+   S_g; ζ ← DYMM(ε; S_g, S_l) within the budget (Eqs. 12–16); train E−1 epochs recording S_l;
+4. merge ζ into the plain structure (Eq. 10) and upload; the server averages plain tensors (Eq. 11).
+
+Dynamic budgets: when the engine announces a changed budget (after the second local epoch), the
+client adapts on the spot — folding the lowest-saliency branches to shrink, adding branches to
+grow — both function-preserving in eval mode.
+
+Budget planning (the first-round plan and the knapsack fills) lives in :mod:`reparam.planning`.
+With ``grow_mode: nested`` the planners and DYMM may also grow branches inside a branch's K×K conv
+(nested blocks), exact like every other growth, so high tiers use their budget once the flat
+branch set is exhausted.
+
+Clients with a budget below the plain model (``r < 1``) train a structurally pruned sub-model
+chosen by HRank ranks or filter magnitude; their update is scattered back by channel index and
+averaged per element with the clients that trained each weight.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+from torch import nn
+
+import reparam
+from fedhetero.algorithms.pruning.rates import kept_count
+from fedhetero.algorithms.pruning.surgery import ChannelMacs, plan_for_budget, prunable_groups
+from fedhetero.core.aggregation import weighted_average
+from fedhetero.core.algorithm import Algorithm
+from fedhetero.core.config import OPTIONS_PATH, MethodOptions, option, require
+from fedhetero.core.submodel import SubmodelAggregator, SubmodelSpec, submodel_from
+from fedhetero.core.types import ClientResult, ClientTask, state_bytes
+from reparam.changes import StructureChange, apply_to_optimizer
+from reparam.dymm import dymm, shrink_to_budget
+from reparam.invariants import check_gradients, check_optimizer, check_same_function
+from reparam.kinds import get_kind, kind_names
+from reparam.planning import best_additions, expandable_convs, fill_to_budget, first_plan, grow_to_budget
+from reparam.saliency import SaliencyMeter
+
+if TYPE_CHECKING:  # pragma: no cover
+    from fedhetero.core.context import ClientContext, Context
+
+# the budget planners live in reparam.planning and are re-exported here
+__all__ = ["DynamicFL", "DynamicFLOptions", "grow_to_budget", "fill_to_budget", "first_plan", "best_additions"]
+
+
+@dataclass(frozen=True)
+class DynamicFLOptions(MethodOptions):
+    # "batchnorm": the anchor BN of a wrapped plain conv starts at γ=1, β=0, μ=0, v=1−ε (eval-exact;
+    # trains with normalised activations). Measured on digits (LeNet-5, 20 rounds, 2 seeds) it beats
+    # the "calibrated" set-up (BN statistics taken from a few client batches, so train mode starts
+    # at the plain conv's scale) by 5–7 points at β = 0.1, 0.5 and 5; see CHANGELOG.
+    anchor_norm: Literal["calibrated", "frozen_identity", "batchnorm"] = "batchnorm"
+    calibration_batches: int = option(4, ge=1)
+    # a returning client's anchor BN: "private" keeps the BN statistics (and γ, β) it trained with
+    # in its private state and re-solves the anchor conv around them; "reset" starts the anchor BN
+    # from γ=1, β=0, μ=0, v=1−ε every round (as on a client's first round)
+    bn_stats: Literal["private", "reset"] = "private"
+    # "random": scores drawn at random (seeded per round and client): the structure without saliency
+    saliency: Literal["synflow", "snip", "grad_norm", "random"] = "synflow"
+    saliency_params: Literal["all", "conv_weights"] = "all"
+    use_abs: bool = True
+    small_q: float = option(0.3, ge=0, le=1, note="a quantile")
+    large_q: float = option(0.7, ge=0, le=1, note="a quantile")
+    max_new_per_round: int | None = option(None, ge=0)
+    init: Literal["zero_gamma", "random_resolve"] = "zero_gamma"
+    first_plan: Literal["bottom_up", "saliency"] = "bottom_up"
+    sub_model_criterion: Literal["hrank", "magnitude"] = "hrank"
+    fill_budget: bool = True  # after DYMM / in the first plan, grow branches into unused budget
+    # "nested": planners and DYMM may also grow branches inside a branch's K×K conv (exact), so a
+    # tier whose flat branch set is exhausted (LeNet-5 at 3×) still uses its budget; "block": only
+    # the host convs' own branch kinds (LeNet-5's 3× tier then trains about 0.8 of its budget)
+    grow_mode: Literal["block", "nested"] = "nested"
+    # branch kinds the client models may use besides the anchor (null: every registered kind)
+    branches: tuple[str, ...] | None = option(None, choices=kind_names)
+    # check the structural invariants in every task and stop it with an InvariantError (an internal
+    # error) when one fails: after every structural change the optimizer holds exactly the model's
+    # trainable parameters, the first step after it gives each of them a gradient, the client model
+    # starts equal to the global model and uploads what it trained (eval mode, to the dtype's
+    # tolerance); the two function errors are recorded per client (costs two forwards and a copy)
+    verify: bool = False
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        require(
+            self.small_q <= self.large_q,
+            f"{OPTIONS_PATH}.small_q",
+            f"must be <= large_q={self.large_q}, got {self.small_q}",
+        )
+        require(
+            self.branches is None or any(not get_kind(k).anchor for k in self.branches),
+            f"{OPTIONS_PATH}.branches",
+            f"must name at least one branch kind besides the anchor, got {list(self.branches or ())}",
+        )
+
+
+@dataclass
+class _Task:
+    """One client task's working state, from REP to the upload (made by
+    :meth:`DynamicFL.client_update` and handed to each of its steps)."""
+
+    ctx: ClientContext
+    task: ClientTask
+    plain: nn.Module  # ω_g in the plain architecture
+    mode: str = "first"  # "first", "shrink", "dymm" or "pruned" (Algorithm 1's cases)
+    s_local: dict[tuple[str, str], float] = field(default_factory=dict)  # S_l by (block path, branch)
+    spec: SubmodelSpec | None = None  # the pruned sub-model's channels (mode "pruned")
+    budget: float = 0.0  # the budget the client trains within (it may change mid-round)
+    model: nn.Module | None = None  # the model being trained (local training may replace it)
+    verify_in: float | None = None  # with ``verify``: function error after REP
+    meters: int = 0  # saliency meters made so far (each draws its own stream with ``saliency: random``)
+
+
+def _skey(key: tuple[str, str]) -> str:
+    return f"{key[0]}|{key[1]}"
+
+
+def _unskey(key: str) -> tuple[str, str]:
+    path, name = key.rsplit("|", 1)
+    return path, name
+
+
+def _plain_architecture(ctx) -> nn.Module:
+    """A copy of the plain (merged) architecture of the configured model, from a per-process
+    template: every conv+BN folded into one biased conv."""
+
+    def make() -> nn.Module:
+        model = ctx.build_model()
+        model.eval()
+        return reparam.merge(model, target="deploy")
+
+    return ctx.template("dynamicfl-plain", make)
+
+
+def _input_sizes(ctx, plain: nn.Module) -> dict:
+    """Conv input sizes of the architecture (they do not depend on the branches; cached)."""
+    if "dynamicfl-sizes" not in ctx.cache:
+        ctx.cache["dynamicfl-sizes"] = reparam.flops.input_sizes(plain, ctx.input_shape)
+    return ctx.cache["dynamicfl-sizes"]
+
+
+def _smallest_pruned_macs(ctx) -> float:
+    """MACs of the smallest sub-model :func:`~fedhetero.algorithms.pruning.surgery.plan_for_budget` can give
+    the plain architecture with DynamicFL's settings (policy ``block_internal_only``, convs only,
+    at least one channel per group, no rounding); the plain model's MACs when nothing can be
+    pruned. Cached per process (it depends on the architecture only)."""
+    key = "dynamicfl-min-macs"
+    if key not in ctx.cache:
+        # the architecture only, built apart: the per-process template holds the initial global
+        # weights, drawn in set-up from the run's seeded stream (this may run before it)
+        plain = reparam.merge(ctx.build_model().eval(), target="deploy")
+        cm = ChannelMacs(plain, ctx.input_shape)
+        groups = prunable_groups(plain, "block_internal_only")
+        sizes = cm.groups.sizes
+        ctx.cache[key] = float(cm.macs({g: kept_count(int(sizes[g]), 1.0) for g in groups}))
+    return float(ctx.cache[key])
+
+
+class DynamicFL(Algorithm):
+    """DynamicFL: FLOPs-budgeted clients grown by lossless re-parameterization, plain global model."""
+
+    name = "dynamicfl"
+    Options = DynamicFLOptions
+    adapts_to = frozenset({"static", "increasing", "decreasing", "random"})
+    supports_submodels = True
+
+    # ------------------------------------------------------------------ budgets
+    def min_budget_macs(self, ctx: ClientContext) -> float | None:
+        """A client below the plain model trains a pruned sub-model (:meth:`_pruned`, and
+        :meth:`_to_pruned` when its budget falls mid-round): the smallest plan
+        :func:`~fedhetero.algorithms.pruning.surgery.plan_for_budget` allows keeps one channel of every group
+        it may prune (``block_internal_only``: residual groups stay whole). Its MACs are the floor;
+        a lower budget would stop every such client with a ``BudgetError``."""
+        return _smallest_pruned_macs(ctx)
+
+    # ------------------------------------------------------------------ server
+    def setup(self, ctx: Context) -> None:
+        self.global_model = _plain_architecture(ctx)
+
+    # ------------------------------------------------------------------ client
+    # One task's working state lives in a :class:`_Task` made by :meth:`client_update` and passed
+    # to the steps below; nothing of a task is kept on the instance. What depends on the
+    # architecture only (plain template, first-round plans, conv input sizes) is cached in the
+    # client context, once per process.
+    def client_update(self, ctx: ClientContext, task: ClientTask, state: dict[str, Any] | None) -> ClientResult:
+        """REP (or a pruned sub-model), Algorithm 1's local epochs, then the merged upload."""
+        run = _Task(ctx, task, _plain_architecture(ctx))
+        run.plain.load_state_dict(task.payload["state"])
+        model = self._client_model(run, state)
+        return self._upload(run, self._local_train(run, model))
+
+    def client_model(self, ctx: ClientContext, task: ClientTask, state: dict[str, Any] | None = None) -> nn.Module:
+        """The model this client would train on ``task`` from its private ``state`` (what
+        :meth:`client_update` starts local training from)."""
+        run = _Task(ctx, task, _plain_architecture(ctx))
+        run.plain.load_state_dict(task.payload["state"])
+        return self._client_model(run, state)
+
+    def _calibration(self, run: _Task) -> torch.Tensor | None:
+        """The input a new anchor BN takes its statistics from (``anchor_norm: calibrated`` only:
+        ``calibration_batches`` batches of the client's data); None otherwise."""
+        if self.options.anchor_norm != "calibrated":
+            return None
+        xs = []
+        for x, _ in run.ctx.client_batches(run.task.cid, epoch=10_000):
+            xs.append(x)
+            if len(xs) >= self.options.calibration_batches:
+                break
+        return torch.cat(xs).to(run.ctx.device, run.ctx.dtype)
+
+    def _expand_first(self, run: _Task) -> nn.Module:
+        ctx, budget = run.ctx, run.task.budget_macs
+        plain = copy.deepcopy(run.plain)
+        kinds = self.options.branches
+        key = ("dynamicfl-plan", round(float(budget), 3), self.options.fill_budget, tuple(kinds or ()))
+        if key not in ctx.cache:
+            ctx.cache[key] = first_plan(plain, budget, ctx.input_shape, fill=self.options.fill_budget, kinds=kinds)
+        plan = ctx.cache[key]
+        calib = self._calibration(run)
+        with ctx.timer("rep"):
+            model = reparam.expand(
+                plain,
+                plan=plan,
+                inplace=True,
+                anchor_norm=self.options.anchor_norm,
+                calibration_input=calib,
+            )
+        if self.options.fill_budget and self.options.grow_mode == "nested":
+            # a plan cannot hold nested blocks: grow them into what the flat plan left unused
+            with ctx.timer("rep"):
+                fill_to_budget(
+                    model, budget, ctx.input_shape, init="zero_gamma",
+                    sizes=_input_sizes(ctx, run.plain), grow_mode="nested", kinds=kinds,
+                )
+        return model
+
+    def _restore(self, run: _Task, stored: dict[str, Any]) -> nn.Module:
+        model = reparam.build(copy.deepcopy(run.plain), stored["structure"])
+        model.load_state_dict(stored["state"], strict=True)
+        return model
+
+    def _pruned(self, run: _Task) -> nn.Module:
+        """A budget below the plain model: a structurally pruned sub-model of ω_g (HRank ranks of
+        the client's own data, or filter magnitude), trained with BN on every conv."""
+        ctx = run.ctx
+        crit = self.options.sub_model_criterion
+        batches = None
+        if crit == "hrank":
+            batches = [x.to(ctx.device, ctx.dtype) for x, _ in ctx.client_batches(run.task.cid, epoch=10_002, batch_size=100)][:2]
+        with ctx.timer("prune"):
+            run.spec = plan_for_budget(run.plain, ctx.input_shape, run.task.budget_macs, criterion=crit, batches=batches)
+            sub = submodel_from(run.plain, run.spec)
+        calib = self._calibration(run)
+        plan = {path: ("kxk",) for path, _ in expandable_convs(sub)}
+        with ctx.timer("rep"):
+            return reparam.expand(sub, plan=plan, inplace=True, anchor_norm=self.options.anchor_norm, calibration_input=calib)
+
+    def _client_model(self, run: _Task, stored: dict[str, Any] | None) -> nn.Module:
+        """The model the client trains: a pruned sub-model below the plain model's budget, else ζ
+        (first round: REP(ω_g); later: the stored structure, shrunk to the budget when needed,
+        re-solved to equal ω_g)."""
+        ctx, budget = run.ctx, run.task.budget_macs
+        if budget < ctx.plain_macs * (1 - 1e-9):
+            run.mode = "pruned"
+            model = self._pruned(run)
+            model.train()
+            return model
+        if stored is None:
+            run.mode = "first"
+            model = self._expand_first(run)
+        else:
+            run.s_local = {_unskey(k): float(v) for k, v in stored["s_local"].items()}
+            model = self._restore(run, stored)
+            if ctx.macs(model) > budget:
+                run.mode = "shrink"
+                with ctx.timer("dymm"):
+                    shrink_to_budget(model, run.s_local, budget, ctx.input_shape)
+            else:
+                run.mode = "dymm"
+            with ctx.timer("rep"):
+                model.eval()
+                reparam.rep_to_local(run.plain, model, anchor_stats="keep" if self.options.bn_stats == "private" else "identity")
+        model.train()
+        if self.options.verify:
+            run.verify_in = self._check(run, model, run.plain, f"after REP ({run.mode}): client model vs global model")
+        return model
+
+    def _check(self, run: _Task, a: nn.Module, b: nn.Module, where: str) -> float:
+        """Invariants 3 and 4: ``a`` computes ``b``'s function in eval mode on a batch of the
+        client's data, to the tolerance of the run's dtype (on copies; raises InvariantError)."""
+        ctx = run.ctx
+        x = next(iter(ctx.client_batches(run.task.cid, epoch=10_001)))[0].to(ctx.device, ctx.dtype)
+        return float(check_same_function(a, b, x, where=where))
+
+    def _verify_optimizer(self, model: nn.Module, opt: torch.optim.Optimizer, where: str) -> None:
+        """Invariant 1 (with ``verify``): the optimizer holds exactly the model's trainable parameters."""
+        if self.options.verify:
+            check_optimizer(model, opt, where=where)
+
+    def _apply(self, model: nn.Module, opt: torch.optim.Optimizer, change: StructureChange, where: str) -> None:
+        """Bring ``opt`` up to date with a structural change of ``model`` (and check it)."""
+        apply_to_optimizer(opt, change)
+        self._verify_optimizer(model, opt, where)
+
+    def _meter(self, run: _Task, model: nn.Module) -> SaliencyMeter:
+        gen = None
+        if self.options.saliency == "random":
+            run.meters += 1  # a fresh stream per meter of the task
+            gen = run.ctx.torch_generator("algorithm", int(run.task.round), int(run.task.cid), run.meters)
+        return SaliencyMeter(model, metric=self.options.saliency, params=self.options.saliency_params, generator=gen)
+
+    def _to_pruned(self, run: _Task, model: nn.Module, budget: float) -> nn.Module:
+        """Switch mid-round to a pruned sub-model when the budget falls below the plain model:
+        merge the current model (eval-exact), prune it by filter magnitude to the budget and wrap it
+        with BN again. The spec stays relative to the global model (composed with an earlier one)."""
+        ctx = run.ctx
+        model.eval()
+        plain = reparam.merge(model, target="deploy")
+        with ctx.timer("prune"):
+            spec = plan_for_budget(plain, ctx.input_shape, budget, criterion="magnitude")
+            sub = submodel_from(plain, spec)
+        run.spec = spec if run.spec is None else run.spec.compose(spec)
+        plan = {path: ("kxk",) for path, _ in expandable_convs(sub)}
+        calib = self._calibration(run)
+        with ctx.timer("rep"):
+            new = reparam.expand(sub, plan=plan, inplace=True, anchor_norm=self.options.anchor_norm, calibration_input=calib)
+        new.train()
+        run.mode = "pruned"
+        return new
+
+    def _adapt_budget(
+        self, run: _Task, model: nn.Module, meter: SaliencyMeter, opt: torch.optim.Optimizer
+    ) -> tuple[nn.Module, torch.optim.Optimizer]:
+        """Follow a changed budget on the spot (after the second local epoch): shrink by folding
+        the lowest-saliency branches, grow by adding branches (both eval-exact), or switch to a
+        pruned sub-model when the budget falls below the plain model. Returns (model, optimizer)."""
+        ctx = run.ctx
+        assert run.task.budget_after_change is not None
+        new_budget = float(run.task.budget_after_change)
+        run.budget = new_budget
+        scores = meter.values() or run.s_local
+        current = ctx.macs(model)
+        anchors_only = ctx.macs(reparam.merge(model.eval(), target="deploy"))
+        model.train()
+        if new_budget < anchors_only * (1 - 1e-9):
+            new = self._to_pruned(run, model, new_budget)
+            new_opt = ctx.make_optimizer(new)
+            self._verify_optimizer(new, new_opt, "the switch to a pruned sub-model")
+            return new, new_opt
+        with ctx.timer("dymm"):
+            model.eval()
+            change: StructureChange
+            if current > new_budget:
+                change = shrink_to_budget(model, scores, new_budget, ctx.input_shape).change
+            else:
+                change = grow_to_budget(
+                    model, scores, new_budget, ctx.input_shape, init=self.options.init, grow_mode=self.options.grow_mode,
+                    kinds=self.options.branches,
+                )
+            model.train()
+        self._apply(model, opt, change, "the budget change")
+        return model, opt
+
+    def _local_train(self, run: _Task, model: nn.Module) -> dict[str, Any]:
+        """Algorithm 1's local epochs, split where the structure may change (after DYMM's global
+        epoch, and after the second epoch when the budget changes). Leaves the trained model and
+        its last-epoch saliency S_l in ``run``."""
+        ctx, client = run.ctx, run.task
+        E = ctx.cfg.train.local_epochs
+        run.budget = client.budget_macs
+        report: dict[str, Any] = {"mode": run.mode}
+        opt = ctx.make_optimizer(model)
+        meter = self._meter(run, model)
+        self._verify_optimizer(model, opt, f"the optimizer was built ({run.mode})")
+        res: dict[str, Any] = {"loss": float("nan")}
+
+        def segment(first: int, last: int) -> None:
+            """Epochs ``first … last−1`` on the current model, optimizer and saliency meter."""
+            nonlocal res
+            if last <= first:
+                return
+            after_backward = lambda _m: meter.after_backward()  # noqa: E731 - the step's hook
+            if self.options.verify:
+                unchecked = [True]
+
+                def after_backward(m: nn.Module) -> None:
+                    meter.after_backward()
+                    if unchecked[0]:  # invariant 2, on the first step after a structural change
+                        unchecked[0] = False
+                        check_gradients(model, where=f"the first backward pass of epoch {first}")
+
+            def on_epoch_end(epoch: int, m: nn.Module, opt: torch.optim.Optimizer) -> None:
+                # S_l is the saliency of the last epoch: start it afresh after the earlier ones, but
+                # never at the end of a segment, whose saliency the caller reads next (S_g after the
+                # global epoch; the scores a budget change folds or grows by)
+                if epoch < E - 1 and epoch < last - 1:
+                    meter.reset()
+
+            res = ctx.train(
+                model,
+                client,
+                last - first,
+                optimizer=opt,
+                after_backward=after_backward,
+                on_epoch_end=on_epoch_end,
+                first_epoch=first,
+            )
+
+        change_at = 2 if client.budget_after_change is not None and E > 2 else E
+        if run.mode == "dymm" and E > 1:
+            segment(0, 1)  # one epoch on ε recording S_g
+            s_global = meter.values()
+            with ctx.timer("dymm"):
+                model.eval()
+                rep = dymm(
+                    model,
+                    run.s_local,
+                    s_global,
+                    client.budget_macs,
+                    ctx.input_shape,
+                    use_abs=self.options.use_abs,
+                    small_q=self.options.small_q,
+                    large_q=self.options.large_q,
+                    max_new_per_round=self.options.max_new_per_round,
+                    init=self.options.init,
+                    grow_mode=self.options.grow_mode,
+                    pool=self.options.branches,
+                )
+                change = rep.change
+                if self.options.fill_budget:
+                    filled = fill_to_budget(
+                        model, client.budget_macs, ctx.input_shape, init=self.options.init,
+                        sizes=_input_sizes(ctx, run.plain), current_macs=rep.macs_after,
+                        grow_mode=self.options.grow_mode, kinds=self.options.branches,
+                    )
+                    change = change.extend(filled)
+                    report["filled"] = len(filled.added)
+                model.train()
+            self._apply(model, opt, change, "DYMM and the budget fill")
+            meter = self._meter(run, model)
+            report.update(folded=len(rep.folded), grown=len(rep.grown))
+            start = 1
+        else:
+            start = 0
+        segment(start, change_at)
+        if change_at < E:
+            model, opt = self._adapt_budget(run, model, meter, opt)
+            meter = self._meter(run, model)
+            segment(change_at, E)
+        run.model = model
+        run.s_local = meter.values()
+        report["mode"] = run.mode
+        report["loss"] = res["loss"]
+        report["branches"] = sum(len(b.branch_names) for _, b in reparam.iter_blocks(model))
+        return report
+
+    def _upload(self, run: _Task, report: dict[str, Any]) -> ClientResult:
+        """Eq. 10: store ζ (structure, tensors, S_l) for the next round, merge it into the plain
+        structure (eval-exact) and send the plain tensors."""
+        ctx, client = run.ctx, run.task
+        model = run.model  # local training may have replaced the model (budget below the plain model)
+        assert model is not None
+        model.eval()
+        trained_macs = ctx.macs(model)
+        metrics = dict(report)
+        private = None
+        if run.mode != "pruned":
+            private = {
+                "structure": reparam.structure(model),
+                "state": {k: v.clone() for k, v in model.state_dict().items()},
+                "s_local": {_skey(k): float(v) for k, v in run.s_local.items()},
+            }
+        # the trained model is not needed after its upload: merge in place unless verifying
+        with ctx.timer("merge"):
+            plain = reparam.merge(model, target="deploy", inplace=not self.options.verify)
+        if self.options.verify:
+            if run.verify_in is not None:
+                metrics["lossless_in"] = run.verify_in
+            metrics["lossless_out"] = self._check(run, plain, model, "at upload: merged upload vs trained client model")
+        state = dict(plain.state_dict())
+        if run.mode != "pruned" and list(state) != list(run.plain.state_dict()):
+            raise RuntimeError("dynamicfl: the merged client model does not have the global model's keys")
+        result = ClientResult.of(
+            client,
+            state,
+            macs=trained_macs,
+            spec=run.spec if run.mode == "pruned" else None,
+            metrics=metrics,
+            client_state=private,
+            # a pruned client receives only its sub-model's slice of the global model
+            bytes_down=state_bytes(state) if run.mode == "pruned" else None,
+        )
+        result.budget_macs = float(run.budget)  # the budget it ended with (it may change mid-round)
+        return result
+
+    def aggregate(self, ctx: Context, updates: list[ClientResult]) -> None:
+        """Eq. 11: weighted mean of the plain uploads; pruned sub-model uploads are scattered back by
+        channel index and every weight is averaged over the clients that trained it (a weight no
+        client trained keeps its value)."""
+        assert self.global_model is not None
+        if not updates:
+            return
+        weights = ctx.aggregation_weights(updates)
+        if all(u.spec is None for u in updates):
+            self.global_model.load_state_dict(weighted_average([u.state for u in updates], weights))
+            return
+
+        agg = SubmodelAggregator(self.global_model.state_dict(), groups=self.global_model)
+        for u, w in sorted(zip(updates, weights), key=lambda uw: uw[0].cid):
+            agg.add(u.state, u.spec, weight=w)
+        self.global_model.load_state_dict(agg.result())

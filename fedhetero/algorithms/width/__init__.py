@@ -1,0 +1,1 @@
+"""Width-sliced sub-models: HeteroFL, FedRolex and SplitMix."""

@@ -1,0 +1,234 @@
+"""``fedhetero bench reparam|round|memory|engines|selector``: the lab's benchmarks.
+
+The options of every benchmark are declared here; the measuring code is in :mod:`fedhetero.lab`
+(:mod:`~fedhetero.lab.bench_reparam`, :mod:`~fedhetero.lab.bench`, :mod:`~fedhetero.lab.bench_selector`).
+Those modules import torch (and ``reparam``), so each ``run_*`` imports its module when it runs:
+``fedhetero --help`` does not pay for them. For the same reason the choices of two options are named
+here (a test keeps them equal to the lab's).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "REPARAM_MODELS", "SELECTORS", "add_parser", "run_engines", "run_memory", "run_reparam", "run_round", "run_selector",
+]
+
+#: ``--model`` of ``bench reparam``: :data:`fedhetero.lab.bench_reparam.MODELS` (not imported here)
+REPARAM_MODELS = ("resnet18", "tv-resnet18")
+#: ``--selectors`` of ``bench selector``: :data:`fedhetero.lab.bench_selector.SELECTORS` (not imported here)
+SELECTORS = ("ensemble_dp", "exhaustive", "random", "genetic")
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Add ``bench`` with its benchmarks to a ``add_subparsers()`` object."""
+    parser = subparsers.add_parser(
+        "bench",
+        help="benchmarks: reparam | round | memory | engines | selector",
+        description="Benchmarks measured side by side in one run; pass --help after the name for its options.",
+    )
+    sub = parser.add_subparsers(dest="what", required=True)
+    for add in (_add_reparam, _add_round, _add_memory, _add_engines, _add_selector):
+        add(sub)
+    return parser
+
+
+# ---------------------------------------------------------------------------------------- reparam
+def _add_reparam(sub: Any) -> None:
+    p = sub.add_parser(
+        "reparam",
+        help="merge time, inference and training-step overhead of expanded models",
+        description="``fedhetero bench reparam``: cost of the re-parameterization library on a ResNet-18 (CPU).",
+    )
+    p.add_argument("--model", choices=REPARAM_MODELS, default="resnet18",
+                   help="resnet18: the zoo's CIFAR ResNet-18 (default); tv-resnet18: torchvision's resnet18")
+    p.add_argument("--input-size", type=int, default=32, help="input height and width (default 32)")
+    p.add_argument("--batch", type=int, default=64, help="batch size (default 64)")
+    p.add_argument("--repeats", type=int, default=5, help="timed inference repeats, best reported (default 5)")
+    p.add_argument("--train-repeats", type=int, default=3, help="timed training steps per model (default 3)")
+    p.add_argument("--merge-repeats", type=int, default=5, help="timed repeats of each merge variant (default 5)")
+    p.add_argument("--warmup", type=int, default=1, help="untimed warm-up calls (default 1)")
+    p.add_argument("--threads", type=int, default=2, help="torch threads (default 2; 0 = keep torch's)")
+    p.add_argument("--branches", type=str, default=None,
+                   help="comma-separated branch kinds for expand (default: the library default set)")
+    p.add_argument("--json", type=str, default=None, metavar="PATH", help="also write the results as JSON")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-tune-malloc", action="store_true",
+                   help="leave the C allocator alone (time training once, as the process found it)")
+    p.set_defaults(func=run_reparam)
+
+
+def run_reparam(args: argparse.Namespace) -> int:
+    """Run ``fedhetero bench reparam``."""
+    # deferred for start-up time: the benchmark imports torch and reparam
+    from fedhetero.lab import bench_reparam
+
+    branches = None
+    if args.branches:
+        branches = [b.strip() for b in args.branches.split(",") if b.strip()]
+    res = bench_reparam.run_benchmark(
+        model=args.model,
+        input_size=args.input_size,
+        batch=args.batch,
+        repeats=args.repeats,
+        train_repeats=args.train_repeats,
+        merge_repeats=args.merge_repeats,
+        warmup=args.warmup,
+        threads=args.threads or None,
+        branches=branches,
+        seed=args.seed,
+        tune_allocator=not args.no_tune_malloc,
+    )
+    bench_reparam.print_table(res)
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as fh:
+            json.dump(res, fh, indent=2)
+    return 0
+
+
+# ------------------------------------------------------------------------------------------ round
+def _add_round(sub: Any) -> None:
+    p = sub.add_parser(
+        "round",
+        help="engine overhead vs a bare PyTorch loop; REP/DYMM/merge share of a round",
+        description="FedAvg through the engine vs a bare hand-written PyTorch loop doing the same training "
+        "(same data, clients, batch order, model), and the share of a DynamicFL round spent in REP, DYMM "
+        "and merge. Both sides run interleaved; the median of the repeats is reported.",
+    )
+    p.add_argument("--clients", type=int, default=100, help="clients in the federation (default 100)")
+    p.add_argument("--per-round", type=int, default=10, help="clients sampled per round (default 10)")
+    p.add_argument("--rounds", type=int, default=10, help="rounds per timed run (default 10)")
+    p.add_argument("--repeats", type=int, default=5, help="interleaved repeats of each side (default 5)")
+    p.add_argument("--model", default="lenet5", help="zoo model (default lenet5)")
+    p.add_argument("--dataset", default="digits", help="data set (default digits)")
+    p.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
+    p.add_argument("--dynamicfl-rounds", type=int, default=10, help="rounds of the DynamicFL share measurement")
+    p.add_argument("--json", help="write the numbers to this file")
+    p.set_defaults(func=run_round)
+
+
+def run_round(args: argparse.Namespace) -> int:
+    """Run ``fedhetero bench round``."""
+    # deferred for start-up time: the benchmark imports torch
+    from fedhetero.lab import bench
+
+    bench.round_benchmark(
+        clients=args.clients, per_round=args.per_round, rounds=args.rounds, repeats=args.repeats,
+        model=args.model, dataset=args.dataset, threads=args.threads, dynamicfl_rounds=args.dynamicfl_rounds,
+        json_path=args.json,
+    )
+    return 0
+
+
+# ----------------------------------------------------------------------------------------- memory
+def _add_memory(sub: Any) -> None:
+    p = sub.add_parser(
+        "memory",
+        help="peak memory: 1000 clients at 1 %% vs 100 clients at 10 %%",
+        description="Peak resident memory of 1000 clients at 1 % sampling vs 100 clients at 10 % sampling "
+        "(each in a fresh subprocess), showing that memory follows the clients sampled per round, not "
+        "the clients that exist.",
+    )
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--algorithm", default="dynamicfl")
+    p.add_argument("--json", help="write the numbers to this file")
+    p.set_defaults(func=run_memory)
+
+
+def run_memory(args: argparse.Namespace) -> int:
+    """Run ``fedhetero bench memory``."""
+    # deferred for start-up time: the benchmark imports torch
+    from fedhetero.lab import bench
+
+    bench.memory_benchmark(rounds=args.rounds, algorithm=args.algorithm, json_path=args.json)
+    return 0
+
+
+# ---------------------------------------------------------------------------------------- engines
+def _add_engines(sub: Any) -> None:
+    p = sub.add_parser(
+        "engines",
+        help="process vs local back end (and the machine's ceiling), local vs a bare loop, "
+        "Flower vs Flower's FedAvg",
+        description="The same FedAvg job (digits, LeNet-5, 100 clients, 10 per round, 1 local epoch, "
+        "10 rounds; evaluation after the last round) on each back end, measured side by side: "
+        "process/local client throughput (also for the client phase alone, beside two independent "
+        "local runs at once and the bound a back end with free messages could reach on this "
+        "machine), local vs a bare hand-written loop and, with the flower extra, our Flower back end "
+        "vs Flower's own FedAvg strategy. Worker start-up is timed apart from the rounds.",
+    )
+    p.add_argument("--clients", type=int, default=100)
+    p.add_argument("--per-round", type=int, default=10)
+    p.add_argument("--rounds", type=int, default=10)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--workers", type=int, default=2,
+                   help="engine.workers of the process back end: executors, this process included (default 2)")
+    p.add_argument("--dataset", default="digits")
+    p.add_argument("--model", default="lenet5")
+    p.add_argument("--no-flower", action="store_true", help="skip the Flower rows")
+    p.add_argument("--heavy-epochs", type=int, default=5,
+                   help="local epochs of the second process/local row (more work per client task; default 5)")
+    p.add_argument("--json", help="write the numbers to this file")
+    p.set_defaults(func=run_engines)
+
+
+def run_engines(args: argparse.Namespace) -> int:
+    """Run ``fedhetero bench engines``."""
+    # deferred for start-up time: the benchmark imports torch
+    from fedhetero.lab import bench
+
+    bench.engines_benchmark(
+        clients=args.clients, per_round=args.per_round, rounds=args.rounds, repeats=args.repeats,
+        workers=args.workers, dataset=args.dataset, model=args.model, flower=not args.no_flower,
+        heavy_epochs=args.heavy_epochs, json_path=args.json,
+    )
+    return 0
+
+
+# --------------------------------------------------------------------------------------- selector
+def _add_selector(sub: Any) -> None:
+    p = sub.add_parser(
+        "selector",
+        help="DynaComm's group selectors: KL reached and time per call",
+        description="``fedhetero bench selector``: DynaComm's group selectors side by side.",
+    )
+    p.add_argument("--clients", type=int, nargs="+", default=[10, 50, 100], help="active clients per round")
+    p.add_argument("--repeats", type=int, default=3, help="rounds (active sets) per client count")
+    p.add_argument("--population", type=int, default=None,
+                   help="clients in the partition (default 10 per active client; at least --clients)")
+    p.add_argument("--samples", type=int, default=500, help="samples per client in the pool")
+    p.add_argument("--classes", type=int, default=10)
+    p.add_argument("--alpha", type=float, default=0.1, help="Dirichlet concentration of the partition")
+    p.add_argument("--beta", type=float, default=None, help="Dynamic-β cap ⌊β·n⌋ on the group size")
+    p.add_argument("--orders", type=int, default=10, help="random client orders of ensemble_dp")
+    p.add_argument("--exhaustive-max", type=int, default=12, help="largest n searched exhaustively")
+    p.add_argument("--ga-population", type=int, default=50)
+    p.add_argument("--ga-iterations", type=int, default=200)
+    p.add_argument("--ga-mutation", type=float, default=0.01)
+    p.add_argument("--selectors", nargs="+", choices=SELECTORS, default=list(SELECTORS))
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", type=Path, default=None, help="write the results as JSON")
+    p.set_defaults(func=run_selector)
+
+
+def run_selector(args: argparse.Namespace) -> int:
+    """Run ``fedhetero bench selector``."""
+    # deferred for start-up time: the selectors import torch (through fedhetero.algorithms)
+    from fedhetero.lab import bench_selector
+
+    result = bench_selector.run_benchmark(
+        args.clients, repeats=args.repeats, population=args.population, samples=args.samples,
+        classes=args.classes, alpha=args.alpha, beta=args.beta, orders=args.orders,
+        exhaustive_max=args.exhaustive_max, ga_population=args.ga_population,
+        ga_iterations=args.ga_iterations, ga_mutation=args.ga_mutation, selectors=args.selectors,
+        seed=args.seed,
+    )
+    bench_selector.print_table(result)
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=2))
+    return 0

@@ -1,0 +1,277 @@
+"""The method interface: a server half and a client half.
+
+A method subclasses :class:`Algorithm`. The defaults are FedAvg on the global model, so a method
+overrides only what differs. The hooks, by how often a method needs them:
+
+* **Declarations** (class attributes): :attr:`~Algorithm.name`, :attr:`~Algorithm.Options` (a frozen
+  dataclass, validated against the config's ``algorithm.options`` before a run starts),
+  :attr:`~Algorithm.state_fields` (the server state a checkpoint keeps), :attr:`~Algorithm.adapts_to`
+  (budget scenarios), :attr:`~Algorithm.server_data` / :attr:`~Algorithm.public_data` (the splits it
+  trains on), :attr:`~Algorithm.supports_submodels`.
+* **Server half** (sees the server's :class:`~fedhetero.core.context.Context`): :meth:`setup` (the
+  global model and server state), :meth:`configure` (one :class:`ClientTask` per sampled client:
+  what the server sends), :meth:`aggregate` (the new global model from the
+  :class:`ClientResult` list). Optional: :meth:`server_update`; :meth:`run_round` for several
+  exchanges per round (each one :meth:`Context.execute`); :meth:`session_start` /
+  :meth:`skip_round` under device sessions; :meth:`round_metrics` / :meth:`summary_metrics` /
+  :meth:`eval_models` for what it reports; :meth:`min_budget_macs` /
+  :meth:`min_dynamic_budget_macs` for the smallest budget it can train within.
+* **Client half**: :meth:`client_update` runs from the task, the client's own data and its own
+  private state only, on a *fresh instance* built from the options (never set up), in this
+  process, in a worker process or on a Flower node, so it cannot see the server's objects. The
+  default is :meth:`client_model` → :meth:`local_train` → :meth:`upload`; a method may override
+  one of those instead. :meth:`client_update_many` trains a round's clients as one batched model
+  when the method keeps the default client hooks. What a client keeps between rounds is returned
+  as ``ClientResult.client_state`` and handed back the next time it is sampled (the embedded back
+  ends keep it in the on-disk store, Flower in the node's state).
+
+:meth:`ClientResult.of <fedhetero.core.types.ClientResult.of>` fills in a result's accounting, and
+:meth:`Algorithm.state_dict` / :meth:`Algorithm.load_state_dict` derive resume state from
+:attr:`~Algorithm.state_fields`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from fedhetero.core.aggregation import weighted_average
+from fedhetero.core.cohort import plain_results, train_cohort
+from fedhetero.core.context import ClientContext, Context
+from fedhetero.core.types import (
+    ClientInfo,
+    ClientResult,
+    ClientTask,
+    NoOptions,
+    derive_seed,
+    packed_copy,
+    payload_bytes,
+    state_bytes,
+)
+
+__all__ = [
+    "Algorithm",
+]
+
+
+class Algorithm:
+    """Base class of every federated algorithm.
+
+    Subclasses set :attr:`name`, optionally :attr:`Options` (a dataclass) and :attr:`adapts_to`
+    (the dynamic budget scenarios the method can follow; the comparison reports N/A for the
+    others), and override the hooks they need. The defaults implement FedAvg on the global model.
+    """
+
+    name: ClassVar[str] = "base"
+    Options: ClassVar[type] = NoOptions
+    adapts_to: ClassVar[frozenset[str]] = frozenset({"static"})
+    #: True when clients with budgets below the plain model get a pruned sub-model.
+    supports_submodels: ClassVar[bool] = False
+    #: Whether the method trains on a labelled server split (``data.server_fraction``) and on an
+    #: unlabelled public split (``data.public_fraction``): "required", "optional" or "unused". The
+    #: engine refuses a split the method would not use (it would only withhold data from the
+    #: clients) and a missing split the method needs.
+    server_data: ClassVar[str] = "unused"
+    public_data: ClassVar[str] = "unused"
+    #: The server state a checkpoint keeps, by attribute name: :meth:`state_dict` saves each
+    #: (a module as its state dict, a dict of modules or tensors entry by entry, a tensor or a
+    #: JSON-able value as it is) and :meth:`load_state_dict` restores it in place.
+    state_fields: ClassVar[tuple[str, ...]] = ("global_model",)
+
+    def __init__(self, options: Any | None = None) -> None:
+        self.options = options if options is not None else self.Options()
+        self.global_model: nn.Module | None = None
+
+    # ------------------------------------------------------------------ budgets
+    def min_budget_macs(self, ctx: "ClientContext") -> float | None:
+        """The smallest budget (forward MACs per sample) a client of this method can train
+        within: the MACs of the method's smallest model. None (the default): no floor, the method
+        meets any budget or does not follow budgets at all.
+
+        :func:`fedhetero.core.budget.check_budgets` refuses, before the first round, a tier whose budget
+        ``ratio × ctx.plain_macs`` is below it (a ``ConfigError`` naming ``budget.tiers[i].ratio``).
+        It may be called before or after :meth:`setup` (with the server's context): it depends on
+        the config, the options and the context only, and leaves torch's RNG as it found it."""
+        return None
+
+    def min_dynamic_budget_macs(self, ctx: "ClientContext") -> float | None:
+        """The smallest budget a client's budget may fall to during a run (scenarios
+        ``decreasing`` and ``random``: down to ``budget.min_ratio``) without the method failing;
+        None: any. The default is :meth:`min_budget_macs`; a method that handles a budget below its
+        smallest model as part of its protocol (stops local training, records the client as over
+        budget) returns None."""
+        return self.min_budget_macs(ctx)
+
+    # ------------------------------------------------------------------ server half
+    def setup(self, ctx: "Context") -> None:
+        """Create :attr:`global_model` (and any server state)."""
+        self.global_model = ctx.build_model()
+
+    def configure(self, ctx: "Context", clients: list[ClientInfo]) -> list[ClientTask]:
+        """One task per sampled client (default: the global model's state for everyone)."""
+        assert self.global_model is not None
+        state = dict(self.global_model.state_dict())
+        return [self.task(ctx, c, {"state": state}) for c in clients]
+
+    @staticmethod
+    def task(ctx: "Context", client: ClientInfo, payload: dict[str, Any], step: int = 0) -> ClientTask:
+        """A :class:`ClientTask` for ``client`` with the per-(round, client) seed filled in."""
+        fields = {k: getattr(client, k) for k in ClientInfo.__dataclass_fields__}
+        return ClientTask(**fields, seed=derive_seed(ctx.cfg.seed, "client", client.round, client.cid), payload=payload, step=step)
+
+    def aggregate(self, ctx: "Context", updates: list[ClientResult]) -> None:
+        """New global model (default: sample-weighted mean, or uniform if configured).
+
+        The default's mean may have been accumulated while the round ran (the engine streams the
+        uploads, in client-id order, into a :class:`WeightedMean` for an algorithm that keeps this
+        method); it is used when it covers exactly these updates with these weights."""
+        assert self.global_model is not None
+        if not updates:
+            return
+        weights = ctx.aggregation_weights(updates)
+        mean = ctx.streamed_mean(updates, weights)
+        if mean is None:
+            mean = weighted_average([u.state for u in updates], weights)
+        self.global_model.load_state_dict(mean)
+
+    @property
+    def streams_uploads(self) -> bool:
+        """Whether the engine accumulates this algorithm's uploads while a round runs: it keeps the
+        default :meth:`run_round` and :meth:`aggregate`, which consume that mean (an algorithm
+        with a round of its own may average differently, or not at all)."""
+        cls = type(self)
+        return cls.aggregate is Algorithm.aggregate and cls.run_round is Algorithm.run_round
+
+    def server_update(self, ctx: "Context") -> None:
+        """Server-side step after aggregation (default: none)."""
+
+    def run_round(self, ctx: "Context", clients: list[ClientInfo]) -> list[ClientResult]:
+        """One round: configure the sampled clients, run their tasks on the back end, aggregate
+        what came back, then the server update."""
+        results = ctx.execute(self, self.configure(ctx, clients))
+        self.aggregate(ctx, results)
+        self.server_update(ctx)
+        return results
+
+    def session_start(self, ctx: "Context", session: int) -> None:
+        """Called before the first round of every session (0-based ``session``) when the run has
+        sessions (``sessions.count``); the default keeps the global model as it is."""
+
+    def skip_round(self, ctx: "Context", rnd: int) -> bool:
+        """True to run no clients in round ``rnd`` (its metrics row says ``skipped``); default
+        False."""
+        return False
+
+    # ------------------------------------------------------------------ client half
+    def client_update(self, ctx: "ClientContext", task: ClientTask, state: dict[str, Any] | None) -> ClientResult:
+        """The client half: build the model from the task, train it, return the upload.
+
+        Runs on a fresh instance (only :attr:`options` is set) with the client's previous private
+        ``state`` (None the first time). The default calls :meth:`client_model`,
+        :meth:`local_train` and :meth:`upload`; override it, or those hooks."""
+        model = self.client_model(ctx, task, state)
+        result = self.local_train(ctx, task, model)
+        return self.upload(ctx, task, model, result)
+
+    def client_update_many(
+        self, ctx: "ClientContext", tasks: list[ClientTask], states: list[dict[str, Any] | None]
+    ) -> list[ClientResult] | None:
+        """The client halves of several tasks of one round at once (vectorised, see
+        :mod:`fedhetero.core.cohort`), or None when this algorithm or set-up cannot: the back end then
+        runs :meth:`client_update` task by task. The default covers algorithms that keep the
+        default client hooks (FedAvg)."""
+        cls = type(self)
+        hooks = ("client_update", "client_model", "local_train", "upload")
+        if any(getattr(cls, h) is not getattr(Algorithm, h) for h in hooks):
+            return None
+        done = train_cohort(self, ctx, tasks)
+        return None if done is None else plain_results(ctx, tasks, *done)
+
+    def client_model(self, ctx: "ClientContext", task: ClientTask, state: dict[str, Any] | None = None) -> nn.Module:
+        """The model this client trains (default: the configured model, at ``payload["width"]``
+        when given, loaded with ``task.payload["state"]``)."""
+        width = task.payload.get("width")
+        model = ctx.reusable(("model", width), lambda: ctx.build_model(width=width))
+        model.load_state_dict(task.payload["state"])
+        return model
+
+    def local_train(self, ctx: "ClientContext", task: ClientTask, model: nn.Module) -> dict[str, Any]:
+        """Local training (default: the configured epochs of SGD through the shared trainer)."""
+        return ctx.train(model, task, ctx.cfg.train.local_epochs)
+
+    def upload(self, ctx: "ClientContext", task: ClientTask, model: nn.Module, result: dict[str, Any]) -> ClientResult:
+        """What travels to the server (default: a copy of the full state dict, packed into one
+        buffer per dtype by :func:`packed_copy`; the default :meth:`client_model` reuses one model
+        instance per process)."""
+        state = packed_copy(model.state_dict())
+        return ClientResult(
+            cid=task.cid,
+            num_samples=task.num_samples,
+            state=state,
+            macs=ctx.macs(model),
+            budget_macs=task.budget_macs,
+            bytes_up=state_bytes(state),
+            bytes_down=payload_bytes(task.payload),
+            tier=task.tier,
+            metrics=dict(result),
+        )
+
+    def round_metrics(self, ctx: "Context") -> dict[str, Any]:
+        """Extra JSON-able fields for this round's row of ``metrics.jsonl`` (default: none), read
+        after the round's aggregation and server update."""
+        return {}
+
+    def summary_metrics(self, history: list[dict[str, Any]]) -> dict[str, Any]:
+        """Extra JSON-able fields for ``summary.json`` computed from the rows of every round
+        (default: none)."""
+        return {}
+
+    def eval_models(self, ctx: "Context") -> dict[str, nn.Module]:
+        """Models to evaluate: ``"global"`` plus optional ``"tier:<name>"`` entries.
+
+        A tier without its own entry deploys the global model (the DynamicFL protocol).
+        """
+        assert self.global_model is not None
+        return {"global": self.global_model}
+
+    # ------------------------------------------------------------- persistence
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to resume: the :attr:`state_fields` (tensors and JSON-able values)."""
+        return {name: _save(getattr(self, name)) for name in self.state_fields}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore the :attr:`state_fields` saved by :meth:`state_dict`."""
+        for name in self.state_fields:
+            setattr(self, name, _load(getattr(self, name, None), state[name]))
+
+
+def _save(value: Any) -> Any:
+    """A checkpointable copy of one server-state field."""
+    if isinstance(value, nn.Module):
+        return value.state_dict()
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    if isinstance(value, dict):
+        return {k: _save(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_save(v) for v in value)
+    return value
+
+
+def _load(current: Any, saved: Any) -> Any:
+    """``saved`` restored into the field's ``current`` value: modules load in place (so the
+    objects other code holds stay valid), tensors and plain values are replaced."""
+    if isinstance(current, nn.Module):
+        current.load_state_dict(saved)
+        return current
+    if isinstance(current, dict) and isinstance(saved, dict) and any(isinstance(v, nn.Module) for v in current.values()):
+        for k, v in saved.items():
+            current[k] = _load(current.get(k), v)
+        return current
+    if isinstance(saved, torch.Tensor):
+        return saved.detach().clone()
+    if isinstance(saved, dict):
+        return {k: _load(None, v) for k, v in saved.items()}
+    return saved

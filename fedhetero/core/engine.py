@@ -1,0 +1,819 @@
+"""The federated round loop.
+
+:class:`Engine` owns everything that is the same for every method: data and partitions, device
+tiers and budgets, client sampling, evaluation, metrics, checkpoints and resume. Algorithms
+(:mod:`fedhetero.algorithms`) see only a :class:`~fedhetero.core.context.Context`; their client tasks run
+on the back end ``engine.backend`` names (:mod:`fedhetero.core.backend`). A client task that raises,
+times out or uploads non-finite tensors is dropped from its round and recorded in the round's
+``dropped`` list of ``metrics.jsonl``; a round with fewer than ``engine.min_clients`` successful
+clients stops the run with a message (the last checkpoint stays, so it can be resumed).
+
+Guarantees:
+
+* **Seeds per concern.** One master seed derives an independent generator per concern
+  (partitioning, tiers, sampling, budgets, model init, each client's data order, …) through
+  ``numpy.random.SeedSequence(seed, spawn_key=(concern, *keys))``. Same config and seed give the
+  same numbers; nothing depends on global RNG state carried across rounds.
+* **Resumable.** The run directory holds ``config.yaml`` (resolved) with its hash,
+  ``metrics.jsonl`` (one object per round), ``checkpoint.pt`` (written atomically) and
+  ``summary.json``. A run killed at any point and resumed with ``resume=True`` ends with exactly the
+  numbers of an uninterrupted run: client state lives in a versioned on-disk store that is rolled
+  back to the checkpoint's round.
+* **Memory bounded by the sampled clients**: per-client state goes to the store on disk.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+from fedhetero.core import budget as budget_mod
+from fedhetero.core.aggregation import UploadStream
+from fedhetero.core.algorithm import Algorithm
+from fedhetero.core.allocator import tune_malloc
+from fedhetero.core.backend import Backend, drop_kind, make_backend
+from fedhetero.core.config import (
+    RESUMABLE,
+    ConfigError,
+    RunConfig,
+    apply_overrides,
+    config_hash,
+    config_hashes,
+    dump_config,
+    from_dict,
+    load_config,
+    to_dict,
+)
+from fedhetero.core.context import Context, RunError, build_data
+from fedhetero.core.export import global_model_state, save_global_model
+from fedhetero.core.metrics import account_round
+from fedhetero.core.registry import build_algorithm
+from fedhetero.core.rundir import (
+    MetricsLog,
+    RunDirError,
+    RunLock,
+    atomic_write_text,
+    clean_stale,
+    clear_run,
+    describe_run,
+    finite_json,
+    inspect_dir,
+)
+from fedhetero.core.sessions import session_summary
+from fedhetero.core.store import ClientStateStore, atomic_save
+from fedhetero.core.timemodel import smoothed_final_accuracy
+from fedhetero.core.types import ClientInfo, ClientResult, ClientTask, Outcome, check_result
+from fedhetero.data import save_partition
+
+#: environment variable that turns internal errors from dropped clients into a stopped run
+STRICT_ENV = "FEDHETERO_STRICT"
+
+
+__all__ = ["Context", "Engine", "RunError", "RunResult", "build_algorithm", "resume_config", "run"]
+
+@dataclass
+class RunResult:
+    out_dir: Path
+    summary: dict[str, Any]
+    metrics: list[dict[str, Any]] = field(default_factory=list)
+
+
+class Engine:
+    """Runs one configured federated training job in a run directory."""
+
+    def __init__(
+        self,
+        cfg: RunConfig | None,
+        out_dir: str | Path,
+        *,
+        resume: bool = False,
+        progress: bool = True,
+        console: Any = None,
+        stop_after: int | None = None,
+        backend: Backend | None = None,
+        overwrite: bool = False,
+        shared_splits: bool = False,
+        overrides: list[str] | None = None,
+    ) -> None:
+        """``resume``: continue the run in ``out_dir``; its saved config is used, with ``overrides``
+        (``key=value`` strings) applied to it, or ``cfg`` when given (it must hash the same: only
+        the fields that may change on resume differ). A method loaded from code outside the
+        package (``algorithm.name`` of the form ``module:Class`` or ``file.py:Class``) is imported
+        only when the caller names it again (``cfg`` or an ``algorithm.name`` override): a run
+        directory never makes fedhetero run code."""
+        self.out_dir = Path(out_dir)
+        self.resume = resume
+        self.overwrite = overwrite
+        # a comparison holds the same server/public splits out for every method, used or not
+        self.shared_splits = shared_splits
+        self.progress = progress
+        self.console = console
+        self.stop_after = stop_after  # for tests: stop (as if killed) after this round
+        self.backend = backend  # None: the one cfg.engine.backend names
+        self._own_backend = backend is None  # a back end passed in is the caller's to close
+        self._best: float | None = None  # best evaluated accuracy so far (for best_model.pt)
+        # its model, held until the next checkpoint writes it (None: best_model.pt is up to date)
+        self._best_state: dict[str, torch.Tensor] | None = None
+        self._hashes: set[str] = set()  # the config hashes this run directory may have recorded
+        if resume:
+            cfg, self._hashes = resume_config(self.out_dir, cfg, overrides)
+        elif overrides:
+            raise ValueError("Engine: overrides are applied to a saved config, with resume=True")
+        if cfg is None:
+            raise ConfigError("no config given")
+        self.cfg = cfg
+        if not self._hashes:
+            self._hashes = {config_hash(cfg)}
+        self._check_dir()
+
+    def _check_dir(self) -> None:
+        """Refuse a directory this run may not use (called again under the lock)."""
+        if self.resume:
+            return  # _saved_config found the run; foreign files beside it are left alone
+        state = inspect_dir(self.out_dir)
+        if state.foreign:
+            raise RunDirError(
+                f"{self.out_dir} is not empty and is not a fedhetero run directory (it holds "
+                f"{state.foreign_text()}); fedhetero never deletes or replaces files it did not write: "
+                "choose an empty or new --out"
+            )
+        if state.holds_run and not self.overwrite:
+            held = describe_run(self.out_dir)
+            can_resume = (self.out_dir / "config.yaml").is_file()
+            raise RunDirError(
+                f"{self.out_dir} already holds {held}; "
+                + ("continue it with --resume, " if can_resume else "")
+                + "replace it with --overwrite, or choose another --out"
+            )
+
+    # ------------------------------------------------------------------ set-up
+    def _setup(self) -> None:
+        cfg = self.cfg
+        if cfg.threads:
+            torch.set_num_threads(cfg.threads)
+        device = torch.device(cfg.device)
+        if cfg.tune_malloc and device.type == "cpu":
+            tune_malloc()
+        if cfg.deterministic and device.type == "cuda":
+            # CPU kernels used here are deterministic already; on CUDA pick deterministic algorithms
+            torch.use_deterministic_algorithms(True, warn_only=True)
+            torch.backends.cudnn.benchmark = False
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ConfigError("device: 'cuda' requested but CUDA is not available; use device=cpu")
+        self.algorithm = build_algorithm(cfg)
+        cls = type(self.algorithm)
+        _check_splits(cfg, cls, allow_unused=self.shared_splits)
+        if cfg.budget.scenario not in cls.adapts_to:
+            raise ConfigError(
+                f"budget.scenario: {cfg.algorithm.name} cannot follow {cfg.budget.scenario!r} budgets "
+                f"(it follows: {', '.join(sorted(cls.adapts_to))})"
+            )
+        self.data = build_data(cfg)
+        self.store = ClientStateStore(self.out_dir / "client_state")
+        self.ctx = Context(cfg, self.data, self.store, device, executor=self._execute)
+        # a budget the method cannot meet is refused before a worker starts or a model is built
+        budget_mod.check_budgets(cfg, self.algorithm, self.ctx)
+        if self.backend is None:
+            self.backend = make_backend(cfg, self.data)
+        elif (made_for := getattr(self.backend, "cfg", None)) is not None and config_hash(made_for) != config_hash(cfg):
+            # a back end builds its clients from its own config: it must be this run's
+            raise ConfigError("backend: the back end passed in was made for another config than this run's")
+        self.ctx.batch_evaluator = getattr(self.backend, "evaluate_batches", None)
+        with self.ctx.seeded("init", 1):
+            self.algorithm.setup(self.ctx)
+        n = cfg.data.num_clients
+        self.tiers = budget_mod.assign_tiers(n, cfg.budget.tiers, self.ctx.rng("tiers"))
+        self.schedule = budget_mod.BudgetSchedule(
+            scenario=cfg.budget.scenario,
+            change=cfg.budget.change,
+            min_ratio=cfg.budget.min_ratio,
+            max_ratio=cfg.budget.max_ratio,
+        )
+
+    def _write_run_files(self) -> None:
+        atomic_write_text(self.out_dir / "config.yaml", dump_config(self.cfg))
+        meta = {
+            "config_hash": config_hash(self.cfg),
+            "algorithm": self.cfg.algorithm.name,
+            "plain_macs": self.ctx.plain_macs,
+            "torch": torch.__version__,
+            "num_clients": self.cfg.data.num_clients,
+            "client_samples": [int(len(ix)) for ix in self.data.client_indices],
+            "tiers": self.tiers,
+            "partition": self.cfg.data.partition,
+            "server_samples": int(len(self.data.server_indices)) if self.data.server_indices is not None else 0,
+            "public_samples": int(len(self.data.public_indices)) if self.data.public_indices is not None else 0,
+        }
+        meta["data"] = self.data.summary()
+        atomic_write_text(self.out_dir / "run.json", json.dumps(finite_json(meta), indent=2, default=str))
+        save_partition(self.data, self.out_dir / "partition.npz")
+
+    # ------------------------------------------------------------------ client tasks
+    def _execute(self, algorithm: Algorithm, tasks: list[ClientTask]) -> list[ClientResult]:
+        """Run tasks on the back end with each client's private state; keep the new states of the
+        clients that succeeded; record and drop the others (error, time-out, non-finite upload)."""
+        assert self.backend is not None
+        states = {t.cid: self.store.get(t.cid, before_round=t.round, prelude=t.prelude) for t in tasks}
+        stream = None
+        if getattr(algorithm, "streams_uploads", False):
+            stream = UploadStream(tasks, self.cfg.train.aggregation == "uniform", self.cfg.engine.client_timeout_s)
+        progress = self.ctx.on_client_done
+
+        def on_done(outcome: Outcome) -> None:
+            if stream is not None:
+                stream.offer(outcome)
+            if progress is not None:
+                progress(outcome.task.cid)
+
+        self.ctx.stream = None
+        # the back end's wall time on the round's client tasks (the rest of ``wall_s`` is the
+        # server's own work: sampling, configuring, aggregating, evaluating)
+        with self.ctx.timer("client_phase"):
+            outcomes = self.backend.run(algorithm, tasks, states, on_done=on_done)
+        self.ctx.stream = stream
+        ok: list[ClientResult] = []
+        for outcome in outcomes:
+            task = outcome.task
+            reason = check_result(outcome, self.cfg.engine.client_timeout_s)
+            if reason is not None:
+                kind = drop_kind(self.cfg, outcome, reason)
+                self._dropped.append({"cid": task.cid, "step": task.step, "tier": task.tier, "kind": kind, "reason": reason})
+                if kind == "internal_error" and strict_mode():
+                    raise RunError(
+                        f"round {task.round}: client {task.cid} raised an internal error ({STRICT_ENV} is set): "
+                        f"{reason}" + (f"\n{outcome.detail}" if outcome.detail else "")
+                    )
+                if self.console is not None and self.progress:
+                    what = "internal error (a bug; please report it)" if kind == "internal_error" else "dropped"
+                    self.console.print(
+                        f"round {task.round}: client {task.cid} {what}: {reason}",
+                        markup=False, highlight=False, soft_wrap=True, style="red" if kind == "internal_error" else "yellow",
+                    )
+                continue
+            res = outcome.result
+            assert res is not None
+            if res.client_state is not None:
+                self.store.put(task.cid, res.client_state, task.round, prelude=task.prelude)
+            for k, v in res.timers.items():
+                self.ctx.timers[k] = self.ctx.timers.get(k, 0.0) + v
+            ok.append(res)
+        need = min(self.cfg.engine.min_clients, len(tasks))
+        if len(ok) < need:
+            dropped = self._dropped[-len(tasks):]
+            reasons = "; ".join(f"client {d['cid']}: {_first_line(d['reason'])}" for d in dropped[:3])
+            more = f"; {len(dropped) - 3} more in the same round" if len(dropped) > 3 else ""
+            kept = (
+                f"its checkpoint of round {self._last_checkpoint} is kept"
+                if self._last_checkpoint
+                else "no round was checkpointed yet, so --resume starts it again from round 0"
+            )
+            err = RunError(
+                f"round {self.ctx.round}: only {len(ok)} of {len(tasks)} clients succeeded, fewer than "
+                f"engine.min_clients={self.cfg.engine.min_clients} ({reasons}{more}). The run stopped; {kept}. "
+                "Fix the cause and continue with --resume (engine.min_clients, engine.client_timeout_s and "
+                "engine.inject_faults may be changed then with --set)"
+            )
+            err.detail = next((o.detail for o in outcomes if o.detail), "")  # type: ignore[attr-defined]
+            raise err
+        return ok
+
+    # ------------------------------------------------------------------ rounds
+    def sample_clients(self, rnd: int) -> list[int]:
+        """``train.sample_rate`` of the available clients: all clients, or with sessions the
+        devices of the round's session."""
+        if self.ctx.schedule is not None:
+            pool = np.asarray(self.ctx.schedule.devices[self.ctx.schedule.session_of(rnd)], dtype=np.int64)
+        else:
+            pool = np.arange(self.cfg.data.num_clients)
+        k = max(1, int(round(self.cfg.train.sample_rate * len(pool))))
+        rng = self.ctx.rng("sample", rnd)
+        return sorted(int(c) for c in rng.choice(pool, size=k, replace=False))
+
+    def client_info(self, cid: int, rnd: int) -> ClientInfo:
+        tier = self.tiers[cid]
+        base_ratio = self.ctx.tier_ratio[tier]
+        # a static budget draws nothing: no generator to build (ten per round otherwise)
+        rng = self.ctx.rng("budget", rnd, cid) if self.schedule.dynamic else None
+        ratio, after = self.schedule.ratios(cid, base_ratio, rnd, self._participation[cid], rng)
+        return ClientInfo(
+            cid=cid,
+            tier=tier,
+            ratio=ratio,
+            budget_macs=ratio * self.ctx.plain_macs,
+            num_samples=int(len(self.data.client_indices[cid])),
+            round=rnd,
+            budget_after_change=None if after is None else after * self.ctx.plain_macs,
+        )
+
+    def _evaluate(self) -> dict[str, Any]:
+        models = self.algorithm.eval_models(self.ctx)
+        res = self.ctx.evaluate(models["global"])
+        out: dict[str, Any] = {"accuracy": res["accuracy"], "loss": res["loss"], "tier_accuracy": {}}
+        if self.data.val_indices is not None:
+            # the validation hold-out (part of the training set no client sees): choose settings on it
+            val = self.ctx.evaluate(models["global"], dataset=self.data.train, indices=self.data.val_indices)
+            out["val_accuracy"], out["val_loss"] = val["accuracy"], val["loss"]
+        if self.ctx.schedule is not None:
+            # accuracy on the classes of the session's devices, and on the full test set
+            session = self.ctx.schedule.session_of(self.ctx.round)
+            part = self.ctx.evaluate(models["global"], indices=self.ctx.session_test_indices(session))
+            out["accuracy_full"], out["loss_full"] = res["accuracy"], res["loss"]
+            out["accuracy_session"] = part["accuracy"]
+            if self.cfg.sessions.eval_on_session_classes:
+                out["accuracy"], out["loss"] = part["accuracy"], part["loss"]
+        cache: dict[int, float] = {id(models["global"]): res["accuracy"]}
+        for t in self.cfg.budget.tiers:
+            m = models.get(f"tier:{t.name}", models["global"])
+            if id(m) not in cache:
+                cache[id(m)] = self.ctx.evaluate(m)["accuracy"]
+            out["tier_accuracy"][t.name] = cache[id(m)]
+        return out
+
+    def _checkpoint(self, rnd: int) -> None:
+        state = {
+            "round": rnd,
+            "config_hash": config_hash(self.cfg),
+            "algorithm": self.algorithm.state_dict(),
+            "participation": list(self._participation),
+            "ratios": list(self.schedule.state()),
+            "best_accuracy": self._best,
+            # what a resume must find on disk: the metrics written so far, each client's state
+            "metrics": self._metrics.mark(),
+        }
+        self.store.flush(rnd)  # every client state the checkpoint can need is on disk before it
+        state["client_states"] = self.store.manifest(rnd)
+        self._write_best()  # so is the best model of the rounds it covers
+        atomic_save(state, self.out_dir / "checkpoint.pt")
+        self._last_checkpoint = rnd
+        self.store.compact(rnd)
+
+    def _load_checkpoint(self) -> tuple[int, dict[str, Any] | None, dict[Any, Any] | None]:
+        """Restore the checkpoint's state; returns its round and what it recorded of the run
+        directory (the metrics mark and the client-state manifest; None in older checkpoints)."""
+        path = self.out_dir / "checkpoint.pt"
+        if not path.is_file():
+            return 0, None, None
+        try:
+            state = torch.load(path, weights_only=True, map_location="cpu")
+        except Exception as exc:  # unpickling refused, truncated file, …
+            raise RunDirError(f"{path} cannot be loaded ({type(exc).__name__}: {exc}); the checkpoint is damaged") from None
+        if not isinstance(state, dict) or not {"round", "config_hash", "algorithm"} <= set(state):
+            raise RunDirError(f"{path} is not a fedhetero checkpoint")
+        if state["config_hash"] not in self._hashes:
+            raise RunDirError(f"--resume: {path} belongs to another run (its config hash differs from config.yaml's)")
+        rnd = state["round"]
+        if not isinstance(rnd, int) or not 0 <= rnd <= self.cfg.train.rounds:
+            raise RunDirError(f"{path}: round {rnd!r} is outside 0..train.rounds={self.cfg.train.rounds}; the checkpoint is damaged")
+        bad = _non_finite(state["algorithm"])
+        if bad:
+            raise RunDirError(f"{path}: non-finite values in {bad}; the checkpoint is damaged")
+        try:
+            self.algorithm.load_state_dict(state["algorithm"])
+            self._participation = [int(v) for v in state["participation"]]
+            self.schedule.load_state(state["ratios"])
+        except (RuntimeError, KeyError, ValueError, TypeError) as exc:
+            raise RunDirError(f"{path} does not fit this run's model ({type(exc).__name__}: {str(exc).splitlines()[0]})") from None
+        if len(self._participation) != self.cfg.data.num_clients:
+            raise RunDirError(f"{path}: participation counts for {len(self._participation)} clients, the config has {self.cfg.data.num_clients}")
+        self._best = state.get("best_accuracy")
+        mark, manifest = state.get("metrics"), state.get("client_states")
+        if (mark is not None and not isinstance(mark, dict)) or (manifest is not None and not isinstance(manifest, dict)):
+            raise RunDirError(f"{path} is not a fedhetero checkpoint")
+        self.store.rollback(rnd)
+        return rnd, mark, manifest
+
+    def _save_model(self, name: str) -> None:
+        """The global model as a weights-only file that :func:`fedhetero.load_model` rebuilds."""
+        save_global_model(self, name)
+
+    def _keep_best(self) -> None:
+        """Hold the current global model as the best one; written with the next checkpoint (a
+        resume restarts from a checkpoint, so the file need not run ahead of it; writing it in the
+        round cost as much as a LeNet-5 client's training)."""
+        self._best_state = global_model_state(self)
+
+    def _write_best(self) -> None:
+        if self._best_state is not None:
+            save_global_model(self, "best", self._best_state)
+            self._best_state = None
+
+    def run(self) -> RunResult:
+        """Run (or resume) the job; returns the summary and the per-round metrics.
+
+        The run directory is locked first (two runs never share it), then checked again under
+        the lock, then the config, data and algorithm are set up; a bad input leaves behind no
+        directory that was not there before."""
+        created = _first_missing(self.out_dir)  # what a failed set-up removes again
+        lock = None
+        try:
+            try:
+                self.out_dir.mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                raise RunDirError(f"{self.out_dir}: the run directory cannot be made ({exc.strerror or exc})") from None
+            lock = RunLock(self.out_dir).acquire()
+            self._check_dir()
+            if self.resume and config_hash(_saved_config(self.out_dir)) not in self._hashes:
+                raise RunDirError(f"--resume: {self.out_dir / 'config.yaml'} changed while this run was starting")
+            self._setup()
+            created = None  # from here on the directory holds this run
+            return self._run()
+        finally:
+            if self.backend is not None and self._own_backend:
+                self.backend.close()
+            if lock is not None:
+                lock.release()
+            if created is not None:
+                _remove_if_only_lock(self.out_dir, created)
+
+    def _say(self, text: str) -> None:
+        if self.progress and self.console is not None:
+            self.console.print(text, markup=False, highlight=False, soft_wrap=True)
+
+    def _run(self) -> RunResult:
+        t_start = time.perf_counter()
+        self._dropped: list[dict[str, Any]] = []
+        self._best = None
+        self._best_state = None
+        clean_stale(self.out_dir)
+        self._participation = [0] * self.cfg.data.num_clients
+        self._metrics = MetricsLog(self.out_dir / "metrics.jsonl")
+        start, mark, manifest = self._load_checkpoint() if self.resume else (0, None, None)
+        self._last_checkpoint = start
+        if self.resume and (self.out_dir / "config.yaml").read_text() != dump_config(self.cfg):
+            # only fields that may change on resume differ: the run goes on with them, and so
+            # does a later resume
+            atomic_write_text(self.out_dir / "config.yaml", dump_config(self.cfg))
+        if start > 0:
+            history = self._metrics.resume(mark, start)
+            if manifest is not None:
+                self.store.verify(manifest, start)
+            self._say(f"resumed from round {start} of {self.cfg.train.rounds} ({self.out_dir})")
+        else:
+            if self.resume:
+                self._say(f"{self.out_dir}: no checkpoint yet; starting again from round 0")
+                self.store.rollback(0)
+            else:
+                clear_run(self.out_dir)  # _check_dir allowed it: a run's own files only (--overwrite)
+            history = []
+            self._metrics.start()
+            self._write_run_files()
+        prior_wall = float(sum(r.get("wall_s", 0.0) for r in history))
+        rounds = self.cfg.train.rounds
+        progress = _Progress(self.progress, rounds, start, self.console)
+        with progress:
+            for rnd in range(start + 1, rounds + 1):
+                t0 = time.perf_counter()
+                self.ctx.round = rnd
+                self.ctx.timers = {}
+                row: dict[str, Any] = {"round": rnd}
+                sched = self.ctx.schedule
+                if sched is not None:
+                    row["session"] = sched.session_of(rnd) + 1
+                    row["session_round"] = sched.round_in_session(rnd)
+                self._dropped = []
+                if sched is not None and sched.round_in_session(rnd) == 1:
+                    self.algorithm.session_start(self.ctx, sched.session_of(rnd))
+                skip = self.algorithm.skip_round(self.ctx, rnd)
+                if skip:  # e.g. a baseline that does not run DynInit's pilot session
+                    row["skipped"] = True
+                    clients: list[ClientInfo] = []
+                    updates: list[ClientResult] = []
+                else:
+                    cids = self.sample_clients(rnd)
+                    clients = [self.client_info(c, rnd) for c in cids]
+                    for c in cids:
+                        self._participation[c] += 1
+                    progress.round_started(rnd, len(clients))
+                    self.ctx.on_client_done = progress.client_done
+                    updates = self.algorithm.run_round(self.ctx, clients)
+                row["dropped"] = list(self._dropped)
+                row.update(self.algorithm.round_metrics(self.ctx))
+                if not skip and (rnd % self.cfg.train.eval_every == 0 or rnd == rounds):
+                    with self.ctx.timer("evaluate"):
+                        row.update(self._evaluate())
+                account_round(row, clients, updates, self.cfg.train, history[-1] if history else None)
+                row["timers"] = {k: round(v, 6) for k, v in self.ctx.timers.items()}
+                if "accuracy" in row and (self._best is None or row["accuracy"] > self._best):
+                    self._best = float(row["accuracy"])
+                    self._keep_best()
+                row["wall_s"] = round(time.perf_counter() - t0, 4)
+                self._metrics.append(row)
+                history.append(row)
+                progress.round_done(row)
+                if rnd % self.cfg.train.checkpoint_every == 0 or rnd == rounds:
+                    self._checkpoint(rnd)
+                if self.stop_after is not None and rnd >= self.stop_after:
+                    return RunResult(self.out_dir, {}, history)
+        self._save_model("final")
+        # wall time of every segment's rounds plus this segment's set-up and wrap-up
+        wall = prior_wall + (time.perf_counter() - t_start)
+        summary = summarize(self.cfg, history, self.ctx.plain_macs, wall)
+        summary["resumed_from_round"] = start if self.resume else None
+        summary.update(self.algorithm.summary_metrics(history))
+        atomic_write_text(self.out_dir / "summary.json", json.dumps(finite_json(summary), indent=2))
+        return RunResult(self.out_dir, summary, history)
+
+
+def _check_splits(cfg: RunConfig, cls: type[Algorithm], allow_unused: bool = False) -> None:
+    """A server or public split the method does not use only withholds data from the clients; one
+    it needs must exist."""
+    name = cfg.algorithm.name
+    for field_name, need, what in (
+        ("server_fraction", cls.server_data, "labelled server data"),
+        ("public_fraction", cls.public_data, "an unlabelled public split"),
+    ):
+        value = getattr(cfg.data, field_name)
+        if need == "unused" and value > 0 and not allow_unused:
+            raise ConfigError(
+                f"data.{field_name}: {name} does not use {what}; {value:g} of the training set would be "
+                f"withheld from its clients. Set data.{field_name}=0"
+            )
+        if need == "required" and value <= 0:
+            raise ConfigError(f"data.{field_name}: {name} needs {what}; set data.{field_name} > 0 (e.g. 0.1)")
+
+
+def _first_line(text: str) -> str:
+    return str(text).strip().splitlines()[0] if str(text).strip() else ""
+
+
+def _override_key(item: str) -> str:
+    return item.split("=", 1)[0].strip()
+
+
+def _changed_fields(a: RunConfig, b: RunConfig) -> list[str]:
+    """Dotted names of the fields whose values differ between two configs."""
+
+    def flat(tree: Any, prefix: str = "") -> dict[str, Any]:
+        if isinstance(tree, dict):
+            out: dict[str, Any] = {}
+            for k, v in tree.items():
+                out.update(flat(v, f"{prefix}.{k}" if prefix else str(k)))
+            return out
+        return {prefix: tree}
+
+    fa, fb = flat(to_dict(a)), flat(to_dict(b))
+    return [k for k in sorted(set(fa) | set(fb)) if fa.get(k) != fb.get(k)]
+
+
+def _first_missing(path: Path) -> Path | None:
+    """The outermost folder of ``path`` that does not exist yet (None: ``path`` exists)."""
+    missing = None
+    for p in [path, *path.parents]:
+        if p.exists():
+            break
+        missing = p
+    return missing
+
+
+def _remove_if_only_lock(root: Path, created: Path) -> None:
+    """Remove the directory this run made (and the folders made for it, up to ``created``) when
+    nothing but its lock file is in it."""
+    try:
+        if [p.name for p in root.iterdir()] != [".lock"]:
+            return
+        (root / ".lock").unlink()
+        for p in [root, *root.parents]:
+            p.rmdir()
+            if p == created:
+                break
+    except OSError:
+        pass
+
+
+def resume_config(
+    out_dir: str | Path, cfg: RunConfig | None = None, overrides: list[str] | None = None
+) -> tuple[RunConfig, set[str]]:
+    """The config a resumed run goes on with, and the config hashes its directory may have
+    recorded: ``cfg`` when given (it must hash as the saved one), else the saved config with
+    ``overrides`` applied. Only the fields that may change on resume (:data:`~fedhetero.core.config.RESUMABLE`) may differ.
+    A method from code outside the package is accepted only when the caller names it (``cfg``, or
+    an ``algorithm.name`` override): a run directory never makes fedhetero import code."""
+    out_dir = Path(out_dir)
+    saved = _saved_config(out_dir)
+    named = cfg is not None or any(_override_key(o) == "algorithm.name" for o in overrides or ())
+    if cfg is None:
+        cfg = from_dict(apply_overrides(to_dict(saved), list(overrides or ())))
+    if config_hash(cfg) != config_hash(saved):
+        changed = _changed_fields(saved, cfg)
+        raise ConfigError(
+            f"--resume: {', '.join(changed[:4]) or 'the config'} differ{'s' if len(changed) == 1 else ''} from "
+            f"the run saved in {out_dir}; only where clients run and how failing clients are handled "
+            f"(engine.{', engine.'.join(RESUMABLE['engine'])}) may change on resume"
+        )
+    if ":" in saved.algorithm.name and not named:
+        raise RunDirError(
+            f"--resume: this run's method is code outside fedhetero ({saved.algorithm.name}); a run directory "
+            "never makes fedhetero import code, so name it again: add --set "
+            f"algorithm.name={saved.algorithm.name}"
+        )
+    return cfg, config_hashes(saved)
+
+
+def _saved_config(out_dir: Path) -> RunConfig:
+    """The config saved in a run directory, checked against the hash recorded at the start."""
+    path = out_dir / "config.yaml"
+    if not path.is_file():
+        if inspect_dir(out_dir).holds_run:
+            raise RunDirError(
+                f"--resume: {out_dir} holds part of a run but its config.yaml is missing, so it cannot be "
+                "continued; start it again with --overwrite (this replaces the run's files) or choose another --out"
+            )
+        raise RunDirError(f"--resume: {out_dir} holds no run (no config.yaml); start it without --resume")
+    if path.stat().st_size == 0:
+        raise RunDirError(f"--resume: {path} is empty (damaged); the run cannot be continued")
+    try:
+        saved = load_config(path)
+    except ConfigError as exc:
+        raise RunDirError(f"--resume: {path} is damaged ({exc})") from None
+    meta = out_dir / "run.json"
+    if meta.is_file():
+        try:
+            recorded = json.loads(meta.read_text()).get("config_hash")
+        except (json.JSONDecodeError, OSError):
+            recorded = None
+        if recorded is not None and recorded not in config_hashes(saved):
+            raise RunDirError(f"--resume: {path} was changed after the run started (its hash differs from run.json)")
+    return saved
+
+
+def _non_finite(tree: Any, prefix: str = "") -> str | None:
+    """The first path in a nested state whose floating tensor or float is not finite."""
+    if isinstance(tree, torch.Tensor):
+        if torch.is_floating_point(tree) and not bool(torch.isfinite(tree).all()):
+            return prefix or "a tensor"
+        return None
+    if isinstance(tree, float):
+        return None if tree == tree and abs(tree) != float("inf") else (prefix or "a number")
+    if isinstance(tree, dict):
+        for k, v in tree.items():
+            hit = _non_finite(v, f"{prefix}.{k}" if prefix else str(k))
+            if hit:
+                return hit
+    if isinstance(tree, (list, tuple)):
+        for i, v in enumerate(tree):
+            hit = _non_finite(v, f"{prefix}[{i}]")
+            if hit:
+                return hit
+    return None
+
+
+def summarize(cfg: RunConfig, history: list[dict[str, Any]], plain_macs: int, wall: float) -> dict[str, Any]:
+    """Final numbers of a run: accuracy (final, best, smoothed), per-tier budgets and FLOPs, bytes."""
+    evals = [r for r in history if "accuracy" in r]
+    accs = [r["accuracy"] for r in evals]
+    # drops by (tier, class) in one pass (see fedhetero.core.backend.DROP_KINDS); a row written before
+    # drops had a class counts its drops as "unclassified"
+    drops_by = Counter(
+        (d.get("tier"), str(d.get("kind", "unclassified"))) for r in history for d in r.get("dropped", ())
+    )
+    kinds = sorted({k for _, k in drops_by})
+    by_kind = {k: sum(n for (_, kk), n in drops_by.items() if kk == k) for k in kinds}
+    tiers: dict[str, dict[str, Any]] = {}
+    for t in cfg.budget.tiers:
+        rows = [c for r in history for c in r["clients"] if c["tier"] == t.name]
+        tiers[t.name] = {
+            "ratio": t.ratio,
+            "budget_macs": float(np.mean([c["budget_macs"] for c in rows])) if rows else t.ratio * plain_macs,
+            "macs": float(np.mean([c["macs"] for c in rows])) if rows else None,
+            "fits_budget": bool(all(c["fits_budget"] for c in rows)) if rows else None,
+            "client_rounds": len(rows),
+            "bytes_up": int(sum(c["bytes_up"] for c in rows)),
+            "bytes_down": int(sum(c["bytes_down"] for c in rows)),
+            "accuracy": evals[-1]["tier_accuracy"].get(t.name) if evals else None,
+            "dropped": sum(drops_by.get((t.name, k), 0) for k in kinds),
+            "internal_errors": drops_by.get((t.name, "internal_error"), 0),
+        }
+    k = min(5, len(accs))
+    client_macs = [c["macs"] for r in history for c in r["clients"]]
+    target = cfg.train.target_accuracy
+    reached = None
+    if target is not None and evals:
+        hit = [r for r in evals if r["accuracy"] >= target]
+        reached = hit[0] if hit else None
+    smoothed = None
+    if len(accs) >= 5:
+        window = min(39, len(accs) if len(accs) % 2 else len(accs) - 1)
+        smoothed = float(smoothed_final_accuracy(accs, window=window, polyorder=min(3, window - 1)))
+        # a polynomial fit can overshoot at the end of the curve: keep it within the accuracies of
+        # its window, so it never reports more than any round reached
+        recent = accs[-window:]
+        smoothed = min(max(smoothed, min(recent)), max(recent))
+    return {
+        "algorithm": cfg.algorithm.name,
+        "rounds": len(history),
+        "final_accuracy": accs[-1] if accs else None,
+        "best_accuracy": max(accs) if accs else None,
+        "mean_last5_accuracy": float(np.mean(accs[-k:])) if accs else None,
+        **_val_summary(evals),
+        "plain_macs": plain_macs,
+        "tiers": tiers,
+        "smoothed_final_accuracy": smoothed,
+        "target_accuracy": target,
+        "rounds_to_target": reached["round"] if reached else None,
+        "time_to_target": reached["sim_time_s"] if reached else None,
+        "sim_time_s": history[-1]["sim_time_s"] if history else 0.0,
+        "mean_client_macs": float(np.mean(client_macs)) if client_macs else None,
+        "bytes_total": history[-1]["bytes_total"] if history else 0,
+        "bytes_up": int(sum(r["bytes_up"] for r in history)),
+        "bytes_down": int(sum(r["bytes_down"] for r in history)),
+        "all_fit_budget": bool(all(c["fits_budget"] for r in history for c in r["clients"])),
+        "dropped_clients": int(sum(by_kind.values())),
+        # internal errors are bugs, not device faults: counted apart
+        "dropped_by_kind": by_kind,
+        "internal_errors": by_kind.get("internal_error", 0),
+        "wall_s": round(wall, 3),
+        **(session_summary(history, cfg.sessions.transition_window) if cfg.sessions.count else {}),
+    }
+
+
+def strict_mode() -> bool:
+    """Whether an internal error stops the run (``FEDHETERO_STRICT=1``; the test suite sets it,
+    so that a test fails on any exception from the project's own code instead of a dropped client)."""
+    return os.environ.get(STRICT_ENV, "") not in ("", "0")
+
+
+def _val_summary(evals: list[dict[str, Any]]) -> dict[str, Any]:
+    """Validation accuracy (final, best, mean of the last 5 evaluations) when the run has a
+    validation hold-out."""
+    vals = [r["val_accuracy"] for r in evals if "val_accuracy" in r]
+    if not vals:
+        return {}
+    return {"final_val_accuracy": vals[-1], "best_val_accuracy": max(vals),
+            "mean_last5_val_accuracy": float(np.mean(vals[-min(5, len(vals)):]))}
+
+
+class _Progress:
+    """Progress over rounds and clients: a rich display on a terminal, one plain line per round
+    otherwise (``| tee``, ``nohup``, cluster logs); silent when disabled."""
+
+    def __init__(self, enabled: bool, rounds: int, start: int, console: Any) -> None:
+        self.enabled = enabled
+        self.rounds = rounds
+        self.start = start
+        self.console = console
+        self._progress: Any = None
+        self._plain = False
+        self._t0 = time.perf_counter()
+
+    def __enter__(self) -> "_Progress":
+        if not self.enabled:
+            return self
+        if self.console is not None and not self.console.is_terminal:
+            self._plain = True
+            return self
+
+        self._progress = Progress(
+            TextColumn("[bold]{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("{task.fields[info]}"),
+            TimeElapsedColumn(),
+            TimeRemainingColumn(),
+            console=self.console,
+        )
+        self._progress.__enter__()
+        self._rounds_task = self._progress.add_task("rounds", total=self.rounds, completed=self.start, info="")
+        self._client_task = self._progress.add_task("clients", total=1, info="")
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._progress is not None:
+            self._progress.__exit__(*exc)
+
+    def round_started(self, rnd: int, n_clients: int) -> None:
+        if self._progress is not None:
+            self._progress.reset(self._client_task, total=n_clients, info=f"round {rnd}")
+
+    def client_done(self, cid: int) -> None:
+        if self._progress is not None:
+            self._progress.advance(self._client_task)
+
+    def round_done(self, row: dict[str, Any]) -> None:
+        if self._progress is not None:
+            info = f"acc {row['accuracy']:.3f}" if "accuracy" in row else ""
+            self._progress.update(self._rounds_task, advance=1, info=info)
+        elif self._plain:
+            acc = f" accuracy {row['accuracy']:.4f}" if row.get("accuracy") is not None else ""
+            dropped = f" dropped {len(row['dropped'])}" if row.get("dropped") else ""
+            self.console.print(
+                f"round {row['round']}/{self.rounds}{acc} clients {len(row['clients'])}{dropped} "
+                f"round {row['wall_s']:.2f} s elapsed {time.perf_counter() - self._t0:.1f} s",
+                markup=False,
+                highlight=False,
+                soft_wrap=True,
+            )
+
+
+def run(cfg: RunConfig, out_dir: str | Path, **kw: Any) -> RunResult:
+    """Convenience: ``Engine(cfg, out_dir, **kw).run()``."""
+    return Engine(cfg, out_dir, **kw).run()
+

@@ -1,0 +1,107 @@
+"""The trained global model as a file, and one call to load it back.
+
+At the end of a run (and whenever evaluation finds a new best) the engine writes
+``final_model.pt`` / ``best_model.pt`` — a plain ``state_dict`` saved with ``torch.save``, loadable
+with ``torch.load(weights_only=True)`` — and ``model.json``, the recipe that rebuilds the
+architecture: the zoo model (``fedhetero.models.build_model``) with the run's arguments, in the form the
+global model has (``zoo``: conv+BN as built; ``deploy``: every conv+BN folded into one biased
+conv, as DynamicFL's plain global model). :func:`load_model` does both steps::
+
+    import fedhetero
+    model = fedhetero.load_model("runs/dynamicfl-digits-lenet5-s0-1a2b3c4d")   # eval mode
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+import reparam
+from fedhetero.core.rundir import atomic_write_text
+from fedhetero.core.store import atomic_save
+from fedhetero.models import build_model
+
+if TYPE_CHECKING:  # pragma: no cover
+    from fedhetero.core.engine import Engine
+
+__all__ = ["load_model", "save_global_model"]
+
+
+def _build(recipe: dict[str, Any]) -> nn.Module:
+    model = build_model(recipe["model"], **recipe["kwargs"])
+    if recipe["form"] == "deploy":
+        model.eval()
+        model = reparam.merge(model, target="deploy")
+    return model.to(getattr(torch, recipe.get("dtype", "float32")))
+
+
+def _recipe(engine: "Engine", state: dict[str, torch.Tensor]) -> dict[str, Any] | None:
+    """The first recipe whose model takes ``state`` with ``strict=True`` (None if none does)."""
+    cfg, ctx = engine.cfg, engine.ctx
+    widths = [cfg.model.width]
+    for attr in ("global_width", "width"):
+        w = getattr(engine.algorithm, attr, None)
+        if isinstance(w, (int, float)) and w not in widths:
+            widths.insert(0, float(w))
+    for width in widths:
+        kwargs = {
+            "num_classes": ctx.num_classes,
+            "in_channels": ctx.input_shape[0],
+            "width": width,
+            "norm": cfg.model.norm,
+            "input_size": ctx.input_shape[1],
+        }
+        for form in ("zoo", "deploy"):
+            recipe = {"model": cfg.model.name, "kwargs": kwargs, "form": form, "dtype": cfg.dtype}
+            try:
+                model = _build(recipe)
+                model.load_state_dict(state, strict=True)
+            except Exception:  # this form does not fit; try the next one
+                continue
+            return recipe
+    return None
+
+
+def global_model_state(engine: "Engine") -> dict[str, torch.Tensor]:
+    """A CPU copy of the engine's current global model state (what ``<which>_model.pt`` holds)."""
+    model = engine.algorithm.eval_models(engine.ctx)["global"]
+    return {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+
+
+def save_global_model(engine: "Engine", which: str, state: dict[str, torch.Tensor] | None = None) -> None:
+    """Write ``<which>_model.pt`` (and ``model.json``) for the engine's current global model, or for
+    ``state`` taken earlier with :func:`global_model_state`."""
+    if state is None:
+        state = global_model_state(engine)
+    out = engine.out_dir
+    recipe_path = out / "model.json"
+    if not recipe_path.is_file():
+        recipe = _recipe(engine, state)
+        info = recipe if recipe is not None else {
+            "model": engine.cfg.model.name,
+            "form": None,
+            "note": "this algorithm's global model has no zoo recipe; load the state dict into your own module",
+        }
+        atomic_write_text(recipe_path, json.dumps(info, indent=2))
+    atomic_save(state, out / f"{which}_model.pt")
+
+
+def load_model(run_dir: str | Path, which: str = "final") -> nn.Module:
+    """The global model a run wrote (``which``: ``"final"`` or ``"best"``), rebuilt and loaded,
+    in eval mode."""
+    run_dir = Path(run_dir)
+    if which not in ("final", "best"):
+        raise ValueError(f"which: expected 'final' or 'best', got {which!r}")
+    path = run_dir / f"{which}_model.pt"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} not found: the run has not finished (or evaluated) yet")
+    recipe = json.loads((run_dir / "model.json").read_text())
+    if recipe.get("form") is None:
+        raise ValueError(f"{run_dir}: {recipe.get('note', 'no recipe')}")
+    model = _build(recipe)
+    model.load_state_dict(torch.load(path, weights_only=True, map_location="cpu"), strict=True)
+    return model.eval()

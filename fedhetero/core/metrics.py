@@ -1,0 +1,78 @@
+"""The accounting part of a round's metrics row: per-client entries, traffic and simulated time.
+
+The engine builds one row per round (``metrics.jsonl``): what the method reports
+(:meth:`Algorithm.round_metrics`), the evaluation, and what :func:`account_round` adds from the
+clients' results — one entry per client (tier, budget and MACs, bytes, samples and the client's
+own metrics), the bytes of the round and of the run so far, and the round's simulated wall time
+under the device time model (:mod:`fedhetero.core.timemodel`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from fedhetero.core.config import TrainConfig
+from fedhetero.core.timemodel import ClientCost, TimeModel
+from fedhetero.core.types import ClientInfo, ClientResult
+
+__all__ = ["account_round", "client_entry", "is_jsonable", "sample_passes"]
+
+#: the device time model every run reports its simulated time under
+TIME_MODEL = TimeModel()
+
+
+def is_jsonable(v: Any) -> bool:
+    """Whether a client's metric goes into the row as it is (numbers, strings, None)."""
+    return isinstance(v, (int, float, str, bool)) or v is None
+
+
+def client_entry(u: ClientResult, tier: str) -> dict[str, Any]:
+    """One client's entry of a round's row (``tier``: the sampled tier, when the result has none)."""
+    return {
+        "cid": u.cid,
+        "tier": u.tier or tier,
+        "budget_macs": float(u.budget_macs),
+        "macs": int(u.macs),
+        "fits_budget": bool(u.macs <= u.budget_macs * (1 + 1e-9)),
+        "bytes_up": int(u.bytes_up),
+        "bytes_down": int(u.bytes_down),
+        "num_samples": int(u.num_samples),
+        **{k: v for k, v in u.metrics.items() if is_jsonable(v)},
+    }
+
+
+def sample_passes(train: TrainConfig, u: ClientResult) -> float:
+    """Samples a client pushed through its model this round (for the simulated time): its
+    reported optimizer steps times the batch size when it trained a fixed number of steps, else
+    its data times the local epochs."""
+    if getattr(train, "local_steps", None):
+        steps = u.metrics.get("steps")
+        n = int(steps) if isinstance(steps, (int, float)) else int(train.local_steps or 0)
+        return float(n * train.batch_size)
+    return float(u.num_samples * train.local_epochs)
+
+
+def account_round(
+    row: dict[str, Any],
+    clients: Sequence[ClientInfo],
+    updates: Sequence[ClientResult],
+    train: TrainConfig,
+    previous: dict[str, Any] | None,
+) -> None:
+    """Add the clients' entries, the simulated time and the traffic of a round to its ``row``
+    (``previous``: the row before it, for the running totals)."""
+    by_cid = {c.cid: c for c in clients}
+    row["clients"] = [client_entry(u, by_cid[u.cid].tier) for u in updates]
+    row["sim_s"] = TIME_MODEL.round_seconds(
+        ClientCost(
+            macs_per_sample=float(u.macs),
+            sample_passes=sample_passes(train, u),
+            bytes_up=float(u.bytes_up),
+            bytes_down=float(u.bytes_down),
+        )
+        for u in updates
+    )
+    row["sim_time_s"] = (previous["sim_time_s"] if previous else 0.0) + row["sim_s"]
+    row["bytes_up"] = int(sum(u.bytes_up for u in updates))
+    row["bytes_down"] = int(sum(u.bytes_down for u in updates))
+    row["bytes_total"] = int((previous["bytes_total"] if previous else 0) + row["bytes_up"] + row["bytes_down"])

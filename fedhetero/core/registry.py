@@ -1,0 +1,98 @@
+"""Names of methods and back ends, resolved to their classes.
+
+Built-in methods are listed by name in :data:`fedhetero.algorithms.BUILTIN` (``name ->
+"module:Class"``); their modules are imported only when a run asks for them, so the core depends
+on none of them. A method of your own is named ``package.module:Class`` or ``path/to/file.py:Class``
+(worker processes and Flower nodes load it the same way) or registered with :func:`register`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from fedhetero.core.algorithm import Algorithm
+from fedhetero.core.config import OPTIONS_PATH, ConfigError, from_mapping
+
+if TYPE_CHECKING:  # pragma: no cover
+    from fedhetero.core.config import RunConfig
+
+__all__ = ["build_algorithm", "builtin_algorithms", "get_algorithm", "list_algorithms", "register"]
+
+#: methods registered at run time with :func:`register` (name -> class)
+_REGISTERED: dict[str, type[Algorithm]] = {}
+
+#: the package that lists the built-in methods (a name, not an import: the core imports no method)
+_BUILTIN_PACKAGE = "fedhetero.algorithms"
+
+
+def builtin_algorithms() -> dict[str, str]:
+    """``name -> "module:Class"`` of every built-in method."""
+    table: dict[str, str] = importlib.import_module(_BUILTIN_PACKAGE).BUILTIN
+    return table
+
+
+def register(cls: type[Algorithm]) -> type[Algorithm]:
+    """Make ``cls`` available under ``cls.name`` in this process (usable as a class decorator).
+    Worker processes and Flower nodes do not see it: name it ``module:Class`` to run it there."""
+    if not (isinstance(cls, type) and issubclass(cls, Algorithm)):
+        raise TypeError(f"{cls!r} is not an Algorithm subclass")
+    if cls.name in builtin_algorithms() or _REGISTERED.get(cls.name, cls) is not cls:
+        raise ValueError(f"an algorithm named {cls.name!r} already exists")
+    _REGISTERED[cls.name] = cls
+    return cls
+
+
+def list_algorithms() -> list[str]:
+    """Names of every available algorithm, sorted."""
+    return sorted({*builtin_algorithms(), *_REGISTERED})
+
+
+def _load(name: str, target: str) -> type[Algorithm]:
+    """``package.module:Class`` or ``path/to/file.py:Class`` -> the class."""
+    where, _, attr = target.rpartition(":")
+    try:
+        if where.endswith(".py"):
+            path = Path(where).resolve()
+            mod_name = f"_fedhetero_user_{path.stem}"
+            module = sys.modules.get(mod_name)
+            if module is None:
+                spec = importlib.util.spec_from_file_location(mod_name, path)
+                if spec is None or spec.loader is None or not path.is_file():
+                    raise ImportError(f"no such file: {path}")
+                module = importlib.util.module_from_spec(spec)
+                sys.modules[mod_name] = module
+                spec.loader.exec_module(module)
+        else:
+            module = importlib.import_module(where)
+        cls = getattr(module, attr)
+    except (ImportError, AttributeError, OSError, SyntaxError) as exc:
+        raise ConfigError(f"algorithm.name: cannot load {name!r} ({type(exc).__name__}: {exc})") from None
+    if not (isinstance(cls, type) and issubclass(cls, Algorithm)):
+        raise ConfigError(f"algorithm.name: {name!r} is not a fedhetero.algorithms.Algorithm subclass")
+    return cls
+
+
+def get_algorithm(name: str) -> type[Algorithm]:
+    """The algorithm class registered under ``name``, or loaded from ``module:Class`` /
+    ``file.py:Class`` for an algorithm of your own."""
+    if ":" in name:
+        return _load(name, name)
+    if name in _REGISTERED:
+        return _REGISTERED[name]
+    table = builtin_algorithms()
+    if name not in table:
+        raise ConfigError(f"algorithm.name: unknown algorithm {name!r}; available: {', '.join(list_algorithms())}")
+    return _load(name, table[name])
+
+
+def build_algorithm(cfg: "RunConfig") -> Algorithm:
+    """Instantiate the configured algorithm with validated options."""
+    cls = get_algorithm(cfg.algorithm.name)
+    # every check of the options (types, declared rules, the class's cross-field checks) raises a
+    # ConfigError naming algorithm.options.<field>
+    options = from_mapping(cls.Options, dict(cfg.algorithm.options), OPTIONS_PATH)
+    return cls(options)

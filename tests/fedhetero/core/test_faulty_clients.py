@@ -1,0 +1,114 @@
+"""Faulty clients: injected faults are dropped and recorded, too few survivors stop the run, the fault
+settings are checked, and an upload is checked where its task ran."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from fedhetero.core.config import ConfigError, from_dict
+from fedhetero.core.context import RunError
+from fedhetero.core.engine import Engine
+from fedhetero.core.backend import injected_fault
+
+
+def _cfg(name: str = "fedavg", backend: str = "local", rounds: int = 3, **engine):
+    return from_dict(
+        {
+            "seed": 1,
+            "threads": 1,
+            "data": {"num_clients": 10},
+            "train": {"rounds": rounds, "sample_rate": 0.4, "local_epochs": 1, "checkpoint_every": 1},
+            "algorithm": {"name": name},
+            "engine": {"backend": backend, **engine},
+        }
+    )
+
+
+def _run(tmp_path: Path, cfg, tag: str, **kw):
+    eng = Engine(cfg, tmp_path / tag, progress=False, **kw)
+    res = eng.run()
+    return eng, res
+
+
+@pytest.mark.parametrize("backend", ["local", "process"])
+def test_faulty_clients_are_dropped_and_recorded(tmp_path, backend):
+    faults = {"rate": 0.3, "kinds": ["raise", "nan"]}
+    cfg = from_dict(
+        {
+            "seed": 3,
+            "threads": 1,
+            "data": {"num_clients": 20},
+            "train": {"rounds": 4, "sample_rate": 0.5, "local_epochs": 1},
+            "algorithm": {"name": "dynamicfl"},
+            "engine": {"backend": backend, "workers": 2, "inject_faults": faults},
+        }
+    )
+    eng, res = _run(tmp_path, cfg, backend)
+    assert res.summary["rounds"] == 4
+    for v in eng.algorithm.global_model.state_dict().values():
+        assert torch.isfinite(v.float()).all()
+    assert math.isfinite(res.summary["final_accuracy"]) and res.summary["final_accuracy"] > 0.2
+    total_dropped = 0
+    for row in res.metrics:
+        sampled = eng.sample_clients(row["round"])
+        expected = {}
+        for cid in sampled:
+            task = eng.algorithm.task(eng.ctx, eng.client_info(cid, row["round"]), {})
+            kind = injected_fault(cfg, task)
+            if kind is not None:
+                expected[cid] = kind
+        dropped = {d["cid"]: d["reason"] for d in row["dropped"]}
+        assert set(dropped) == set(expected)
+        for cid, kind in expected.items():
+            assert ("InjectedFault" in dropped[cid]) if kind == "raise" else dropped[cid].startswith("non-finite")
+        assert {c["cid"] for c in row["clients"]} == set(sampled) - set(expected)
+        total_dropped += len(dropped)
+    assert total_dropped >= 3  # 30 % of 40 client-rounds
+    assert res.summary["dropped_clients"] == total_dropped
+    # metrics.jsonl is valid JSON and names who was dropped and why
+    rows = [json.loads(line) for line in (tmp_path / backend / "metrics.jsonl").read_text().splitlines()]
+    assert sum(len(r["dropped"]) for r in rows) == total_dropped
+
+
+def test_too_few_clients_stop_the_run_with_a_message(tmp_path):
+    cfg = _cfg("fedavg", "local", rounds=2, min_clients=2, inject_faults={"rate": 1.0, "kinds": ["raise"]})
+    with pytest.raises(RunError, match="engine.min_clients=2"):
+        _run(tmp_path, cfg, "none")
+
+
+def test_hang_needs_a_timeout():
+    with pytest.raises(ConfigError, match="engine.inject_faults.kinds"):
+        _cfg(inject_faults={"rate": 0.5, "kinds": ["hang"]})
+    with pytest.raises(ConfigError, match="engine.inject_faults.rate"):
+        _cfg(inject_faults={"rate": 1.5})
+    with pytest.raises(ConfigError, match="engine.backend"):
+        _cfg(backend="ray")
+
+
+def test_upload_check_runs_where_the_task_ran():
+    """run_task checks the upload itself (in a worker, in parallel) and marks the outcome, so the
+    server does not check it again; an outcome built elsewhere (Flower) is still checked."""
+    from fedhetero.core.types import ClientResult
+    from fedhetero.core.types import Outcome, check_result, upload_fault
+
+    def result(value):
+        return ClientResult(cid=0, num_samples=1, state={"w": torch.full((4,), value), "n": torch.tensor(3)},
+                            macs=1, budget_macs=1.0, bytes_up=0, bytes_down=0)
+
+    assert upload_fault(result(1.0)) is None
+    # a finite tensor whose norm overflows is still finite
+    assert upload_fault(result(3e38)) is None
+    assert upload_fault(result(float("nan"))) == "non-finite upload (w)"
+    assert upload_fault(result(float("-inf"))) == "non-finite upload (w)"
+    half = result(1.0)
+    half.state["h"] = torch.tensor([1.0, float("inf")], dtype=torch.float16)
+    assert upload_fault(half) == "non-finite upload (h)"
+    bad = result(float("nan"))
+    assert check_result(Outcome(None, bad), None) == "non-finite upload (w)"  # type: ignore[arg-type]
+    assert check_result(Outcome(None, bad, checked=True), None) is None  # type: ignore[arg-type]
+

@@ -1,0 +1,105 @@
+"""The merge benchmark (``fedhetero bench reparam``, in ``fedhetero.lab.bench_reparam``: it needs
+the model zoo and a reference to compare with, so it is not part of ``reparam``). Checked here: the
+timed model is perturbed (no vacuous merge), the re-implementation of upstream's deploy conversion
+computes the same function as our merge, and the result dict is consistent.
+"""
+
+from __future__ import annotations
+
+
+import pytest
+import torch
+from torch import nn
+
+import reparam
+from reparam import OneByOneKxKBranch
+from reparam.flops import model_macs
+from reparam.testing import perturb_, rel_err
+
+bench = pytest.importorskip("fedhetero.lab.bench_reparam")
+
+
+def _net() -> nn.Sequential:
+    return nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8), nn.ReLU(),
+        nn.Conv2d(8, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8), nn.ReLU(),
+        nn.Conv2d(8, 16, 3, stride=2, padding=1, groups=4, bias=False), nn.BatchNorm2d(16), nn.ReLU(),
+        nn.Conv2d(16, 16, 3, padding=1, groups=16, bias=False), nn.BatchNorm2d(16), nn.ReLU(),
+        nn.Conv2d(16, 16, 1, bias=False), nn.BatchNorm2d(16),
+        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 4),
+    )
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float64, 1e-12), (torch.float32, 1e-5)])
+def test_upstream_reimplementation_computes_our_merge(dtype, tol) -> None:
+    """Dense, grouped, stride-2 and depthwise blocks (identity-based and plain first stages,
+    dense and depthwise average paths, identity branch), plus an unexpanded 1x1 conv+BN pair."""
+    gen = torch.Generator().manual_seed(0)
+    expanded = perturb_(reparam.expand(_net().to(dtype)), gen).eval()
+    pairs = reparam.structure(expanded)["pairs"]
+    assert pairs, "the net must keep a conv+BN pair for upstream's ConvBN path"
+    x = torch.randn(2, 3, 16, 16, generator=gen, dtype=dtype)
+    with torch.no_grad():
+        ref = expanded(x)
+        ours = reparam.merge(expanded)(x)
+        upstream_model = bench.upstream_switch_to_deploy(expanded, pairs)  # in place
+        assert not any(isinstance(m, (reparam.DiverseBranchBlock, nn.BatchNorm2d)) for m in upstream_model.modules())
+        up = upstream_model(x)
+    assert rel_err(ours, ref) <= tol
+    # upstream builds its average-pool and identity kernels in float32 (1/9 rounded), whatever the
+    # model's dtype, so in float64 it is exact to float32 rounding of those constants only
+    assert rel_err(up, ref) <= max(tol, 1e-7)
+
+
+def test_benchmark_times_a_perturbed_model() -> None:
+    net = _net()
+    res = bench.run_benchmark(batch=2, repeats=1, warmup=0, merge_repeats=1, train_repeats=1, model=net,
+                              input_size=8, threads=None)
+    assert res["perturbed"] is True
+    assert res["macs_plain"] == model_macs(net, (3, 8, 8))
+    assert res["macs_ratio"] == pytest.approx(res["macs_expanded"] / res["macs_plain"])
+    assert res["merge_over_upstream"] == pytest.approx(res["merge_ms"] / res["merge_upstream_ms"])
+    assert res["float64_products_over_upstream"] == pytest.approx(res["float64_products_ms"] / res["merge_upstream_ms"])
+    samples = res["samples_ms"]
+    assert res["merge_ms"] == pytest.approx(min(samples["merge.ours"]), abs=1e-3)
+    assert res["merge_upstream_ms"] == pytest.approx(min(samples["merge.upstream"]), abs=1e-3)
+    assert len(samples["merge.ours"]) == len(samples["merge.upstream"]) == res["merge_repeats"]
+    assert all(v <= 1e-5 for v in res["merge_rel_err"].values())
+    assert set(res["infer_ms"]) == {"plain", "expanded", "merged"}
+    assert res["overhead_per_mac"] == pytest.approx(res["step_ratio"] / res["macs_ratio"])
+    assert "merge_ms" not in res["quoted_upstream"]  # the upstream merge time is measured, not quoted
+    if res["malloc_tuned"]:
+        assert set(res["train_step_ms"]) == {"plain", "expanded", "expanded_per_branch"}
+    with pytest.raises(ValueError, match="batch"):
+        bench.run_benchmark(batch=0, model=net)
+
+
+def test_float64_products_are_the_merge_products() -> None:
+    """The floor row times the products the merge computes (it splits them by output rows): one
+    per 1x1_kxk branch, the composed kernel plus the bias row."""
+    expanded = perturb_(reparam.expand(_net().double()), torch.Generator().manual_seed(2)).eval()
+    products = bench.float64_products(expanded)
+    expected = []
+    for _, block in reparam.iter_blocks(expanded):
+        for name in block.branch_names:
+            br = block.branches[name]
+            if isinstance(br, OneByOneKxKBranch):
+                kind, left, w2, _, _ = br.merge_terms(block.geometry, torch.float64)
+                assert kind == "gemm"  # a trained residual: the product is computed
+                g, cg1, dg = left.shape
+                o, _, kh, kw = w2.shape
+                expected.append((g, cg1, (o // g) * kh * kw))
+    got = [tuple(torch.bmm(left, right).shape) for left, right in products.operands]
+    assert got == expected and len(got) >= 3
+    assert all(left.dtype == right.dtype == torch.float64 for left, right in products.operands)
+    products()
+
+
+def test_perturbation_leaves_no_initial_value_behind() -> None:
+    """What the benchmark times: no zero residual (the merge's shortcut), no zero-γ BN."""
+    expanded = perturb_(reparam.expand(_net()), torch.Generator().manual_seed(1))
+    residuals = [m.weight for m in expanded.modules() if isinstance(m, reparam.IdentityBasedConv1x1)]
+    assert residuals and all(bool(r.ne(0).all()) for r in residuals)
+    bns = [m for m in expanded.modules() if isinstance(m, nn.BatchNorm2d)]
+    assert all(bool(bn.weight.ne(0).all()) and bool(bn.running_var.ne(1).all()) for bn in bns)
+
