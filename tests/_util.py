@@ -61,3 +61,134 @@ def live_children(parent: int | None = None) -> set[int]:
     (Linux); a child that ended and waits for its reaper (a zombie) is left out."""
     parent = os.getpid() if parent is None else parent
     return {pid for pid, _, fields, _ in processes() if int(fields[1]) == parent and fields[0] != "Z"}
+
+
+def budget_method_cfg(algorithm: str, options: dict[str, Any], **over: dict[str, Any]) -> Any:
+    """A small synthetic run of a budget-sized method (six LeNet-5 clients at width 1/4, two
+    rounds, a public split for the distillation methods); ``over``: sections to update."""
+    from fedhetero.core.config import from_dict
+
+    base: dict[str, Any] = {
+        "seed": 5,
+        "data": {
+            "dataset": "synthetic", "synthetic_size": 180, "num_clients": 6, "min_partition_size": 5,
+            "public_fraction": 0.2,
+        },
+        "model": {"name": "lenet5", "width": 0.25},
+        "train": {"rounds": 2, "sample_rate": 0.5, "local_epochs": 1, "batch_size": 16, "eval_batch_size": 256},
+        "algorithm": {"name": algorithm, "options": options},
+    }
+    for k, v in over.items():
+        base.setdefault(k, {}).update(v)
+    return from_dict(base)
+
+
+def metrics_rows(path: Path) -> list[dict[str, Any]]:
+    """The rows of a run directory's metrics.jsonl."""
+    import json
+
+    return [json.loads(line) for line in (path / "metrics.jsonl").read_text().splitlines()]
+
+
+def run_within_budgets(tmp_path: Path, cfg: Any) -> tuple[Any, list[dict[str, Any]], list[dict[str, Any]], dict[str, int]]:
+    """Run ``cfg`` and check what every budget-sized method must show: two finite rounds with a
+    per-tier accuracy, every client within its budget and sending bytes both ways, the summary
+    agreeing with the last row. Returns the engine, the rows, the client entries and the largest
+    MACs trained per tier (a larger tier trains a larger model)."""
+    import math
+
+    from fedhetero.core.engine import Engine
+
+    engine = Engine(cfg, tmp_path, progress=False, shared_splits=True)
+    res = engine.run()
+    rows = metrics_rows(tmp_path)
+    assert len(rows) == 2
+    last = rows[-1]
+    assert 0.0 <= last["accuracy"] <= 1.0 and math.isfinite(last["loss"])
+    assert set(last["tier_accuracy"]) == {"small", "medium", "large"}
+    clients = [c for r in rows for c in r["clients"]]
+    assert len(clients) == 6
+    for c in clients:
+        assert 0 < c["macs"] <= c["budget_macs"] * (1 + 1e-9)
+        assert c["fits_budget"] is True
+        assert c["bytes_up"] > 0 and c["bytes_down"] > 0
+        assert math.isfinite(c["loss"])
+    assert res.summary["all_fit_budget"] is True
+    assert res.summary["final_accuracy"] == last["accuracy"]
+    by_tier: dict[str, set[int]] = {}
+    for c in clients:
+        by_tier.setdefault(c["tier"], set()).add(c["macs"])
+    macs = {t: max(v) for t, v in by_tier.items()}
+    if "small" in macs and "large" in macs:
+        assert macs["small"] < macs["large"]
+    return engine, rows, clients, macs
+
+
+def equal_states(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    """Assert two state dicts hold the same keys, in order, and bit-equal tensors."""
+    assert list(a) == list(b)
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+class SharedRuns:
+    """Engine runs shared by the tests of one module (each configuration runs once): a module
+    fixture returns ``SharedRuns(tmp_path_factory.mktemp(...))`` and tests call ``get``."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.done: dict[str, tuple[Any, Any]] = {}
+
+    def get(self, tag: str, cfg: Any, **kw: Any) -> tuple[Any, Any]:
+        from fedhetero.core.engine import Engine
+
+        if tag not in self.done:
+            eng = Engine(cfg, self.root / tag, progress=False, **kw)
+            self.done[tag] = (eng, eng.run())
+        return self.done[tag]
+
+
+#: a DynInit session run on digits (logistic regression, 7 sessions of 5 rounds)
+SESSION_BASE = {
+    "seed": 0,
+    "threads": 1,
+    "data": {"dataset": "digits", "partition": "session_groups", "num_clients": 20, "alpha": 0.5},
+    "model": {"name": "logreg"},
+    "train": {"rounds": 35, "sample_rate": 1.0, "batch_size": 32, "lr": 0.05, "local_epochs": 1,
+              "lr_schedule": "polynomial", "lr_min": 0.01, "weight_decay": 0.0},
+    "sessions": {"count": 7, "rounds": 5, "transition_window": 3},
+    "algorithm": {"name": "dyninit", "options": {"host": "fedavg"}},
+}
+
+
+def session_cfg(**over: Any) -> Any:
+    """:data:`SESSION_BASE` with dotted overrides (``train.rounds=10``)."""
+    import json
+
+    from fedhetero.core.config import from_dict
+
+    data = json.loads(json.dumps(SESSION_BASE))
+    for key, value in over.items():
+        node = data
+        parts = key.split(".")
+        for p in parts[:-1]:
+            node = node.setdefault(p, {})
+        node[parts[-1]] = value
+    return from_dict(data)
+
+
+def fedavg_cfg(name: str = "fedavg", backend: str = "local", rounds: int = 3, **engine: Any) -> Any:
+    """Ten digits clients, 40 % sampled, ``rounds`` rounds of one local epoch, checkpoints every
+    round, on ``backend`` with the ``engine`` options."""
+    from fedhetero.core.config import from_dict
+
+    return from_dict(
+        {
+            "seed": 1,
+            "threads": 1,
+            "data": {"num_clients": 10},
+            "train": {"rounds": rounds, "sample_rate": 0.4, "local_epochs": 1, "checkpoint_every": 1},
+            "algorithm": {"name": name},
+            "engine": {"backend": backend, **engine},
+        }
+    )

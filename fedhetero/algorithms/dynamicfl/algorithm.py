@@ -50,14 +50,13 @@ from reparam.changes import StructureChange, apply_to_optimizer
 from reparam.dymm import dymm, shrink_to_budget
 from reparam.invariants import check_gradients, check_optimizer, check_same_function
 from reparam.kinds import get_kind, kind_names
-from reparam.planning import best_additions, expandable_convs, fill_to_budget, first_plan, grow_to_budget
+from reparam.planning import expandable_convs, fill_to_budget, first_plan, grow_to_budget
 from reparam.saliency import SaliencyMeter
 
 if TYPE_CHECKING:  # pragma: no cover
     from fedhetero.core.context import ClientContext, Context
 
-# the budget planners live in reparam.planning and are re-exported here
-__all__ = ["DynamicFL", "DynamicFLOptions", "grow_to_budget", "fill_to_budget", "first_plan", "best_additions"]
+__all__ = ["DynamicFL", "DynamicFLOptions"]
 
 
 @dataclass(frozen=True)

@@ -14,19 +14,10 @@ from fedhetero.core.config import ConfigError, from_dict
 from fedhetero.core.context import RunError
 from fedhetero.core.engine import Engine
 from fedhetero.core.backend import injected_fault
+from _util import fedavg_cfg
 
 
-def _cfg(name: str = "fedavg", backend: str = "local", rounds: int = 3, **engine):
-    return from_dict(
-        {
-            "seed": 1,
-            "threads": 1,
-            "data": {"num_clients": 10},
-            "train": {"rounds": rounds, "sample_rate": 0.4, "local_epochs": 1, "checkpoint_every": 1},
-            "algorithm": {"name": name},
-            "engine": {"backend": backend, **engine},
-        }
-    )
+_cfg = fedavg_cfg
 
 
 def _run(tmp_path: Path, cfg, tag: str, **kw):

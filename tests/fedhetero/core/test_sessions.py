@@ -4,13 +4,11 @@ the transition accuracy in compare's rows."""
 
 from __future__ import annotations
 
-import json
 import math
 
 import numpy as np
 import pytest
 
-from fedhetero.core.config import from_dict
 from fedhetero.core.engine import Engine
 from fedhetero.core.sessions import (
     PUBLISHED_ROUND_COST,
@@ -20,29 +18,13 @@ from fedhetero.core.sessions import (
     time_to_accuracy,
     transition_accuracy,
 )
+from _util import SESSION_BASE, session_cfg
 
 
-BASE = {
-    "seed": 0,
-    "threads": 1,
-    "data": {"dataset": "digits", "partition": "session_groups", "num_clients": 20, "alpha": 0.5},
-    "model": {"name": "logreg"},
-    "train": {"rounds": 35, "sample_rate": 1.0, "batch_size": 32, "lr": 0.05, "local_epochs": 1,
-              "lr_schedule": "polynomial", "lr_min": 0.01, "weight_decay": 0.0},
-    "sessions": {"count": 7, "rounds": 5, "transition_window": 3},
-    "algorithm": {"name": "dyninit", "options": {"host": "fedavg"}},
-}
+BASE = SESSION_BASE
 
 
-def _cfg(**over):
-    data = json.loads(json.dumps(BASE))
-    for key, value in over.items():
-        node = data
-        parts = key.split(".")
-        for p in parts[:-1]:
-            node = node.setdefault(p, {})
-        node[parts[-1]] = value
-    return from_dict(data)
+_cfg = session_cfg
 
 
 # ---------------------------------------------------------------------------- schedule and engine

@@ -4,37 +4,20 @@ partition."""
 
 from __future__ import annotations
 
-import json
 import math
 
 import numpy as np
 import pytest
 
-from fedhetero.core.config import ConfigError, from_dict
+from fedhetero.core.config import ConfigError
 from fedhetero.data.partition import overlap_label_split, session_groups
+from _util import SESSION_BASE, session_cfg
 
 
-BASE = {
-    "seed": 0,
-    "threads": 1,
-    "data": {"dataset": "digits", "partition": "session_groups", "num_clients": 20, "alpha": 0.5},
-    "model": {"name": "logreg"},
-    "train": {"rounds": 35, "sample_rate": 1.0, "batch_size": 32, "lr": 0.05, "local_epochs": 1,
-              "lr_schedule": "polynomial", "lr_min": 0.01, "weight_decay": 0.0},
-    "sessions": {"count": 7, "rounds": 5, "transition_window": 3},
-    "algorithm": {"name": "dyninit", "options": {"host": "fedavg"}},
-}
+BASE = SESSION_BASE
 
 
-def _cfg(**over):
-    data = json.loads(json.dumps(BASE))
-    for key, value in over.items():
-        node = data
-        parts = key.split(".")
-        for p in parts[:-1]:
-            node = node.setdefault(p, {})
-        node[parts[-1]] = value
-    return from_dict(data)
+_cfg = session_cfg
 
 
 # ---------------------------------------------------------------------------- label split / partition

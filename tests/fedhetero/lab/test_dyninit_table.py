@@ -6,18 +6,10 @@ from __future__ import annotations
 import json
 
 import numpy as np
+from _util import SESSION_BASE
 
 
-BASE = {
-    "seed": 0,
-    "threads": 1,
-    "data": {"dataset": "digits", "partition": "session_groups", "num_clients": 20, "alpha": 0.5},
-    "model": {"name": "logreg"},
-    "train": {"rounds": 35, "sample_rate": 1.0, "batch_size": 32, "lr": 0.05, "local_epochs": 1,
-              "lr_schedule": "polynomial", "lr_min": 0.01, "weight_decay": 0.0},
-    "sessions": {"count": 7, "rounds": 5, "transition_window": 3},
-    "algorithm": {"name": "dyninit", "options": {"host": "fedavg"}},
-}
+BASE = SESSION_BASE
 
 
 # ---------------------------------------------------------------------------- the table command

@@ -11,7 +11,6 @@ inference, and the option checks.
 from __future__ import annotations
 
 import math
-from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -25,7 +24,7 @@ from fedhetero.algorithms.classic.fedensemble import EnsembleModel
 from fedhetero.algorithms.classic.moon import moon_contrastive_loss
 from fedhetero.core.config import ConfigError, from_dict
 from fedhetero.core.engine import Engine, build_algorithm
-from _util import strip_wall
+from _util import SharedRuns, equal_states, strip_wall
 
 
 METHODS = ["moon", "fedacg", "fedensemble"]
@@ -55,24 +54,8 @@ def _state(eng: Engine) -> dict[str, torch.Tensor]:
     return eng.algorithm.global_model.state_dict()
 
 
-def _assert_equal_states(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
-    assert list(a) == list(b)
-    for k in a:
-        assert torch.equal(a[k], b[k]), k
-
-
-class _Runs:
-    """Engine runs shared by the tests of this module (each configuration runs once)."""
-
-    def __init__(self, root: Path) -> None:
-        self.root = root
-        self.done: dict[str, tuple[Engine, object]] = {}
-
-    def get(self, tag: str, cfg, **kw):
-        if tag not in self.done:
-            eng = Engine(cfg, self.root / tag, progress=False, **kw)
-            self.done[tag] = (eng, eng.run())
-        return self.done[tag]
+_assert_equal_states = equal_states
+_Runs = SharedRuns
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,6 @@ process back end, and the parameter counts of the study's models."""
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
@@ -14,32 +13,16 @@ import pytest
 import torch
 
 from fedhetero.algorithms.dyninit.algorithm import DynInitOptions, gradient_distance, softmin_weights, weighted_state
-from fedhetero.core.config import ConfigError, from_dict
+from fedhetero.core.config import ConfigError
 from fedhetero.core.engine import Engine
 from fedhetero.core.store import ClientStateStore
+from _util import SESSION_BASE, session_cfg
 
 
-BASE = {
-    "seed": 0,
-    "threads": 1,
-    "data": {"dataset": "digits", "partition": "session_groups", "num_clients": 20, "alpha": 0.5},
-    "model": {"name": "logreg"},
-    "train": {"rounds": 35, "sample_rate": 1.0, "batch_size": 32, "lr": 0.05, "local_epochs": 1,
-              "lr_schedule": "polynomial", "lr_min": 0.01, "weight_decay": 0.0},
-    "sessions": {"count": 7, "rounds": 5, "transition_window": 3},
-    "algorithm": {"name": "dyninit", "options": {"host": "fedavg"}},
-}
+BASE = SESSION_BASE
 
 
-def _cfg(**over):
-    data = json.loads(json.dumps(BASE))
-    for key, value in over.items():
-        node = data
-        parts = key.split(".")
-        for p in parts[:-1]:
-            node = node.setdefault(p, {})
-        node[parts[-1]] = value
-    return from_dict(data)
+_cfg = session_cfg
 
 
 def _run(tmp_path: Path, name: str, **over):

@@ -7,8 +7,6 @@ FedET's consensus targets and DS-FL's ERA.
 
 from __future__ import annotations
 
-import json
-import math
 import pickle
 
 import pytest
@@ -19,9 +17,10 @@ from fedhetero.algorithms import get_algorithm
 from fedhetero.core.types import payload_bytes
 from fedhetero.algorithms.kd.dsfl import era
 from fedhetero.algorithms.kd.fedet import consensus_targets
-from fedhetero.core.config import ConfigError, from_dict
+from fedhetero.core.config import ConfigError
 from fedhetero.core.context import client_context
 from fedhetero.core.engine import Engine
+from _util import budget_method_cfg, metrics_rows, run_within_budgets
 
 
 FAST_OPTIONS = {
@@ -32,52 +31,17 @@ FAST_OPTIONS = {
 
 
 def _cfg(algorithm: str, options: dict | None = None, **over: dict) -> object:
-    base = {
-        "seed": 5,
-        "data": {
-            "dataset": "synthetic", "synthetic_size": 180, "num_clients": 6, "min_partition_size": 5,
-            "public_fraction": 0.2,
-        },
-        "model": {"name": "lenet5", "width": 0.25},
-        "train": {"rounds": 2, "sample_rate": 0.5, "local_epochs": 1, "batch_size": 16, "eval_batch_size": 256},
-        "algorithm": {"name": algorithm, "options": FAST_OPTIONS[algorithm] if options is None else options},
-    }
-    for k, v in over.items():
-        base.setdefault(k, {}).update(v)
-    return from_dict(base)
+    return budget_method_cfg(algorithm, FAST_OPTIONS[algorithm] if options is None else options, **over)
 
 
-def _rows(path) -> list[dict]:
-    return [json.loads(line) for line in (path / "metrics.jsonl").read_text().splitlines()]
+_rows = metrics_rows
 
 
 # ---------------------------------------------------------------------------------------- end to end
 @pytest.mark.parametrize("algorithm", ["feddf", "fedet", "dsfl"])
 def test_method_trains_end_to_end_within_budgets(tmp_path, algorithm):
     cfg = _cfg(algorithm)
-    engine = Engine(cfg, tmp_path, progress=False, shared_splits=True)
-    res = engine.run()
-    rows = _rows(tmp_path)
-    assert len(rows) == 2
-    last = rows[-1]
-    assert 0.0 <= last["accuracy"] <= 1.0 and math.isfinite(last["loss"])
-    assert set(last["tier_accuracy"]) == {"small", "medium", "large"}
-    clients = [c for r in rows for c in r["clients"]]
-    assert len(clients) == 6
-    for c in clients:
-        assert 0 < c["macs"] <= c["budget_macs"] * (1 + 1e-9)
-        assert c["fits_budget"] is True
-        assert c["bytes_up"] > 0 and c["bytes_down"] > 0
-        assert math.isfinite(c["loss"])
-    assert res.summary["all_fit_budget"] is True
-    assert res.summary["final_accuracy"] == last["accuracy"]
-    # tiers with larger budgets get larger models (the models are budget-matched, not all equal)
-    by_tier: dict[str, set[int]] = {}
-    for c in clients:
-        by_tier.setdefault(c["tier"], set()).add(c["macs"])
-    macs = {t: max(v) for t, v in by_tier.items()}
-    if "small" in macs and "large" in macs:
-        assert macs["small"] < macs["large"]
+    engine, rows, clients, macs = run_within_budgets(tmp_path, cfg)
     # bytes are the tensors actually sent: tier models grow with the model, DS-FL sends
     # probabilities on the open-data subset (+ 8 bytes per index)
     if algorithm == "dsfl":
