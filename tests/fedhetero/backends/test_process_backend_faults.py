@@ -252,11 +252,17 @@ def _kill_group(pid: int) -> None:
         os.killpg(pid, signal.SIGKILL)
 
 
+def _as_a_terminal_job() -> None:
+    """Ctrl-C's default action in the child, as in a terminal's foreground job: a test suite started
+    in the background (``nohup … &``) ignores SIGINT, and a child would inherit that."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _start_long(out: Path) -> tuple[subprocess.Popen, list[int]]:
     """A long process-back-end run in a session of its own (as a terminal's job), its stderr (and
     its workers') on a pipe; returns it once its first round has ended, with its workers' ids."""
     proc = subprocess.Popen(_train(out, *_LONG), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+                            start_new_session=True, preexec_fn=_as_a_terminal_job)
     try:
         _wait_for(lambda: bool(_rows(out)) or proc.poll() is not None, 180, "the first round")
         assert proc.poll() is None, proc.communicate()[1]
