@@ -78,7 +78,7 @@ from fedhetero.data import save_partition
 STRICT_ENV = "FEDHETERO_STRICT"
 
 
-__all__ = ["Context", "Engine", "RunError", "RunResult", "build_algorithm", "resume_config", "run"]
+__all__ = ["Engine", "RunResult", "resume_config", "run"]
 
 @dataclass
 class RunResult:

@@ -23,7 +23,8 @@ from fedhetero.algorithms.classic.fedacg import FedACG, FedACGOptions, lookahead
 from fedhetero.algorithms.classic.fedensemble import EnsembleModel
 from fedhetero.algorithms.classic.moon import moon_contrastive_loss
 from fedhetero.core.config import ConfigError, from_dict
-from fedhetero.core.engine import Engine, build_algorithm
+from fedhetero.core.engine import Engine
+from fedhetero.core.registry import build_algorithm
 from _util import SharedRuns, equal_states, strip_wall
 
 

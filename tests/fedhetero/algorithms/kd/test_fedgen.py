@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from fedhetero.core.config import ConfigError, from_dict
-from fedhetero.core.engine import Engine, build_algorithm
+from fedhetero.core.engine import Engine
+from fedhetero.core.registry import build_algorithm
 from _util import SharedRuns, equal_states, strip_wall
 
 

@@ -30,7 +30,8 @@ from fedhetero.algorithms.width.heterofl import (
 from fedhetero.algorithms.width.splitmix import SplitMix
 from fedhetero.core.config import ConfigError
 from fedhetero.core.context import client_context
-from fedhetero.core.engine import Engine, build_algorithm
+from fedhetero.core.engine import Engine
+from fedhetero.core.registry import build_algorithm
 from fedhetero.core.submodel import extract_state
 from fedhetero.models import build_model
 from _util import budget_method_cfg, metrics_rows, run_within_budgets
