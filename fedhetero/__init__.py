@@ -5,8 +5,16 @@ structural re-parameterization (:mod:`reparam`), smaller by structured pruning. 
 the quick start and :mod:`fedhetero.core.engine` for the round loop.
 """
 
+from typing import TYPE_CHECKING, Any
+
 __version__ = "0.1.0"
 __all__ = ["__version__"]
+
+if TYPE_CHECKING:  # pragma: no cover - for type checkers; at run time module __getattr__ imports them
+    from fedhetero.core.api import CompareResult as CompareResult
+    from fedhetero.core.api import RunResult as RunResult
+    from fedhetero.core.api import compare as compare
+    from fedhetero.core.api import run as run
 
 
 def load_model(run_dir, which="final"):  # type: ignore[no-untyped-def]
@@ -18,3 +26,21 @@ def load_model(run_dir, which="final"):  # type: ignore[no-untyped-def]
 
 
 __all__ += ["load_model"]
+
+#: the Python API (:mod:`fedhetero.core.api`), imported on first use: ``import fedhetero`` (and so
+#: ``fedhetero --help``) imports no torch
+_API = ("run", "compare", "RunResult", "CompareResult")
+__all__ += list(_API)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _API:
+        # deferred: the API imports the engine, and so torch
+        from fedhetero.core import api
+
+        return getattr(api, name)
+    raise AttributeError(f"module 'fedhetero' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_API))

@@ -10,7 +10,7 @@ from .groups import CLASSES, INPUT, ChannelGroups, DimMap, GroupLayout, Segment,
 from .lenet import LeNet5
 from .logreg import LogReg
 from .preact_resnet import PreActBlock, PreActResNet18
-from .registry import build_model, canonical_name, list_models
+from .registry import build_model, canonical_name, list_models, register_model, unregister_model
 from .resnet import BasicBlock, ResNet, ResNet18
 from .vgg import VGG11
 
@@ -18,6 +18,8 @@ __all__ = [
     "build_model",
     "list_models",
     "canonical_name",
+    "register_model",
+    "unregister_model",
     "LeNet5",
     "LogReg",
     "CNN",

@@ -16,7 +16,7 @@ from .resnet_proj import ResNet18Proj
 from .svhn_cnn import SVHNCNN
 from .vgg import VGG11
 
-__all__ = ["build_model", "list_models", "canonical_name"]
+__all__ = ["build_model", "canonical_name", "list_models", "register_model", "unregister_model"]
 
 _MODELS: dict[str, Callable[..., nn.Module]] = {
     "lenet5": LeNet5,
@@ -45,6 +45,29 @@ _ALIASES = {
 
 # canonical names written without "_" (the lookup key drops "-" and "_")
 _CANONICAL = {name.replace("_", ""): name for name in _MODELS}
+
+
+def register_model(name: str, factory: Callable[..., nn.Module], *, replace: bool = False) -> Callable[..., nn.Module]:
+    """Make ``factory`` buildable as ``model.name: <name>`` (it is called with the keyword
+    arguments of :func:`build_model`'s model section: ``num_classes``, ``in_channels``, …).
+    A name already taken is refused unless ``replace``. Returns ``factory``."""
+    key = name.lower().replace("-", "").replace("_", "")
+    if not key or not callable(factory):
+        raise ValueError(f"register_model: a name and a callable are needed, got {name!r}, {factory!r}")
+    taken = _CANONICAL.get(key) or _ALIASES.get(key)
+    if taken is not None and not replace:
+        raise ValueError(f"register_model: {name!r} is already the model {taken!r}; pass replace=True")
+    canonical = taken if taken is not None and taken in _MODELS else name
+    _MODELS[canonical] = factory
+    _CANONICAL[canonical.replace("_", "").lower()] = canonical
+    return factory
+
+
+def unregister_model(name: str) -> None:
+    """Forget a model added with :func:`register_model`."""
+    key = canonical_name(name)
+    del _MODELS[key]
+    _CANONICAL.pop(key.replace("_", "").lower(), None)
 
 
 def list_models() -> list[str]:

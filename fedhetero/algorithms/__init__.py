@@ -19,16 +19,19 @@ from __future__ import annotations
 from fedhetero.core.aggregation import weighted_average
 from fedhetero.core.algorithm import Algorithm
 from fedhetero.core.config import ConfigError, MethodOptions, option, require
+from fedhetero.core.objective import Batch, LocalObjective
 from fedhetero.core.registry import build_algorithm, get_algorithm, list_algorithms, register
 from fedhetero.core.types import ClientInfo, ClientResult, ClientTask, payload_bytes, state_bytes
 
 __all__ = [
     "Algorithm",
     "BUILTIN",
+    "Batch",
     "ClientInfo",
     "ClientResult",
     "ClientTask",
     "ConfigError",
+    "LocalObjective",
     "MethodOptions",
     "build_algorithm",
     "get_algorithm",

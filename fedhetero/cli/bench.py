@@ -1,7 +1,8 @@
-"""``fedhetero bench reparam|round|memory|engines|selector``: the lab's benchmarks.
+"""``fedhetero bench reparam|round|memory|engines|selector|vectorize``: the lab's benchmarks.
 
 The options of every benchmark are declared here; the measuring code is in :mod:`fedhetero.lab`
-(:mod:`~fedhetero.lab.bench_reparam`, :mod:`~fedhetero.lab.bench`, :mod:`~fedhetero.lab.bench_selector`).
+(:mod:`~fedhetero.lab.bench_reparam`, :mod:`~fedhetero.lab.bench`, :mod:`~fedhetero.lab.bench_selector`,
+:mod:`~fedhetero.lab.bench_vectorize`).
 Those modules import torch (and ``reparam``), so each ``run_*`` imports its module when it runs:
 ``fedhetero --help`` does not pay for them. For the same reason the choices of two options are named
 here (a test keeps them equal to the lab's).
@@ -11,11 +12,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import time
 from pathlib import Path
 from typing import Any
 
+from fedhetero.core.console import make_console
+
 __all__ = [
     "REPARAM_MODELS", "SELECTORS", "add_parser", "run_engines", "run_memory", "run_reparam", "run_round", "run_selector",
+    "run_vectorize",
 ]
 
 #: ``--model`` of ``bench reparam``: :data:`fedhetero.lab.bench_reparam.MODELS` (not imported here)
@@ -28,11 +33,11 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Add ``bench`` with its benchmarks to a ``add_subparsers()`` object."""
     parser = subparsers.add_parser(
         "bench",
-        help="benchmarks: reparam | round | memory | engines | selector",
+        help="benchmarks: reparam | round | memory | engines | selector | vectorize",
         description="Benchmarks measured side by side in one run; pass --help after the name for its options.",
     )
     sub = parser.add_subparsers(dest="what", required=True)
-    for add in (_add_reparam, _add_round, _add_memory, _add_engines, _add_selector):
+    for add in (_add_reparam, _add_round, _add_memory, _add_engines, _add_selector, _add_vectorize):
         add(sub)
     return parser
 
@@ -42,7 +47,10 @@ def _add_reparam(sub: Any) -> None:
     p = sub.add_parser(
         "reparam",
         help="merge time, inference and training-step overhead of expanded models",
-        description="``fedhetero bench reparam``: cost of the re-parameterization library on a ResNet-18 (CPU).",
+        description="``fedhetero bench reparam``: cost of the re-parameterization library on a ResNet-18 (CPU), "
+        "next to upstream: the public reference implementation of the Diverse Branch Block "
+        "(github.com/DingXiaoH/DiverseBranchBlock), whose merge is re-implemented and timed in the same run. "
+        "Takes roughly 2-5 minutes with the defaults on an idle 2-core CPU; progress goes to stderr.",
     )
     p.add_argument("--model", choices=REPARAM_MODELS, default="resnet18",
                    help="resnet18: the zoo's CIFAR ResNet-18 (default); tv-resnet18: torchvision's resnet18")
@@ -62,6 +70,11 @@ def _add_reparam(sub: Any) -> None:
     p.set_defaults(func=run_reparam)
 
 
+#: the settings ``bench_reparam.DEFAULT_DURATION`` was measured with (the parser's defaults)
+_REPARAM_DEFAULTS = {"model": "resnet18", "input_size": 32, "batch": 64, "repeats": 5, "train_repeats": 3,
+                     "merge_repeats": 5, "warmup": 1, "threads": 2, "branches": None}
+
+
 def run_reparam(args: argparse.Namespace) -> int:
     """Run ``fedhetero bench reparam``."""
     # deferred for start-up time: the benchmark imports torch and reparam
@@ -70,6 +83,16 @@ def run_reparam(args: argparse.Namespace) -> int:
     branches = None
     if args.branches:
         branches = [b.strip() for b in args.branches.split(",") if b.strip()]
+    err = make_console(stderr=True, highlight=False)
+    defaults = all(getattr(args, k) == v for k, v in _REPARAM_DEFAULTS.items())
+    err.print(f"fedhetero bench reparam: {args.model}, batch {args.batch}, {args.input_size}×{args.input_size} input; "
+              + bench_reparam.duration_note(defaults=defaults), markup=False)
+    err.print(bench_reparam.UPSTREAM, markup=False)
+    t0 = time.perf_counter()
+
+    def progress(line: str) -> None:
+        err.print(f"{time.perf_counter() - t0:6.1f} s  {line}", markup=False)
+
     res = bench_reparam.run_benchmark(
         model=args.model,
         input_size=args.input_size,
@@ -82,8 +105,10 @@ def run_reparam(args: argparse.Namespace) -> int:
         branches=branches,
         seed=args.seed,
         tune_allocator=not args.no_tune_malloc,
+        progress=progress,
     )
-    bench_reparam.print_table(res)
+    progress("done")
+    bench_reparam.print_table(res, make_console())
     if args.json:
         with open(args.json, "w", encoding="utf-8") as fh:
             json.dump(res, fh, indent=2)
@@ -231,4 +256,94 @@ def run_selector(args: argparse.Namespace) -> int:
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result, indent=2))
+    return 0
+
+
+# -------------------------------------------------------------------------------------- vectorize
+def _clients_list(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers of clients, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive numbers of clients, got {text!r}")
+    return values
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def _add_vectorize(sub: Any) -> None:
+    p = sub.add_parser(
+        "vectorize",
+        help="many small clients one after another vs as one batched cohort (engine.vectorize), and Flower",
+        description="``fedhetero bench vectorize``: the same FedAvg job (LeNet-5 with BatchNorm, clients of "
+        "600 Fashion-MNIST-sized 1×28×28 images, batch 32, 1 local epoch, every client every round) with its "
+        "clients trained one after another and as one batched cohort (engine.vectorize: true), and in "
+        "Flower's simulation engine, for each number of clients per round. Only the client phase is timed "
+        "(the first round is a warm-up); clients/s and GFLOP/s beside the machine's peak, measured in the "
+        "same run. A row whose batched run could not batch the model says 'fell back to one-by-one'. "
+        "Fashion-MNIST when its files are found, else synthetic images of its shape. Takes roughly 3-6 "
+        "minutes with the defaults on an idle 2-core CPU; progress goes to stderr.",
+    )
+    p.add_argument("--clients", type=_clients_list, default=[10, 50, 100], metavar="N,N,...",
+                   help="clients per round of the rows, comma-separated (default 10,50,100)")
+    p.add_argument("--rounds", type=_positive, default=2,
+                   help="rounds per run; the first is a warm-up when > 1 (default 2)")
+    p.add_argument("--samples", type=_positive, default=600, help="training images per client (default 600)")
+    p.add_argument("--threads", type=_positive, default=2, help="torch threads (default 2)")
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="cpu (default) or cuda")
+    p.add_argument("--data-root", default=None, metavar="DIR",
+                   help="folder holding Fashion-MNIST's IDX files (default: $FEDHETERO_DATA_DIR or ./data); "
+                   "synthetic images of the same shape when they are not there")
+    p.add_argument("--model", default="lenet5", help="zoo model (default lenet5)")
+    p.add_argument("--norm", default="bn", choices=("bn", "groupnorm1", "none"), help="model.norm (default bn)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="a config override applied to every run's job after the bench's own settings (repeatable)")
+    p.add_argument("--no-flower", action="store_true", help="skip Flower's simulation engine")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default=None, metavar="PATH", help="also write the results as JSON")
+    p.set_defaults(func=run_vectorize)
+
+
+def run_vectorize(args: argparse.Namespace) -> int:
+    """Run ``fedhetero bench vectorize``."""
+    # deferred for start-up time: the benchmark imports torch
+    from fedhetero.lab import bench_vectorize
+
+    err = make_console(stderr=True, highlight=False)
+    flower = not args.no_flower
+    what = f"{args.model} ({args.norm})" if args.model == "lenet5" else args.model
+    err.print(
+        f"fedhetero bench vectorize: FedAvg, {what}, {args.samples} images of 1×28×28 per client, batch 32, "
+        f"1 local epoch; {', '.join(map(str, args.clients))} clients per round, {args.rounds} round"
+        f"{'s' if args.rounds != 1 else ''}{' (the first a warm-up)' if args.rounds > 1 else ''}; client phase "
+        f"timed one after another vs batched (engine.vectorize){' vs Flower' if flower else ''}; "
+        f"{args.threads} threads, {args.device}; "
+        + bench_vectorize.duration_note(args.clients, args.rounds, args.samples, flower),
+        markup=False,
+    )
+    t0 = time.perf_counter()
+
+    def progress(line: str) -> None:
+        err.print(f"{time.perf_counter() - t0:6.1f} s  {line}", markup=False)
+
+    res = bench_vectorize.run_benchmark(
+        clients=args.clients, rounds=args.rounds, samples=args.samples, threads=args.threads, device=args.device,
+        data_root=args.data_root, flower=flower, model=args.model, norm=args.norm, overrides=args.set,
+        seed=args.seed, progress=progress,
+    )
+    progress("done")
+    bench_vectorize.print_table(res, make_console())
+    if args.json:
+        path = Path(args.json)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(res, indent=2), encoding="utf-8")
     return 0

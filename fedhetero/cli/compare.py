@@ -6,10 +6,9 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from rich.console import Console
-
 from fedhetero.cli._lists import names
 from fedhetero.core.config import ConfigError
+from fedhetero.core.console import make_console
 
 __all__ = ["add_parser", "run"]
 
@@ -54,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
         seeds=args.seeds,
         out=Path(args.out) if args.out else None,
         plot=not args.no_plot,
-        console=Console(highlight=False),
+        console=make_console(highlight=False),
         progress=not args.quiet,
         resume=args.resume,
         options=args.option,

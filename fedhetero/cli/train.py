@@ -7,11 +7,11 @@ import shlex
 from pathlib import Path
 from typing import Any
 
-from rich.console import Console
 from rich.text import Text
 
-from fedhetero.core.config import ConfigError, load_config
-from fedhetero.core.reports import default_out_dir, plot_run, print_summary
+from fedhetero.core.config import ConfigError, config_hash, load_config
+from fedhetero.core.console import make_console
+from fedhetero.core.reports import plot_run, print_summary
 
 __all__ = ["add_parser", "run"]
 
@@ -38,25 +38,14 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> int:
     """Run ``fedhetero train``; sets ``args.resume_hint`` once the run directory is known."""
     # deferred for start-up time: the engine imports torch
-    from fedhetero.core.engine import Engine
+    from fedhetero.core.api import build_engine
 
-    console = Console(highlight=False)
-    out = Path(args.out) if args.out else None
-    if args.resume:
-        if args.overwrite:
-            raise ConfigError("--resume and --overwrite: choose one (continue the run, or replace it)")
-        if out is None:
-            out = default_out_dir(load_config(args.config, args.set))
-        # with --config: that config (it must match the saved one); else the saved config with
-        # the --set overrides applied (only fields that may change on resume can differ)
-        cfg = load_config(args.config, args.set) if args.config else None
-        engine = Engine(cfg, out, resume=True, progress=not args.quiet, console=console,
-                        overrides=None if args.config else list(args.set))
-    else:
-        cfg = load_config(args.config, args.set)
-        out = out or default_out_dir(cfg)
-        engine = Engine(cfg, out, progress=not args.quiet, console=console, overwrite=args.overwrite)
-    args.resume_hint = f"fedhetero train --out {shlex.quote(str(out))} --resume"
+    console = make_console(highlight=False)
+    # the run directory, its lock and --resume / --overwrite as fedhetero.run does them
+    engine = build_engine(args.config, args.set, out=args.out, resume=args.resume, overwrite=args.overwrite,
+                          progress=not args.quiet, console=console)
+    out = engine.out_dir
+    args.resume_hint = continue_command(args, engine)
     cfg = engine.cfg
     if not args.quiet:
         console.print(Text.assemble(
@@ -64,7 +53,40 @@ def run(args: argparse.Namespace) -> int:
             f": {cfg.algorithm.name} on {cfg.data.dataset} ({cfg.data.partition}, {cfg.data.num_clients} clients), "
             f"model {cfg.model.name}, {cfg.train.rounds} rounds → {out}",
         ))
-    result = engine.run()
-    print_summary(console, result.summary, out)
-    plot_run(console, result, out)
+    try:
+        result = engine.run()
+    except KeyboardInterrupt:
+        args.resume_hint = continue_command(args, engine)  # what is on disk now decides
+        raise
+    print_summary(console, result.summary, out, cfg, result.metrics)
+    plot = plot_run(console, result, out, cfg)
+    if plot is not None:
+        console.print(f"plot: {plot} (accuracy and loss by round)", markup=False)
     return 0
+
+
+def continue_command(args: argparse.Namespace, engine: Any) -> str:
+    """The exact command that continues an interrupted ``fedhetero train``: ``--out DIR --resume``
+    once the run directory holds this run's config (written when the set-up is done), naming again
+    a method from code outside fedhetero (a run directory never makes fedhetero import code);
+    before that, nothing of the run is on disk and the command is the one given, with its ``--out``."""
+    out = str(engine.out_dir)
+    saved = engine.out_dir / "config.yaml"
+    if args.resume or (saved.is_file() and _hash_of(saved) == config_hash(engine.cfg)):
+        sets = list(args.set) if args.resume else []  # a resume's --set: fields that may change on resume
+        name = engine.cfg.algorithm.name
+        if ":" in name and not any(s.split("=", 1)[0].strip() == "algorithm.name" for s in sets):
+            sets.append(f"algorithm.name={name}")
+        argv = ["fedhetero", "train", "--out", out, "--resume"] + [a for s in sets for a in ("--set", s)]
+    else:
+        argv = ["fedhetero", "train"] + (["--config", args.config] if args.config else [])
+        argv += [a for s in args.set for a in ("--set", s)] + ["--out", out]
+        argv += ["--overwrite"] if args.overwrite else []
+    return shlex.join(argv)
+
+
+def _hash_of(path: Path) -> str | None:
+    try:
+        return config_hash(load_config(path))
+    except (ConfigError, OSError):
+        return None

@@ -14,16 +14,19 @@ overrides only what differs. The hooks, by how often a method needs them:
   :class:`ClientResult` list). Optional: :meth:`server_update`; :meth:`run_round` for several
   exchanges per round (each one :meth:`Context.execute`); :meth:`session_start` /
   :meth:`skip_round` under device sessions; :meth:`round_metrics` / :meth:`summary_metrics` /
-  :meth:`eval_models` for what it reports; :meth:`min_budget_macs` /
-  :meth:`min_dynamic_budget_macs` for the smallest budget it can train within.
+  :meth:`eval_models` for what it reports; :meth:`min_budget_macs` for the smallest budget it
+  can train within (and :attr:`~Algorithm.trains_below_floor` when budgets that fall below it
+  are part of its protocol).
 * **Client half**: :meth:`client_update` runs from the task, the client's own data and its own
   private state only, on a *fresh instance* built from the options (never set up), in this
   process, in a worker process or on a Flower node, so it cannot see the server's objects. The
-  default is :meth:`client_model` → :meth:`local_train` → :meth:`upload`; a method may override
-  one of those instead. :meth:`client_update_many` trains a round's clients as one batched model
-  when the method keeps the default client hooks. What a client keeps between rounds is returned
-  as ``ClientResult.client_state`` and handed back the next time it is sampled (the embedded back
-  ends keep it in the on-disk store, Flower in the node's state).
+  default is :meth:`client_model` → local training → :meth:`upload`. A method that adds a
+  gradient or loss term to local SGD returns it from :meth:`local_objective`, written once for one
+  model and for a round's clients trained together (:mod:`fedhetero.core.objective`); a method
+  that trains differently overrides :meth:`local_train` (or :meth:`client_update`). What a client
+  keeps between rounds is returned as ``ClientResult.client_state`` and handed back the next time
+  it is sampled (the embedded back ends keep it in the on-disk store, Flower in the node's state);
+  per-task values live in the objective or in locals, never on ``self``.
 
 :meth:`ClientResult.of <fedhetero.core.types.ClientResult.of>` fills in a result's accounting, and
 :meth:`Algorithm.state_dict` / :meth:`Algorithm.load_state_dict` derive resume state from
@@ -39,7 +42,8 @@ from torch import nn
 
 from fedhetero.core.aggregation import weighted_average
 from fedhetero.core.cohort import plain_results, train_cohort
-from fedhetero.core.context import ClientContext, Context
+from fedhetero.core.context import ClientContext, Context, RunContext
+from fedhetero.core.objective import LocalObjective
 from fedhetero.core.types import (
     ClientInfo,
     ClientResult,
@@ -65,6 +69,10 @@ class Algorithm:
     """
 
     name: ClassVar[str] = "base"
+    #: What the method does, one sentence ending in a full stop (``fedhetero info`` prints it).
+    summary: ClassVar[str] = ""
+    #: The paper it comes from: authors, venue and year (``fedhetero info`` prints it).
+    paper: ClassVar[str] = ""
     Options: ClassVar[type] = NoOptions
     adapts_to: ClassVar[frozenset[str]] = frozenset({"static"})
     #: True when clients with budgets below the plain model get a pruned sub-model.
@@ -79,13 +87,17 @@ class Algorithm:
     #: (a module as its state dict, a dict of modules or tensors entry by entry, a tensor or a
     #: JSON-able value as it is) and :meth:`load_state_dict` restores it in place.
     state_fields: ClassVar[tuple[str, ...]] = ("global_model",)
+    #: whether a budget that falls during a run below :meth:`min_budget_macs` is part of the
+    #: method's protocol (it stops local training, records the client as over budget) rather than
+    #: a configuration it cannot run
+    trains_below_floor: ClassVar[bool] = False
 
     def __init__(self, options: Any | None = None) -> None:
         self.options = options if options is not None else self.Options()
         self.global_model: nn.Module | None = None
 
     # ------------------------------------------------------------------ budgets
-    def min_budget_macs(self, ctx: "ClientContext") -> float | None:
+    def min_budget_macs(self, ctx: "RunContext") -> float | None:
         """The smallest budget (forward MACs per sample) a client of this method can train
         within: the MACs of the method's smallest model. None (the default): no floor, the method
         meets any budget or does not follow budgets at all.
@@ -95,14 +107,6 @@ class Algorithm:
         It may be called before or after :meth:`setup` (with the server's context): it depends on
         the config, the options and the context only, and leaves torch's RNG as it found it."""
         return None
-
-    def min_dynamic_budget_macs(self, ctx: "ClientContext") -> float | None:
-        """The smallest budget a client's budget may fall to during a run (scenarios
-        ``decreasing`` and ``random``: down to ``budget.min_ratio``) without the method failing;
-        None: any. The default is :meth:`min_budget_macs`; a method that handles a budget below its
-        smallest model as part of its protocol (stops local training, records the client as over
-        budget) returns None."""
-        return self.min_budget_macs(ctx)
 
     # ------------------------------------------------------------------ server half
     def setup(self, ctx: "Context") -> None:
@@ -170,24 +174,56 @@ class Algorithm:
 
         Runs on a fresh instance (only :attr:`options` is set) with the client's previous private
         ``state`` (None the first time). The default calls :meth:`client_model`,
-        :meth:`local_train` and :meth:`upload`; override it, or those hooks."""
+        :meth:`local_train` with the :meth:`local_objective` and :meth:`upload`, then the
+        objective's ``finish``; override it, or those hooks."""
         model = self.client_model(ctx, task, state)
-        result = self.local_train(ctx, task, model)
-        return self.upload(ctx, task, model, result)
+        objective = self.local_objective(ctx, task, state)
+        if objective is None:
+            report = self.local_train(ctx, task, model)
+        elif type(self).local_train is Algorithm.local_train:
+            report = ctx.train(model, task, ctx.cfg.train.local_epochs, objective=objective)
+        else:
+            raise TypeError(f"{type(self).__name__} overrides both local_train and local_objective; "
+                            "a local_train of its own applies its terms itself")
+        result = self.upload(ctx, task, model, report)
+        if objective is not None and objective.finish is not None:
+            objective.finish(result)
+        return result
+
+    def local_objective(self, ctx: "ClientContext", task: ClientTask, state: dict[str, Any] | None) -> LocalObjective | None:
+        """What this client's local training adds to plain cross-entropy SGD (default: nothing):
+        a gradient or loss term written once for one model and for a cohort of clients trained
+        together, plus what to do with the result (:mod:`fedhetero.core.objective`)."""
+        return None
 
     def client_update_many(
         self, ctx: "ClientContext", tasks: list[ClientTask], states: list[dict[str, Any] | None]
     ) -> list[ClientResult] | None:
-        """The client halves of several tasks of one round at once (vectorised, see
-        :mod:`fedhetero.core.cohort`), or None when this algorithm or set-up cannot: the back end then
-        runs :meth:`client_update` task by task. The default covers algorithms that keep the
-        default client hooks (FedAvg)."""
+        """Not a hook: the client halves of several tasks of one round trained as one batched
+        model (:mod:`fedhetero.core.cohort`) with their :meth:`local_objective`, or None when
+        this method or set-up cannot (a method with client hooks of its own, models or
+        objectives the cohort cannot batch): the back end then runs :meth:`client_update` task by
+        task, with the same numbers up to the order of floating-point sums."""
+        if not self.default_client_half():
+            return None
+        model = self.client_model(ctx, tasks[0])
+        objectives = [self.local_objective(ctx, t, s) for t, s in zip(tasks, states)]
+        done = train_cohort(ctx, model, tasks, objectives)
+        if done is None:
+            return None
+        results = plain_results(ctx, tasks, *done)
+        for result, objective in zip(results, objectives):
+            if objective is not None and objective.finish is not None:
+                objective.finish(result)
+        return results
+
+    def default_client_half(self) -> bool:
+        """Whether the client half is the default one (:meth:`client_update` through
+        :meth:`client_model`, :meth:`local_train` and :meth:`upload`), which a cohort can
+        replace; a method that hands its client half to another (DynInit's host) says so."""
         cls = type(self)
         hooks = ("client_update", "client_model", "local_train", "upload")
-        if any(getattr(cls, h) is not getattr(Algorithm, h) for h in hooks):
-            return None
-        done = train_cohort(self, ctx, tasks)
-        return None if done is None else plain_results(ctx, tasks, *done)
+        return all(getattr(cls, h) is getattr(Algorithm, h) for h in hooks)
 
     def client_model(self, ctx: "ClientContext", task: ClientTask, state: dict[str, Any] | None = None) -> nn.Module:
         """The model this client trains (default: the configured model, at ``payload["width"]``
@@ -198,7 +234,9 @@ class Algorithm:
         return model
 
     def local_train(self, ctx: "ClientContext", task: ClientTask, model: nn.Module) -> dict[str, Any]:
-        """Local training (default: the configured epochs of SGD through the shared trainer)."""
+        """Local training (default: the configured epochs of SGD through the shared trainer). A
+        method that only adds a gradient or loss term returns it from :meth:`local_objective`
+        instead, which also serves a cohort of clients trained together."""
         return ctx.train(model, task, ctx.cfg.train.local_epochs)
 
     def upload(self, ctx: "ClientContext", task: ClientTask, model: nn.Module, result: dict[str, Any]) -> ClientResult:

@@ -517,7 +517,7 @@ def check_budgets(cfg: Any, algorithm: Any, ctx: Any) -> None:
             if tier.ratio * plain < floor:
                 refuse(f"budget.tiers[{i}].ratio", tier.ratio, floor, "", "the ratio")
     if b.scenario in FALLING_SCENARIOS and b.change > 0:
-        low = _floor_of(getattr(algorithm, "min_dynamic_budget_macs", None), ctx)
+        low = None if getattr(algorithm, "trains_below_floor", False) else floor
         if low is not None:
             # a client's budget falls by at most one factor (1 − change) per participation, at
             # most once a round, and never below budget.min_ratio

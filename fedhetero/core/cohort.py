@@ -1,23 +1,33 @@
 """Vectorised local training: the clients of a round trained together, as one batched model.
 
 With many clients per round and a small model (logistic regression, a small CNN), a round on one
-core is dominated by per-client overhead: building an optimiser, a few small matrix products per
-step, Python between them. :class:`Cohort` stacks the clients' parameters along a leading axis
-and trains them together: a step draws every client's own next batch (the same batches, in the
-same order, as :meth:`~fedhetero.core.context.ClientContext.train` would), pads them to one size,
-runs the model on all clients at once with :func:`torch.func.vmap`, and applies SGD with momentum,
-weight decay and Nesterov exactly as :class:`torch.optim.SGD` does, client by client. The sum of
-the clients' mean losses has, as its gradient with respect to client ``i``'s parameters, client
-``i``'s own gradient, so each client follows its own trajectory; the numbers equal the one-by-one
-trainer's up to the order of floating-point sums. A model whose forward is ``linear(flatten(x))``
-(it declares ``flat_linear``, e.g. ``logreg``) runs as one batched product with a hand-written
-gradient instead of through ``vmap``, and every step gathers its batches into one reused buffer.
+core is dominated by per-client overhead: building an optimiser, a few small operations per step,
+Python between them. :class:`Cohort` trains the clients together: a step draws every client's own
+next batch (the same batches, in the same order, as the one-by-one trainer would), pads them to
+one size, runs every client's model on its own batch at once, and applies SGD with momentum,
+weight decay, Nesterov and per-client gradient clipping exactly as :class:`torch.optim.SGD` and
+:func:`torch.nn.utils.clip_grad_norm_` do, client by client. The sum of the clients' mean losses
+has, as its gradient with respect to client ``i``'s parameters, client ``i``'s own gradient, so
+each client follows its own trajectory; the numbers equal the one-by-one trainer's up to the order
+of floating-point sums.
 
-Algorithms opt in with ``client_update_many`` (FedAvg, FedProx, SCAFFOLD, MOON, FedACG, DynInit);
-the local back end calls it when ``engine.vectorize`` is on and :func:`cohort_supported` holds:
-no floating buffers (no BatchNorm running statistics), no dropout, no gradient clipping, no
-persistent optimiser state, no augmentation, every client with data and a model of one shape.
-Anything else runs client by client as before.
+How the clients' models run at once, by model:
+
+* a model whose forward is ``linear(flatten(x))`` (it declares ``flat_linear``, e.g. ``logreg``):
+  one batched product with a hand-written gradient;
+* a model :func:`~fedhetero.core.stacking.stack_model` can stack (convolutions, linear layers,
+  BatchNorm, GroupNorm, and whatever acts per channel between them: the zoo's CNNs): one stacked
+  model holding the clients side by side along the channel axis, channels-last for images; each
+  client keeps its own BatchNorm batch and running statistics, and padded rows stay out of them;
+* any other model without floating buffers: :func:`torch.func.vmap` over the clients' parameters.
+
+A method's local objective (:mod:`fedhetero.core.objective`: FedProx's and FedACG's proximal pull,
+SCAFFOLD's correction, FedDyn's terms, MOON's and DynInit's losses against reference models) is
+applied to the clients' parameters by the same rule the one-by-one trainer uses. The local back end
+trains a round as a cohort when ``engine.vectorize`` is on, the method keeps the default client
+half (:meth:`~fedhetero.core.algorithm.Algorithm.default_client_half`) and
+:func:`cohort_supported` holds: no dropout, no persistent optimiser state, no augmentation, every
+client with data and a model of one shape. Anything else runs client by client as before.
 """
 
 from __future__ import annotations
@@ -29,6 +39,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fedhetero.core.features import has_hidden_layers
+from fedhetero.core.objective import Batch, LocalObjective, cohort_rules, frozen_reference, stack_consts
+from fedhetero.core.stacking import client_shapes, load_clients, stack_model, stacked_layers, views
 from fedhetero.core.types import ClientResult, payload_bytes, state_bytes
 from fedhetero.data.batches import num_batches
 
@@ -75,6 +88,39 @@ def _scratch(like: torch.Tensor, rows: int) -> torch.Tensor:
     return buf[:rows]
 
 
+def _stacked_for(ctx: "ClientContext", model: nn.Module, clients: int) -> nn.Module | None:
+    """The stacked copy of ``model`` for ``clients`` clients (see :mod:`fedhetero.core.stacking`),
+    built and checked once per architecture and cohort size in this process; None when the model
+    cannot be stacked."""
+    key = ("stacked", type(model).__name__, clients, str(ctx.dtype), str(ctx.device),
+           tuple((k, tuple(v.shape)) for k, v in model.state_dict().items()))
+    if key not in ctx.cache:
+        state = torch.get_rng_state()
+        try:
+            stacked = stack_model(model, clients, tuple(ctx.input_shape))
+        finally:
+            torch.set_rng_state(state)
+        if stacked is not None:
+            for name, p in stacked.named_parameters():  # frozen parameters stay frozen
+                p.requires_grad_(model.get_parameter(name).requires_grad)
+            stacked = stacked.to(ctx.device, ctx.dtype)
+            if any(p.dim() == 4 for p in stacked.parameters()):
+                stacked = stacked.to(memory_format=torch.channels_last)  # type: ignore[call-overload]  # Module.to accepts it; the stubs do not say so
+        ctx.cache[key] = stacked
+    return ctx.cache[key]
+
+
+def _clip_per_client(grads: dict[str, torch.Tensor], max_norm: float) -> None:
+    """Each client's gradients scaled as :func:`torch.nn.utils.clip_grad_norm_` scales one
+    model's: by ``max_norm / (‖g‖ + 1e-6)`` when that is below 1 (``‖g‖`` over all its
+    parameters)."""
+    norms = torch.stack([g.flatten(1).norm(dim=1) for g in grads.values()])  # (names, C)
+    total = norms.norm(dim=0)
+    coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
+    for g in grads.values():
+        g.mul_(coef.view(-1, *([1] * (g.dim() - 1))))
+
+
 def _flat_linear(model: nn.Module) -> str | None:
     """Name of the one :class:`~torch.nn.Linear` of a model whose forward is
     ``linear(flatten(x))`` (it says so with a ``flat_linear`` attribute), else None."""
@@ -90,9 +136,7 @@ def _flat_linear(model: nn.Module) -> str | None:
 def cohort_supported(ctx: "ClientContext", model: nn.Module, tasks: "Sequence[ClientTask]") -> bool:
     """Whether these tasks can be trained as one :class:`Cohort` with the same numbers."""
     t = ctx.cfg.train
-    if len(tasks) < 2 or t.clip_grad_norm is not None or t.optimizer_state == "persistent" or ctx.cfg.data.augment:
-        return False
-    if any(torch.is_floating_point(b) for b in model.buffers()):
+    if len(tasks) < 2 or t.optimizer_state == "persistent" or ctx.cfg.data.augment:
         return False
     if any(isinstance(m, nn.modules.dropout._DropoutNd) for m in model.modules()):
         return False
@@ -114,11 +158,36 @@ class Cohort:
         self.names = [n for n, p in model.named_parameters() if p.requires_grad]
         dev, dt = ctx.device, ctx.dtype
         self.start = {n: torch.stack([s[n].to(dev, dt) for s in initial]) for n in self.names}
-        self.params = {n: v.clone().requires_grad_(True) for n, v in self.start.items()}
         self.frozen = {n: p.detach() for n, p in model.named_parameters() if not p.requires_grad}
         self.buffers = dict(model.named_buffers())
+        self.objectives: list[LocalObjective] = []
         lin = _flat_linear(model)
         self._linear = (lin + ".weight", lin + ".bias") if lin and set(self.names) == {lin + ".weight", lin + ".bias"} else None
+        self.stacked: nn.Module | None = None
+        self._views: dict[str, torch.Tensor] = {}
+        if self._linear is None:
+            self.stacked = _stacked_for(ctx, model, len(self.tasks))
+        if self.stacked is not None:
+            load_clients(self.stacked, [dict(s) for s in initial])
+            self.stacked.train()
+            self._views = views(self.stacked, client_shapes(model), len(self.tasks))
+            self._leaves = dict(self.stacked.named_parameters())
+            self.params = {n: self._views[n] for n in self.names}
+            self._norms = stacked_layers(self.stacked)
+        else:
+            if any(torch.is_floating_point(b) for b in self.buffers.values()):
+                raise ValueError("a model with floating buffers needs a stacked copy")
+            self.params = {n: v.clone().requires_grad_(True) for n, v in self.start.items()}
+
+    @classmethod
+    def build(cls, ctx: "ClientContext", model: nn.Module, tasks: "Sequence[ClientTask]",
+              initial: Sequence[dict[str, torch.Tensor]]) -> "Cohort | None":
+        """A cohort, or None when the model cannot be trained as one (floating buffers, such as
+        BatchNorm statistics, in a model :func:`~fedhetero.core.stacking.stack_model` refuses)."""
+        try:
+            return cls(ctx, model, tasks, initial)
+        except ValueError:
+            return None
 
     # ------------------------------------------------------------------ forward
     def forward(self, params: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
@@ -126,11 +195,34 @@ class Cohort:
         if self._linear is not None:
             w, b = self._linear
             return _StackedLinear.apply(x.flatten(2), params[w], params[b])
+        if self.stacked is not None:
+            return self._stacked_forward(x, None if params is self.params else params)
 
         def one(p: dict[str, torch.Tensor], xb: torch.Tensor) -> torch.Tensor:
             return torch.func.functional_call(self.model, {**p, **self.frozen, **self.buffers}, (xb,))
 
         return torch.func.vmap(one)(params, x)
+
+    def _stacked_forward(self, x: torch.Tensor, state: dict[str, torch.Tensor] | None) -> torch.Tensor:
+        """The stacked model on ``x`` ``(C, B, …)``: the clients' batches side by side along the
+        channel axis (channels-last for images). ``state``: other per-client tensors (``(C, …)``,
+        reference models) to run in eval mode instead of the clients' own."""
+        assert self.stacked is not None
+        c, b = x.shape[:2]
+        xs = x.transpose(0, 1).reshape(b, c * x.shape[2], *x.shape[3:])
+        if xs.dim() == 4:
+            xs = xs.contiguous(memory_format=torch.channels_last)
+        if state is None:
+            out = self.stacked(xs)
+        else:
+            own = self.stacked.state_dict(keep_vars=True)
+            swapped = {k: v.reshape(own[k].shape) for k, v in state.items()}
+            self.stacked.eval()
+            try:
+                out = torch.func.functional_call(self.stacked, swapped, (xs,))
+            finally:
+                self.stacked.train()
+        return out.reshape(b, c, -1).transpose(0, 1)
 
     def shared_forward(self, model: nn.Module, x: torch.Tensor) -> torch.Tensor:
         """One model (global, teacher) on every client's batch, without gradients."""
@@ -173,19 +265,20 @@ class Cohort:
         return range(t.local_steps * (e - 1) // e, t.local_steps)
 
     # ------------------------------------------------------------------ training
-    def train(
-        self,
-        lr: float,
-        grad_hook: Callable[[dict[str, torch.Tensor], dict[str, torch.Tensor]], None] | None = None,
-        extra_loss: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
-    ) -> list[dict[str, Any]]:
-        """Local SGD for every client. ``grad_hook(params, grads)`` adds to the gradients before
-        the step (what ``after_backward`` does one by one); ``extra_loss(out, x, mask)`` returns
-        a ``(C,)`` term added to each client's mean cross-entropy. Returns each client's report
-        (``loss`` of its last epoch, ``steps``)."""
+    def train(self, lr: float, objective: LocalObjective | None = None,
+              consts: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+        """Local SGD for every client, with the method's ``objective`` (its rules applied to the
+        stacked parameters, ``consts`` the clients' constants stacked by
+        :func:`~fedhetero.core.objective.stack_consts`). Returns each client's report (``loss``
+        of its last epoch, ``steps``)."""
+        grad_rule = objective.grad if objective is not None else None
+        loss_rule = objective.loss if objective is not None else None
+        c_all = consts or {}
+        refs = self._references(objective) if objective is not None and loss_rule is not None else {}
+        records: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         ctx, t = self.ctx, self.ctx.cfg.train
         momentum = ctx.local_momentum()
-        wd, nesterov = t.weight_decay, t.nesterov
+        wd, nesterov, clip = t.weight_decay, t.nesterov, t.clip_grad_norm
         seqs = self._schedules()
         steps = [len(s) for s in seqs]
         c = len(seqs)
@@ -210,16 +303,36 @@ class Cohort:
             y = labels.index_select(0, flat).reshape(c, size).to(dev)
             mask = mask.to(dev)
             counts = mask.sum(1).clamp_min(1.0)
+            if self.stacked is not None:  # BatchNorm leaves padded rows out of its statistics
+                padded = bool((mask < 1).any())
+                for norm in self._norms:
+                    norm.mask = mask.t() if padded else None
             out = self.forward(self.params, x)
             ce = F.cross_entropy(out.reshape(c * size, -1), y.reshape(-1), reduction="none").reshape(c, size)
             per = (ce * mask).sum(1) / counts
-            if extra_loss is not None:
-                per = per + extra_loss(out, x, mask)
-            grads = torch.autograd.grad(per.sum(), [self.params[n] for n in self.names])
-            g = dict(zip(self.names, grads))
+            if loss_rule is not None:
+
+                def masked_mean(v: torch.Tensor, mask: torch.Tensor = mask, counts: torch.Tensor = counts) -> torch.Tensor:
+                    return (v * mask).sum(1) / counts
+
+                def ref(name: str, x: torch.Tensor = x) -> torch.Tensor:
+                    return refs[name](x)
+
+                step_records: dict[str, list[torch.Tensor]] = {}  # this step's values
+                per = per + loss_rule(Batch(out, c_all, ref, masked_mean, step_records))
+                for name, values in step_records.items():
+                    records.setdefault(name, []).append((values[-1], active))
+            if self.stacked is not None:
+                grads = torch.autograd.grad(per.sum(), [self._leaves[n] for n in self.names])
+                g = {n: gr.view(self.params[n].shape) for n, gr in zip(self.names, grads)}
+            else:
+                grads = torch.autograd.grad(per.sum(), [self.params[n] for n in self.names])
+                g = dict(zip(self.names, grads))
             with torch.no_grad():
-                if grad_hook is not None:
-                    grad_hook(self.params, g)
+                if grad_rule is not None:
+                    grad_rule(self.params, g, c_all)
+                if clip is not None:
+                    _clip_per_client(g, clip)
                 for n in self.names:
                     p = self.params[n]
                     d = g[n]
@@ -243,61 +356,92 @@ class Cohort:
             keep = [losses[i][s] for s in self._last_epoch_steps(steps[i]) if s < len(losses[i])]
             seen = sum(n for _, n in keep)
             reports.append({"loss": sum(v * n for v, n in keep) / seen if seen else float("nan"), "steps": steps[i]})
+        for name, recorded in records.items():  # what the rules recorded: each client's mean over its steps
+            total = torch.stack([v * a.to(v.dtype) for v, a in recorded]).sum(0)
+            count = torch.stack([a.to(total.dtype) for _, a in recorded]).sum(0).clamp_min(1.0)
+            for i, report in enumerate(reports):
+                report[name] = float(total[i] / count[i])
         return reports
+
+    def _references(self, objective: LocalObjective) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
+        """Each reference model as a function of the cohort's batches: one shared model when
+        every client has the same state, else the clients' own stacked."""
+        out: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {}
+        for name in objective.references:
+            states = [o.references[name] for o in self.objectives]
+            if all(s is states[0] for s in states):
+                shared = frozen_reference(self.ctx, name, states[0])
+
+                def common(x: torch.Tensor, m: nn.Module = shared) -> torch.Tensor:
+                    return self.shared_forward(m, x)
+
+                out[name] = common
+            else:
+                if self.stacked is not None:  # every entry, buffers too: references run in eval mode
+                    keys = list(self._views)
+                    dev, dt = self.ctx.device, self.ctx.dtype
+                    stacked = {k: torch.stack([s[k].to(dev, dt if s[k].is_floating_point() else s[k].dtype)
+                                               for s in states]) for k in keys}
+                else:
+                    stacked = self.stacked_params([dict(s) for s in states])
+
+                def own(x: torch.Tensor, p: dict[str, torch.Tensor] = stacked) -> torch.Tensor:
+                    with torch.no_grad():
+                        return self.forward(p, x)
+
+                out[name] = own
+        return out
 
     def state(self, i: int) -> dict[str, torch.Tensor]:
         """Client ``i``'s trained state dict (parameters and the model's other entries)."""
         out = {}
         for k, v in self.model.state_dict().items():
-            out[k] = self.params[k][i].detach().clone() if k in self.params else v.detach().clone()
+            if k in self._views:
+                out[k] = self._views[k][i].detach().clone()
+            else:
+                out[k] = self.params[k][i].detach().clone() if k in self.params else v.detach().clone()
         return out
 
-    def stacked(self, states: Sequence[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    def stacked_params(self, states: Sequence[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
         """The parameters of per-client states stacked like :attr:`params`."""
         return {n: torch.stack([s[n].to(self.ctx.device, self.ctx.dtype) for s in states]) for n in self.names}
 
 
-# ---------------------------------------------------------------------------- helpers for algorithms
-HookFactory = Callable[[Cohort], Callable[[dict[str, torch.Tensor], dict[str, torch.Tensor]], None]]
-
-
+# ---------------------------------------------------------------------------- the framework's entry
 def train_cohort(
-    algorithm: Any,
     ctx: "ClientContext",
+    model: nn.Module,
     tasks: "Sequence[ClientTask]",
-    *,
-    hook: HookFactory | None = None,
-    extra_loss: Callable[[Cohort], Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]] | None = None,
+    objectives: "Sequence[LocalObjective | None]",
 ) -> tuple[Cohort, list[dict[str, Any]]] | None:
     """Train the clients of ``tasks`` together from the global state each task carries
-    (``payload["state"]``, one width for all), with the algorithm's gradient ``hook`` and
-    ``extra_loss`` built for the cohort; None when :func:`cohort_supported` says no."""
+    (``payload["state"]``, one width for all) with their objectives' shared rules; None when
+    :func:`cohort_supported` says no or the objectives cannot share a cohort."""
     width = tasks[0].payload.get("width")
     if any(t.payload.get("width") != width or "state" not in t.payload for t in tasks):
         return None
-    model = algorithm.client_model(ctx, tasks[0])
     if not cohort_supported(ctx, model, tasks):
         return None
-    co = Cohort(ctx, model, tasks, [t.payload["state"] for t in tasks])
-    reports = co.train(ctx.lr_at(), hook(co) if hook else None, extra_loss(co) if extra_loss else None)
+    rules = cohort_rules(objectives)
+    if rules is False:
+        return None
+    objective = rules if isinstance(rules, LocalObjective) else None
+    if objective is not None and objective.loss is not None and objective.representation == "features" \
+            and has_hidden_layers(model, ctx.num_classes):
+        return None  # penultimate features of a batched model: one by one
+    co = Cohort.build(ctx, model, tasks, [t.payload["state"] for t in tasks])
+    if co is None:
+        return None
+    co.objectives = [o for o in objectives if o is not None]
+    consts = None
+    if objective is not None and objective.consts:
+        consts = stack_consts([o.consts for o in co.objectives], co.names, ctx.device, ctx.dtype)
+    reports = co.train(ctx.lr_at(), objective, consts)
     return co, reports
 
 
-def proximal_hook(weight: float) -> HookFactory:
-    """Gradient of ``weight/2·‖w − w_start‖²`` (FedProx's proximal term, FedACG's regulariser)."""
-
-    def make(co: Cohort) -> Callable[[dict[str, torch.Tensor], dict[str, torch.Tensor]], None]:
-        def hook(params: dict[str, torch.Tensor], grads: dict[str, torch.Tensor]) -> None:
-            for n in co.names:
-                grads[n].add_(params[n].detach() - co.start[n], alpha=weight)
-
-        return hook
-
-    return make
-
-
 def plain_results(ctx: "ClientContext", tasks: "Sequence[ClientTask]", co: Cohort,
-                  reports: list[dict[str, Any]]) -> list[Any]:
+                  reports: list[dict[str, Any]]) -> list[ClientResult]:
     """One :class:`ClientResult` per task as :meth:`Algorithm.upload` makes them."""
     macs = ctx.macs(co.model)
     out = []

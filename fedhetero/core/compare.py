@@ -34,6 +34,7 @@ from fedhetero.core.config import (
     ConfigError,
     RunConfig,
     _yaml_problem,
+    apply_overrides,
     config_hash,
     from_dict,
     load_config,
@@ -45,7 +46,8 @@ from fedhetero.core.engine import Engine, _check_splits
 from fedhetero.core.registry import build_algorithm, get_algorithm
 from fedhetero.core.rundir import RunDirError, RunLock, atomic_write_text, clear_run, inspect_dir, read_metrics
 
-__all__ = ["run_comparison", "comparison_rows"]
+__all__ = ["accuracy_curves", "compare_settings", "comparison_rows", "default_compare_dir", "run_comparison", "tier_bars",
+           "tiers_figure"]
 
 
 def _cfg_for(base: RunConfig, algorithm: str, seed: int, options: dict[str, Any] | None = None) -> RunConfig:
@@ -150,7 +152,7 @@ def _pct(m: float | None, s: float | None = None) -> str:
 
 def run_comparison(
     *,
-    config: str | None,
+    config: str | Path | RunConfig | None,
     overrides: list[str],
     algorithms: list[str],
     seeds: int = 1,
@@ -164,6 +166,7 @@ def run_comparison(
 ) -> list[dict[str, Any]]:
     """Run the comparison and write its files; returns the table rows.
 
+    ``config``: a YAML file, a resolved config or None (the defaults), with ``overrides`` applied;
     ``options`` are ``ALGORITHM.option=value`` strings for individual methods."""
     if not algorithms:
         raise ConfigError("--algorithms: give at least one algorithm name")
@@ -171,7 +174,10 @@ def run_comparison(
         raise ConfigError("--seeds: must be at least 1")
     for a in algorithms:
         get_algorithm(a)  # fail fast on unknown names
-    base = load_config(config, overrides)
+    if isinstance(config, RunConfig):
+        base = from_dict(apply_overrides(to_dict(config), overrides)) if overrides else config
+    else:
+        base = load_config(config, overrides)
     per_algo = parse_options(options or [], algorithms)
 
     ctx = None
@@ -182,9 +188,8 @@ def run_comparison(
         if base.budget.scenario in type(algo).adapts_to:  # else reported as N/A
             ctx = ctx or ClientContext(base, build_data(base), torch.device(base.device))
             check_budgets(cfg_a, algo, ctx)
-    settings = {"config_hash": config_hash(base), "algorithms": algorithms, "seeds": seeds, "options": per_algo}
-    key = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:8]
-    out = out or Path("runs") / f"compare-{base.data.dataset}-{base.model.name}-{key}"
+    settings = compare_settings(base, algorithms, seeds, per_algo)
+    out = out or default_compare_dir(base, settings)
     created = not out.exists()
     _check_compare_dir(out, settings, resume=resume, overwrite=overwrite)
     out.mkdir(parents=True, exist_ok=True)
@@ -202,6 +207,17 @@ def run_comparison(
         if created and [q.name for q in out.iterdir()] == [".lock"]:
             (out / ".lock").unlink()
             out.rmdir()
+
+
+def compare_settings(base: RunConfig, algorithms: list[str], seeds: int, per_algo: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """What identifies a comparison (``compare.json``): the config hash, algorithms, seeds and options."""
+    return {"config_hash": config_hash(base), "algorithms": algorithms, "seeds": seeds, "options": per_algo}
+
+
+def default_compare_dir(base: RunConfig, settings: dict[str, Any]) -> Path:
+    """``runs/compare-<dataset>-<model>-<settings hash>``: comparisons of other settings land elsewhere."""
+    key = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:8]
+    return Path("runs") / f"compare-{base.data.dataset}-{base.model.name}-{key}"
 
 
 #: the comparison's own files besides its run directories <algorithm>/seed<N>/
@@ -367,10 +383,16 @@ def _run_all(
                 f"{r['wall_s_mean']:.1f}",
             )
         console.print(table)
-        console.print(f"written: {out / 'comparison.csv'}, {out / 'comparison.json'}", markup=False)
-    if plot:
-        _plot(out, histories, tiers, console)
+    plots = _plot(out, histories, tiers, console, title=_plot_title(base, seeds)) if plot else []
+    if console is not None:
+        written = [out / "comparison.csv", out / "comparison.json", *plots]
+        console.print(f"written: {', '.join(str(p) for p in written)}", markup=False)
     return rows
+
+
+def _plot_title(base: RunConfig, seeds: int) -> str:
+    seed = f"seed {base.seed}" if seeds == 1 else f"seeds {base.seed}–{base.seed + seeds - 1} (mean)"
+    return f"{base.data.dataset} ({base.model.name}), {seed}"
 
 
 def _write(out: Path, rows: list[dict[str, Any]], base: RunConfig, algorithms: list[str], seeds: int, options: dict[str, Any]) -> None:
@@ -389,42 +411,74 @@ def _write(out: Path, rows: list[dict[str, Any]], base: RunConfig, algorithms: l
             w.writerow(r)
 
 
-def _plot(out: Path, histories: dict[str, list[list[dict[str, Any]]]], tiers: list[str], console: Any) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        if console is not None:
-            console.print("[dim]matplotlib not installed (pip install 'fedhetero\\[plot]'): no PNG plots[/dim]")
-        return
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+def accuracy_curves(histories: dict[str, list[list[dict[str, Any]]]]) -> dict[str, tuple[list[int], list[float]]]:
+    """accuracy.png's lines: per algorithm, the rounds every seed evaluated and the mean test
+    accuracy (%) over the seeds there (a failed seed's shorter history cuts the line)."""
+    out = {}
     for algo, runs in histories.items():
-        if not runs:
+        evals = [{r["round"]: r["accuracy"] for r in h if r.get("accuracy") is not None} for h in runs]
+        if not evals:
             continue
-        rounds = [r["round"] for r in runs[0] if "accuracy" in r]
-        accs = np.array([[r["accuracy"] for r in h if "accuracy" in r] for h in runs])
-        ax.plot(rounds, 100 * accs.mean(0), label=algo)
-    ax.set_xlabel("round")
-    ax.set_ylabel("test accuracy (%)")
-    ax.legend()
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(out / "accuracy.png", dpi=120)
-    plt.close(fig)
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+        rounds = sorted(set.intersection(*(set(e) for e in evals)))
+        if rounds:
+            out[algo] = (rounds, [100 * float(np.mean([e[r] for e in evals])) for r in rounds])
+    return out
+
+
+def tier_bars(histories: dict[str, list[list[dict[str, Any]]]], tiers: list[str]) -> dict[str, list[float]]:
+    """tiers.png's bars: per tier, the final accuracy (%) of the model it deploys for each
+    algorithm that ran (mean over its seeds; 0 where none was evaluated)."""
     algos = [a for a, runs in histories.items() if runs]
-    width = 0.8 / max(len(tiers), 1)
-    for i, t in enumerate(tiers):
+    bars = {}
+    for t in tiers:
         vals = []
         for a in algos:
-            last = [h[-1]["tier_accuracy"][t] for h in histories[a] if h and "tier_accuracy" in h[-1]]
+            last = [h[-1]["tier_accuracy"][t] for h in histories[a] if h and t in (h[-1].get("tier_accuracy") or {})]
             vals.append(100 * float(np.mean(last)) if last else 0.0)
+        bars[t] = vals
+    return bars
+
+
+def tiers_figure(histories: dict[str, list[list[dict[str, Any]]]], tiers: list[str], title: str = "") -> Any:
+    """The figure of tiers.png (a :class:`matplotlib.figure.Figure`): grouped bars, the legend to
+    the right of the axes, where it covers no bar."""
+    from matplotlib.figure import Figure  # deferred: the optional plot extra
+
+    algos = [a for a, runs in histories.items() if runs]
+    fig = Figure(figsize=(7 + 0.4 * max(len(algos) - 6, 0), 4.5), layout="constrained")
+    ax = fig.subplots()
+    width = 0.8 / max(len(tiers), 1)
+    for i, (t, vals) in enumerate(tier_bars(histories, tiers).items()):
         ax.bar(np.arange(len(algos)) + i * width, vals, width, label=t)
     ax.set_xticks(np.arange(len(algos)) + width * (len(tiers) - 1) / 2, algos, rotation=30, ha="right")
     ax.set_ylabel("accuracy of the deployed model (%)")
-    ax.legend(title="tier")
-    fig.tight_layout()
+    ax.grid(axis="y", alpha=0.3)
+    ax.set_title(f"per-tier accuracy, last round: {title}" if title else "per-tier accuracy, last round")
+    fig.legend(title="tier", loc="outside right upper")
+    return fig
+
+
+def _plot(out: Path, histories: dict[str, list[list[dict[str, Any]]]], tiers: list[str], console: Any,
+          title: str = "") -> list[Path]:
+    """Write accuracy.png and tiers.png; returns their paths (none without matplotlib: then a hint)."""
+    try:
+        from matplotlib.figure import Figure  # deferred: the optional plot extra; no pyplot state
+        from matplotlib.ticker import MaxNLocator
+    except ImportError:
+        if console is not None:
+            console.print("[dim]matplotlib not installed (pip install 'fedhetero\\[plot]'): no PNG plots[/dim]")
+        return []
+    fig = Figure(figsize=(7, 4.5), layout="constrained")
+    ax = fig.subplots()
+    for algo, (rounds, accs) in accuracy_curves(histories).items():
+        ax.plot(rounds, accs, label=algo)
+    ax.set_xlabel("round")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_ylabel("test accuracy (%)")
+    ax.set_title(f"test accuracy: {title}" if title else "test accuracy")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.savefig(out / "accuracy.png", dpi=120)
+    fig = tiers_figure(histories, tiers, title)
     fig.savefig(out / "tiers.png", dpi=120)
-    plt.close(fig)
+    return [out / "accuracy.png", out / "tiers.png"]

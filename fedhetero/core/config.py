@@ -271,6 +271,12 @@ def _model_names() -> list[str]:
     return list_models()
 
 
+def _logger_names() -> tuple[str, ...]:
+    from fedhetero.core.loggers import logger_names  # deferred: that module imports this one
+
+    return logger_names()
+
+
 #: Back ends the engine builds: name -> ``"module:Class"`` (the class takes ``(cfg, data)``);
 #: :func:`fedhetero.core.backend.register_backend` adds more.
 BACKENDS: dict[str, str] = {
@@ -447,9 +453,9 @@ class SessionsConfig:
 class RunConfig:
     seed: int = option(0, ge=0, lt=2**63)
     device: str = "cpu"
-    # intra-op threads per client; 1 by default: more threads than free cores slow training down (a
-    # 10-round digits run with one of two cores busy: 5.4 s with 1 thread, 14.8 s with 2), and the
-    # count is part of the config so that the same config gives the same numbers
+    # intra-op threads per client; 1 by default: more threads than free cores slow training down (the
+    # default 30-round job on a busy 2-core machine: 55-57 s with 1 thread, 121-954 s with 2; see the
+    # README), and the count is part of the config so that the same config gives the same numbers
     threads: int | None = option(1, ge=1, le=_MAX_THREADS)
     deterministic: bool = True
     tune_malloc: bool = True  # keep freed activation memory in the heap (glibc; see fedhetero.core.allocator)
@@ -462,6 +468,9 @@ class RunConfig:
     engine: EngineConfig = field(default_factory=EngineConfig)
     # added after runs were made: hashed only with sessions.count set
     sessions: SessionsConfig = option(default_factory=SessionsConfig, added_later="count")
+    # experiment loggers beside metrics.jsonl (fedhetero.core.loggers: tensorboard, mlflow; extra
+    # fedhetero[loggers]); they change no number, so they are not hashed and may change on resume
+    loggers: tuple[str, ...] = option((), choices=_logger_names)
 
 
 # ---------------------------------------------------------------------------- conversion
@@ -726,6 +735,7 @@ def validate(cfg: RunConfig) -> None:
                     f"sessions.devices[{i}]",
                     f"client ids must be in [0, data.num_clients={d.num_clients})",
                 )
+    require(len(set(cfg.loggers)) == len(cfg.loggers), "loggers", f"names a logger twice: {list(cfg.loggers)}")
     e = cfg.engine
     f = e.inject_faults
     require(f.rate == 0 or len(f.kinds) >= 1, "engine.inject_faults.kinds", "name at least one of raise, nan, hang")
@@ -970,13 +980,14 @@ def dump_config(cfg: RunConfig) -> str:
 
 
 #: Fields left out of the hash, so that they may change when a run is resumed: where the work runs
-#: (never changes the numbers), and how the back end treats failing clients (so that "fix the cause
-#: and continue with --resume" works when the cause is a time-out, the minimum of clients or the
-#: injected faults of a drill).
-RESUMABLE = {"engine": ("backend", "workers", "client_timeout_s", "min_clients", "inject_faults")}
+#: and the loggers that show it (neither changes the numbers; section "": the top level), and how
+#: the back end treats failing clients (so that "fix the cause and continue with --resume" works
+#: when the cause is a time-out, the minimum of clients or the injected faults of a drill).
+RESUMABLE = {"": ("loggers",), "engine": ("backend", "workers", "client_timeout_s", "min_clients", "inject_faults")}
 #: What was left out before the failure handling could change on resume; a run directory written
-#: then still resumes (see :func:`config_hashes`).
-_UNHASHED_BEFORE = {"engine": ("backend", "workers")}
+#: then still resumes (see :func:`config_hashes`). The section "" is the top level (``loggers``,
+#: which did not exist then).
+_UNHASHED_BEFORE = {"": ("loggers",), "engine": ("backend", "workers")}
 
 
 def config_hashes(cfg: RunConfig) -> set[str]:
@@ -996,5 +1007,5 @@ def _hash(cfg: RunConfig, unhashed: Mapping[str, tuple[str, ...]]) -> str:
     data = _plain(cfg, hashed_only=True)
     for section, keys in unhashed.items():
         for key in keys:
-            data.get(section, {}).pop(key, None)
+            (data.get(section, {}) if section else data).pop(key, None)
     return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()

@@ -21,7 +21,6 @@ import copy
 import logging
 import math
 import time
-import weakref
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import numpy as np
@@ -32,11 +31,11 @@ from torch import nn
 from fedhetero.core import budget as budget_mod
 from fedhetero.core.aggregation import UploadStream
 from fedhetero.core.config import ConfigError, RunConfig
+from fedhetero.core.trainer import LocalTrainer
 from fedhetero.core.sessions import Schedule
 from fedhetero.core.types import CONCERNS, derive_seed
 from fedhetero.core.widths import WidthPlanner
-from fedhetero.data import build_federated_data, iterate_batches, num_batches
-from fedhetero.data.batches import epoch_order
+from fedhetero.data import build_federated_data, iterate_batches
 from fedhetero.models import build_model
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -47,6 +46,7 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__ = [
     "ClientContext",
     "Context",
+    "RunContext",
     "RunError",
     "build_data",
     "client_context",
@@ -152,10 +152,10 @@ def client_context(cfg: RunConfig, data: Any | None = None) -> "ClientContext":
     return ClientContext(cfg, build_data(cfg) if data is None else data, torch.device(cfg.device))
 
 
-class ClientContext:
-    """What the client half of an algorithm may use: config, data, model builder, MAC counter,
-    trainer and RNG streams. It holds no server state; :attr:`cache` keeps things that depend on
-    the architecture only (model templates, plans) between the tasks one process runs."""
+class RunContext:
+    """What both halves of a method may use: config, data, model builder, MAC counter, widths,
+    the learning-rate schedule, evaluation and RNG streams. :attr:`cache` keeps things that depend
+    on the architecture only (model templates, plans) between the tasks one process runs."""
 
     def __init__(self, cfg: RunConfig, data: Any, device: torch.device) -> None:
         self.cfg = cfg
@@ -170,11 +170,6 @@ class ClientContext:
         self.timers: dict[str, float] = {}
         self._macs_cache: dict[Any, int] = {}
         self._width_planner: Any = None
-        # train.optimizer_state: persistent — the current client's momentum buffers by parameter
-        # name, and the optimizers made here whose buffers are kept
-        self._momentum: dict[str, torch.Tensor] | None = None
-        self._live: tuple[nn.Module, torch.optim.Optimizer] | None = None  # the optimizer training now
-        self._tracked_optimizers: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()
         with self.seeded("init", 0):
             self.plain_macs = self.macs(self.build_model())
         self.tier_ratio = {t.name: t.ratio for t in cfg.budget.tiers}
@@ -212,31 +207,6 @@ class ClientContext:
             yield
         finally:
             torch.set_rng_state(state)
-
-    @contextlib.contextmanager
-    def client_scope(self, client: "ClientInfo", optimizer_state: dict[str, Any] | None = None) -> Iterator[None]:
-        """Everything a client does in a round runs with RNG derived from (round, client).
-
-        Torch's default generator is re-seeded on entry (module initialisers of new branches draw
-        from it), so a client's work never depends on what ran before it, in this process or in
-        another one. ``optimizer_state``: the client's momentum buffers from its last round
-        (``train.optimizer_state: persistent``; see :meth:`optimizer_state`)."""
-        self.current_client = client
-        self.round = int(client.round)
-        self._momentum = dict(optimizer_state) if optimizer_state else None
-        self._live = None
-        self._tracked_optimizers = weakref.WeakSet()
-        seed = derive_seed(self.cfg.seed, "client", client.round, client.cid)
-        torch.default_generator.manual_seed(seed)
-        if self.device.type == "cuda":
-            torch.cuda.manual_seed(seed)
-        try:
-            yield
-        finally:
-            self.current_client = None
-            self._momentum = None
-            self._live = None
-            self._tracked_optimizers = weakref.WeakSet()
 
     def _cached_model(self, key: Any, make: Callable[[], nn.Module]) -> nn.Module:
         hit = self.cache.get(("template", key))
@@ -425,172 +395,6 @@ class ClientContext:
         t = self.cfg.train
         return 0.0 if t.optimizer_state == "none" else t.momentum
 
-    def make_optimizer(self, model: nn.Module, lr: float | None = None) -> torch.optim.Optimizer:
-        """The configured local SGD for ``model``'s trainable parameters: learning rate of the
-        round (:meth:`lr_at`) unless ``lr`` is given, momentum (Nesterov when ``train.nesterov``),
-        weight decay. With ``train.optimizer_state: persistent`` the momentum buffers the client
-        kept from its last round are loaded (matched by parameter name and shape; a parameter
-        whose shape changed starts a new buffer), and :meth:`train` keeps them again."""
-        t = self.cfg.train
-        momentum = self.local_momentum()
-        opt = torch.optim.SGD(
-            [p for p in model.parameters() if p.requires_grad],
-            lr=self.lr_at() if lr is None else lr,
-            momentum=momentum,
-            weight_decay=t.weight_decay,
-            nesterov=t.nesterov,
-        )
-        if t.optimizer_state == "persistent" and momentum > 0:
-            source = self._momentum if self._live is None else self._buffers(*self._live)
-            self._tracked_optimizers.add(opt)
-            for name, p in model.named_parameters():
-                buf = (source or {}).get(name)
-                if p.requires_grad and isinstance(buf, torch.Tensor) and buf.shape == p.shape:
-                    opt.state[p]["momentum_buffer"] = buf.detach().to(device=p.device, dtype=p.dtype).clone()
-        return opt
-
-    @staticmethod
-    def _buffers(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
-        out = {}
-        for name, p in model.named_parameters():
-            buf = opt.state[p].get("momentum_buffer") if p in opt.state else None
-            if isinstance(buf, torch.Tensor):
-                out[name] = buf
-        return out
-
-    def _keep_momentum(self, model: nn.Module, opt: torch.optim.Optimizer) -> None:
-        """Track ``opt`` (while it trains, a new optimizer starts from its buffers) and copy its
-        buffers as the client's to keep."""
-        if opt not in self._tracked_optimizers:
-            return
-        self._momentum = {k: v.detach().to("cpu").clone() for k, v in self._buffers(model, opt).items()}
-
-    def optimizer_state(self) -> dict[str, torch.Tensor] | None:
-        """The current client's momentum buffers to keep (``train.optimizer_state: persistent``):
-        those of the last optimizer :meth:`make_optimizer` made and :meth:`train` used, or the
-        ones it brought when it trained none; None in the other modes."""
-        if self.cfg.train.optimizer_state != "persistent":
-            return None
-        return self._momentum
-
-    def client_batches(self, cid: int, epoch: int, batch_size: int | None = None):
-        """The client's shuffled batches for one local epoch (order from (round, client, epoch))."""
-        return iterate_batches(
-            self.data.train,
-            self.data.client_indices[cid],
-            batch_size or self.cfg.train.batch_size,
-            generator=self._epoch_generator(cid, epoch),
-            shuffle=True,
-            augment=self.cfg.data.augment,
-        )
-
-    def client_epoch_rows(self, cid: int, epoch: int) -> torch.Tensor:
-        """The training rows of one local epoch of client ``cid`` in :meth:`client_batches`'s order
-        (without augmentation); batch ``k`` is rows ``[k·B, (k+1)·B)``."""
-        return epoch_order(self.data.train, self.data.client_indices[cid], generator=self._epoch_generator(cid, epoch))
-
-    def _epoch_generator(self, cid: int, epoch: int) -> torch.Generator:
-        """The generator of a local epoch's order: from (round, client, epoch), on a stream of its
-        own for prelude exchanges."""
-        prelude = self.current_client is not None and self.current_client.prelude
-        return self.torch_generator("prelude" if prelude else "data", self.round, cid, epoch)
-
-    def train(
-        self,
-        model: nn.Module,
-        client: ClientInfo,
-        epochs: int,
-        *,
-        optimizer: torch.optim.Optimizer | None = None,
-        after_backward: Callable[[nn.Module], None] | None = None,
-        on_epoch_end: Callable[[int, nn.Module, torch.optim.Optimizer], Any] | None = None,
-        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
-        first_epoch: int = 0,
-    ) -> dict[str, Any]:
-        """Local SGD: ``epochs`` passes over the client's data.
-
-        ``after_backward(model)`` runs after every backward and before the optimizer step (saliency
-        meters and gradient corrections hook in here); then the gradient norm is clipped to
-        ``train.clip_grad_norm`` when set. ``on_epoch_end(epoch, model, optimizer)`` runs after each
-        epoch and may return a new optimizer (after a structure change). ``first_epoch`` numbers
-        the epochs for the data order when one local round is split over several calls.
-
-        With ``train.local_steps`` set, the local round of ``train.local_epochs`` epochs is
-        ``local_steps`` optimizer steps instead: epoch ``e`` becomes steps
-        ``⌊local_steps·e/E⌋ … ⌊local_steps·(e+1)/E⌋ − 1`` (so a round split over calls by epochs
-        gets its proportional share of steps), and step ``s`` takes the batches in order, pass
-        after pass: batch ``s mod B`` of pass ``⌊s/B⌋`` (``B`` batches per pass), each pass in the
-        order :meth:`client_batches` gives that epoch number.
-
-        Returns ``{"loss": mean loss of the last epoch, "steps": optimizer steps taken}``.
-        """
-        model.train()
-        t = self.cfg.train
-        opt = optimizer if optimizer is not None else self.make_optimizer(model)
-        if opt in self._tracked_optimizers:
-            self._live = (model, opt)
-        loss_fn = loss_fn or F.cross_entropy
-        clip = t.clip_grad_norm
-        losses: list[torch.Tensor] = []
-        sizes: list[int] = []
-        steps = 0
-
-        def step(x: torch.Tensor, y: torch.Tensor) -> None:
-            nonlocal steps
-            x = x.to(self.device, self.dtype, non_blocking=True)
-            y = y.to(self.device, non_blocking=True)
-            opt.zero_grad(set_to_none=True)
-            loss = loss_fn(model(x), y)
-            loss.backward()
-            if after_backward is not None:
-                after_backward(model)
-            if clip is not None:
-                torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None], clip)
-            opt.step()
-            losses.append(loss.detach())
-            sizes.append(int(y.shape[0]))
-            steps += 1
-
-        def epoch_end(e: int) -> None:
-            nonlocal opt
-            if on_epoch_end is not None:
-                new_opt = on_epoch_end(e, model, opt)
-                if isinstance(new_opt, torch.optim.Optimizer):
-                    self._keep_momentum(model, opt)
-                    opt = new_opt
-                    self._live = (model, opt) if opt in self._tracked_optimizers else None
-
-        if t.local_steps is None:
-            for e in range(first_epoch, first_epoch + epochs):
-                losses, sizes = [], []
-                for x, y in self.client_batches(client.cid, e):
-                    step(x, y)
-                epoch_end(e)
-        else:
-            per_pass = num_batches(len(self.data.client_indices[client.cid]), t.batch_size)
-            E = t.local_epochs
-            s = t.local_steps * first_epoch // E
-            batches: Iterator[tuple[torch.Tensor, torch.Tensor]] | None = None
-            current = -1
-            for e in range(first_epoch, first_epoch + epochs):
-                stop = t.local_steps * (e + 1) // E
-                if stop > s:
-                    losses, sizes = [], []
-                while s < stop:
-                    p, pos = divmod(s, per_pass)
-                    if p != current or batches is None:
-                        batches, current = iter(self.client_batches(client.cid, p)), p
-                        for _ in range(pos):  # resume a pass mid-way (a split local round)
-                            next(batches)
-                    step(*next(batches))
-                    s += 1
-                epoch_end(e)
-        self._keep_momentum(model, opt)
-        self._live = None
-        seen = sum(sizes)
-        mean_loss = float(sum(float(l) * n for l, n in zip(losses, sizes)) / seen) if seen else float("nan")
-        return {"loss": mean_loss, "steps": steps}
-
     def evaluate(self, model: nn.Module, dataset: Any = None, indices: Any = None) -> dict[str, float]:
         """Accuracy and mean loss of ``model`` (eval mode) on the test set or a given dataset."""
         return combine_batch_stats(self.evaluate_batches(model, dataset, indices))
@@ -618,6 +422,60 @@ class ClientContext:
         return [float(u.num_samples) for u in updates]
 
 
+class ClientContext(RunContext):
+    """What the client half of a method may use: the :class:`RunContext` of its process plus the
+    shared local trainer (:class:`~fedhetero.core.trainer.LocalTrainer`) and the scope of the
+    client it runs. It holds no server state."""
+
+    def __init__(self, cfg: RunConfig, data: Any, device: torch.device) -> None:
+        super().__init__(cfg, data, device)
+        self.trainer = LocalTrainer(self)
+
+    @contextlib.contextmanager
+    def client_scope(self, client: "ClientInfo", optimizer_state: dict[str, Any] | None = None) -> Iterator[None]:
+        """Everything a client does in a round runs with RNG derived from (round, client).
+
+        Torch's default generator is re-seeded on entry (module initialisers of new branches draw
+        from it), so a client's work never depends on what ran before it, in this process or in
+        another one. ``optimizer_state``: the client's momentum buffers from its last round
+        (``train.optimizer_state: persistent``; see :meth:`optimizer_state`)."""
+        self.current_client = client
+        self.round = int(client.round)
+        self.trainer.start_client(optimizer_state)
+        seed = derive_seed(self.cfg.seed, "client", client.round, client.cid)
+        torch.default_generator.manual_seed(seed)
+        if self.device.type == "cuda":
+            torch.cuda.manual_seed(seed)
+        try:
+            yield
+        finally:
+            self.current_client = None
+            self.trainer.end_client()
+
+    # ------------------------------------------------------------------ the client's trainer
+    def make_optimizer(self, model: nn.Module, lr: float | None = None) -> torch.optim.Optimizer:
+        """:meth:`LocalTrainer.make_optimizer <fedhetero.core.trainer.LocalTrainer.make_optimizer>`."""
+        return self.trainer.make_optimizer(model, lr)
+
+    def optimizer_state(self) -> dict[str, torch.Tensor] | None:
+        """:meth:`LocalTrainer.optimizer_state <fedhetero.core.trainer.LocalTrainer.optimizer_state>`."""
+        return self.trainer.optimizer_state()
+
+    def client_batches(self, cid: int, epoch: int, batch_size: int | None = None):  # type: ignore[no-untyped-def]
+        """:meth:`LocalTrainer.client_batches <fedhetero.core.trainer.LocalTrainer.client_batches>`."""
+        return self.trainer.client_batches(cid, epoch, batch_size)
+
+    def client_epoch_rows(self, cid: int, epoch: int) -> torch.Tensor:
+        """:meth:`LocalTrainer.client_epoch_rows <fedhetero.core.trainer.LocalTrainer.client_epoch_rows>`."""
+        return self.trainer.client_epoch_rows(cid, epoch)
+
+    def train(self, model: nn.Module, client: "ClientInfo", epochs: int, **kw: Any) -> dict[str, Any]:
+        """:meth:`LocalTrainer.train <fedhetero.core.trainer.LocalTrainer.train>`: local SGD on the
+        client's data (keywords ``optimizer``, ``after_backward``, ``on_epoch_end``, ``loss_fn``,
+        ``first_epoch``, ``objective``)."""
+        return self.trainer.train(model, client, epochs, **kw)
+
+
 def combine_batch_stats(stats: "list[tuple[float, int, int]]") -> dict[str, float]:
     """Accuracy and mean loss from per-batch ``(summed loss, correct, samples)``, added in order."""
     correct = 0
@@ -630,9 +488,10 @@ def combine_batch_stats(stats: "list[tuple[float, int, int]]") -> dict[str, floa
     return {"accuracy": correct / max(n, 1), "loss": loss / max(n, 1)}
 
 
-class Context(ClientContext):
-    """The server's context: a :class:`ClientContext` plus the client-state store and
-    :meth:`execute`, which runs client tasks on the configured back end."""
+class Context(RunContext):
+    """The server's context: a :class:`RunContext` plus the client-state store, evaluation through
+    the back end and :meth:`execute`, which runs client tasks on the configured back end. It has no
+    trainer: client tasks run on a back end's own :class:`ClientContext`."""
 
     def __init__(
         self,
@@ -651,7 +510,7 @@ class Context(ClientContext):
         self.batch_evaluator: Callable[[nn.Module, str, Any], "list[tuple[float, int, int]] | None"] | None = None
 
     def evaluate(self, model: nn.Module, dataset: Any = None, indices: Any = None) -> dict[str, float]:
-        """:meth:`ClientContext.evaluate`, its batches shared among the back end's processes when it
+        """:meth:`RunContext.evaluate`, its batches shared among the back end's processes when it
         offers that (same batches, added in the same order: the same numbers)."""
         if self.batch_evaluator is not None:
             name = "test" if dataset is None or dataset is self.data.test else "train" if dataset is self.data.train else None

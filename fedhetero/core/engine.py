@@ -16,7 +16,8 @@ Guarantees:
   same numbers; nothing depends on global RNG state carried across rounds.
 * **Resumable.** The run directory holds ``config.yaml`` (resolved) with its hash,
   ``metrics.jsonl`` (one object per round), ``checkpoint.pt`` (written atomically) and
-  ``summary.json``. A run killed at any point and resumed with ``resume=True`` ends with exactly the
+  ``summary.json``, among the other files of :data:`~fedhetero.core.rundir.RUN_ENTRIES` (the
+  README's run-directory table lists them all). A run killed at any point and resumed with ``resume=True`` ends with exactly the
   numbers of an uninterrupted run: client state lives in a versioned on-disk store that is rolled
   back to the checkpoint's round.
 * **Memory bounded by the sampled clients**: per-client state goes to the store on disk.
@@ -55,6 +56,7 @@ from fedhetero.core.config import (
 )
 from fedhetero.core.context import Context, RunError, build_data
 from fedhetero.core.export import global_model_state, save_global_model
+from fedhetero.core.loggers import RunLoggers
 from fedhetero.core.metrics import account_round
 from fedhetero.core.registry import build_algorithm
 from fedhetero.core.rundir import (
@@ -76,6 +78,9 @@ from fedhetero.data import save_partition
 
 #: environment variable that turns internal errors from dropped clients into a stopped run
 STRICT_ENV = "FEDHETERO_STRICT"
+#: evaluations the summary's ``smoothed_final_accuracy`` smooths over (the FedDUMAP paper's window);
+#: a run with fewer evaluations reports none
+SMOOTHING_WINDOW = 39
 
 
 __all__ = ["Engine", "RunResult", "resume_config", "run"]
@@ -131,6 +136,9 @@ class Engine:
         if cfg is None:
             raise ConfigError("no config given")
         self.cfg = cfg
+        # the loggers cfg.loggers names (a missing optional package is refused here, before the
+        # directory is made)
+        self.loggers = RunLoggers(cfg, self.out_dir)
         if not self._hashes:
             self._hashes = {config_hash(cfg)}
         self._check_dir()
@@ -156,7 +164,10 @@ class Engine:
             )
 
     # ------------------------------------------------------------------ set-up
-    def _setup(self) -> None:
+    def setup(self) -> None:
+        """Build the data, the context, the back end and the method, and set the method up: what
+        :meth:`run` does before its first round (no round runs, no run file is written). Lets a
+        tool or a test inspect a configured job (the global model, ``ctx``, tiers)."""
         cfg = self.cfg
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
@@ -191,6 +202,7 @@ class Engine:
         with self.ctx.seeded("init", 1):
             self.algorithm.setup(self.ctx)
         n = cfg.data.num_clients
+        self._participation = [0] * n
         self.tiers = budget_mod.assign_tiers(n, cfg.budget.tiers, self.ctx.rng("tiers"))
         self.schedule = budget_mod.BudgetSchedule(
             scenario=cfg.budget.scenario,
@@ -218,6 +230,18 @@ class Engine:
         save_partition(self.data, self.out_dir / "partition.npz")
 
     # ------------------------------------------------------------------ client tasks
+    def _round(self, clients: list[ClientInfo]) -> list[ClientResult]:
+        """One round's exchange: configure → the back end → aggregate → server update, run here;
+        a method with several exchanges per round runs its own :meth:`Algorithm.run_round`, which
+        reaches the back end through ``ctx.execute``."""
+        algorithm = self.algorithm
+        if type(algorithm).run_round is not Algorithm.run_round:
+            return algorithm.run_round(self.ctx, clients)
+        results = self._execute(algorithm, algorithm.configure(self.ctx, clients))
+        algorithm.aggregate(self.ctx, results)
+        algorithm.server_update(self.ctx)
+        return results
+
     def _execute(self, algorithm: Algorithm, tasks: list[ClientTask]) -> list[ClientResult]:
         """Run tasks on the back end with each client's private state; keep the new states of the
         clients that succeeded; record and drop the others (error, time-out, non-finite upload)."""
@@ -423,12 +447,13 @@ class Engine:
             self._check_dir()
             if self.resume and config_hash(_saved_config(self.out_dir)) not in self._hashes:
                 raise RunDirError(f"--resume: {self.out_dir / 'config.yaml'} changed while this run was starting")
-            self._setup()
+            self.setup()
             created = None  # from here on the directory holds this run
             return self._run()
         finally:
             if self.backend is not None and self._own_backend:
                 self.backend.close()
+            self.loggers.close()
             if lock is not None:
                 lock.release()
             if created is not None:
@@ -444,7 +469,6 @@ class Engine:
         self._best = None
         self._best_state = None
         clean_stale(self.out_dir)
-        self._participation = [0] * self.cfg.data.num_clients
         self._metrics = MetricsLog(self.out_dir / "metrics.jsonl")
         start, mark, manifest = self._load_checkpoint() if self.resume else (0, None, None)
         self._last_checkpoint = start
@@ -467,6 +491,7 @@ class Engine:
             self._metrics.start()
             self._write_run_files()
         prior_wall = float(sum(r.get("wall_s", 0.0) for r in history))
+        self.loggers.start(start, history)  # rounds 1..start as metrics.jsonl holds them
         rounds = self.cfg.train.rounds
         progress = _Progress(self.progress, rounds, start, self.console)
         with progress:
@@ -494,7 +519,7 @@ class Engine:
                         self._participation[c] += 1
                     progress.round_started(rnd, len(clients))
                     self.ctx.on_client_done = progress.client_done
-                    updates = self.algorithm.run_round(self.ctx, clients)
+                    updates = self._round(clients)
                 row["dropped"] = list(self._dropped)
                 row.update(self.algorithm.round_metrics(self.ctx))
                 if not skip and (rnd % self.cfg.train.eval_every == 0 or rnd == rounds):
@@ -507,6 +532,7 @@ class Engine:
                     self._keep_best()
                 row["wall_s"] = round(time.perf_counter() - t0, 4)
                 self._metrics.append(row)
+                self.loggers.log_round(row)
                 history.append(row)
                 progress.round_done(row)
                 if rnd % self.cfg.train.checkpoint_every == 0 or rnd == rounds:
@@ -520,6 +546,7 @@ class Engine:
         summary["resumed_from_round"] = start if self.resume else None
         summary.update(self.algorithm.summary_metrics(history))
         atomic_write_text(self.out_dir / "summary.json", json.dumps(finite_json(summary), indent=2))
+        self.loggers.log_summary(summary)
         return RunResult(self.out_dir, summary, history)
 
 
@@ -604,10 +631,11 @@ def resume_config(
         cfg = from_dict(apply_overrides(to_dict(saved), list(overrides or ())))
     if config_hash(cfg) != config_hash(saved):
         changed = _changed_fields(saved, cfg)
+        may = ", ".join(f"{section}.{key}" if section else key for section, keys in RESUMABLE.items() for key in keys)
         raise ConfigError(
             f"--resume: {', '.join(changed[:4]) or 'the config'} differ{'s' if len(changed) == 1 else ''} from "
-            f"the run saved in {out_dir}; only where clients run and how failing clients are handled "
-            f"(engine.{', engine.'.join(RESUMABLE['engine'])}) may change on resume"
+            f"the run saved in {out_dir}; only where clients run, how failing clients are handled and the "
+            f"loggers ({may}) may change on resume"
         )
     if ":" in saved.algorithm.name and not named:
         raise RunDirError(
@@ -700,13 +728,14 @@ def summarize(cfg: RunConfig, history: list[dict[str, Any]], plain_macs: int, wa
         hit = [r for r in evals if r["accuracy"] >= target]
         reached = hit[0] if hit else None
     smoothed = None
-    if len(accs) >= 5:
-        window = min(39, len(accs) if len(accs) % 2 else len(accs) - 1)
-        smoothed = float(smoothed_final_accuracy(accs, window=window, polyorder=min(3, window - 1)))
-        # a polynomial fit can overshoot at the end of the curve: keep it within the accuracies of
-        # its window, so it never reports more than any round reached
-        recent = accs[-window:]
-        smoothed = min(max(smoothed, min(recent)), max(recent))
+    if len(accs) >= SMOOTHING_WINDOW:
+        # the FedDUMAP paper's "final accuracy" (its authors' code): the peak of the accuracy curve
+        # smoothed by a Savitzky-Golay filter (window 39 evaluations, cubic), rounded to 3 decimals.
+        # A shorter run has no such window: one cut to the run's length fits one cubic to the whole
+        # run, whose peak was just the best accuracy again, so it reports none (null).
+        smoothed = float(smoothed_final_accuracy(accs, window=SMOOTHING_WINDOW, polyorder=3))
+        # the cubic can overshoot at the end of a rising curve: never more than a round reached
+        smoothed = min(smoothed, max(accs))
     return {
         "algorithm": cfg.algorithm.name,
         "rounds": len(history),

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 __all__ = [
+    "LOGGER_DIRS",
     "RUN_ENTRIES",
     "RUN_FILES",
     "DirState",
@@ -49,8 +50,17 @@ __all__ = [
 RUN_FILES = ("config.yaml", "metrics.jsonl", "checkpoint.pt", "summary.json")
 
 
+#: The folders of the experiment loggers (:mod:`fedhetero.core.loggers`), each with the names of
+#: the files its logger writes there: TensorBoard's event files; MLflow's SQLite store and the
+#: journal files SQLite keeps beside it while it writes.
+LOGGER_DIRS: dict[str, re.Pattern[str]] = {
+    "tensorboard": re.compile(r"events\.out\.tfevents\..+"),
+    "mlflow": re.compile(r"mlflow\.db(-journal|-wal|-shm)?"),
+}
+
 #: Every file and folder a run writes into its directory (``client_state/`` holds only the state
-#: store's files, ``client_NNNNNN/rNNNNNN[b].pt``); ``.NAME.tmpPID`` files are interrupted writes.
+#: store's files, ``client_NNNNNN/rNNNNNN[b].pt``; a logger's folder only its logger's files, see
+#: :data:`LOGGER_DIRS`); ``.NAME.tmpPID`` files are interrupted writes.
 RUN_ENTRIES = (
     ".lock",
     "config.yaml",
@@ -64,6 +74,7 @@ RUN_ENTRIES = (
     "model.json",
     "accuracy.png",
     "client_state",
+    *LOGGER_DIRS,
 )
 
 _TMP = re.compile(r"^\..+\.tmp\d+$")
@@ -282,7 +293,11 @@ def inspect_dir(root: Path) -> DirState:
             state.foreign += [f"client_state/{x}" for x in _foreign_state(p)]
             if any(p.iterdir()):
                 state.run_entries.append(name)
-        elif name in RUN_ENTRIES and name != "client_state" and (p.is_file() and not p.is_symlink()):
+        elif name in LOGGER_DIRS and p.is_dir() and not p.is_symlink():
+            state.foreign += [f"{name}/{x}" for x in _foreign_files(p, LOGGER_DIRS[name])]
+            if any(p.iterdir()):
+                state.run_entries.append(name)
+        elif name in RUN_ENTRIES and name not in ("client_state", *LOGGER_DIRS) and (p.is_file() and not p.is_symlink()):
             if name != ".lock":
                 state.run_entries.append(name)
         elif _TMP.match(name) and p.is_file():
@@ -305,6 +320,16 @@ def _foreign_state(root: Path) -> list[str]:
             if not ((_STATE_FILE.match(f.name) or _TMP.match(f.name)) and f.is_file() and not f.is_symlink()):
                 out.append(f"{d.name}/{f.name}")
     return out
+
+
+def _foreign_files(folder: Path, names: re.Pattern[str]) -> list[str]:
+    """Entries of a logger's folder that its logger did not write (``names``: its files; besides
+    them, interrupted atomic writes)."""
+    return [
+        p.name + ("/" if p.is_dir() else "")
+        for p in sorted(folder.iterdir())
+        if not ((names.fullmatch(p.name) or _TMP.match(p.name)) and p.is_file() and not p.is_symlink())
+    ]
 
 
 def describe_run(root: Path) -> str | None:
@@ -344,6 +369,10 @@ def clear_run(root: Path) -> None:
                 for f in d.iterdir():
                     f.unlink()
                 d.rmdir()
+            p.rmdir()
+        elif name in LOGGER_DIRS and p.is_dir():
+            for f in p.iterdir():
+                f.unlink()
             p.rmdir()
         elif p.is_file():
             p.unlink()

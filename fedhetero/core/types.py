@@ -92,6 +92,11 @@ class ClientResult:
     client_state: dict[str, Any] | None = None
     timers: dict[str, float] = field(default_factory=dict)
 
+    def send(self, **payload: Any) -> None:
+        """Add entries to what travels up besides the state, counting their bytes."""
+        self.payload.update(payload)
+        self.bytes_up += payload_bytes(payload)
+
     @classmethod
     def of(
         cls,

@@ -21,7 +21,7 @@ from torch import nn
 from fedhetero.core import budget as budget_mod
 
 if TYPE_CHECKING:  # pragma: no cover
-    from fedhetero.core.context import ClientContext
+    from fedhetero.core.context import RunContext
 
 __all__ = ["WidthPlanner", "narrowest_width", "narrowest_width_macs"]
 
@@ -37,7 +37,7 @@ class WidthPlanner:
     """
 
     def __init__(
-        self, ctx: "ClientContext", builder: Callable[[float], nn.Module] | None = None, step: float = 1 / 16
+        self, ctx: "RunContext", builder: Callable[[float], nn.Module] | None = None, step: float = 1 / 16
     ) -> None:
         self._ctx = ctx
         self._builder = builder if builder is not None else (lambda w: ctx.build_model(width=w))
@@ -81,13 +81,13 @@ class WidthPlanner:
         return self._macs[w]
 
 
-def narrowest_width(ctx: "ClientContext") -> float:
+def narrowest_width(ctx: "RunContext") -> float:
     """The narrowest width a :class:`WidthPlanner` of ``ctx`` searches (``model.width / 16``)."""
     return min(WidthPlanner(ctx).grid(float(ctx.plain_macs)))
 
 
 def narrowest_width_macs(
-    ctx: "ClientContext", builder: Callable[[float], nn.Module] | None = None, width: float | None = None
+    ctx: "RunContext", builder: Callable[[float], nn.Module] | None = None, width: float | None = None
 ) -> float:
     """Forward MACs per sample of the family member at ``width`` (default: the narrowest width
     the planner can choose), built by ``builder`` (default: the configured model): the smallest

@@ -26,9 +26,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from rich.console import Console
 
 from fedhetero.core.config import load_config
+from fedhetero.core.console import make_console
 from fedhetero.core.rundir import finite_json
 from fedhetero.lab.grid import run_grid
 
@@ -222,7 +222,7 @@ def run_ablation(*, config: str, overrides: list[str], out: str | Path, betas: l
     """``fedhetero dynamicfl-ablation``: run (with ``run``) the unfinished runs of :func:`plan` from the
     base ``config`` with ``overrides``, ``jobs`` at a time, into ``out``; write and print the tables;
     returns the exit status (1 when runs are missing, 2 for an unknown choice)."""
-    console = Console()
+    console = make_console()
     load_config(config, overrides=overrides)  # one clear error for a bad base config
     bad = [c for c in choices if c not in CHOICES]
     if bad:

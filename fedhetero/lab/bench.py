@@ -27,11 +27,11 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from rich.console import Console
 from rich.table import Table
 
 from fedhetero.backends.process import ProcessBackend
 from fedhetero.core.config import RunConfig, from_dict, to_dict
+from fedhetero.core.console import make_console
 from fedhetero.core.engine import Engine
 from fedhetero.data import iterate_batches
 
@@ -59,7 +59,7 @@ def _round_cfg(clients: int, per_round: int, rounds: int, algorithm: str, datase
 def bare_fedavg(cfg: RunConfig, rounds: int) -> float:
     """A hand-written FedAvg loop over the engine's own partitions and batch order; returns seconds."""
     eng = Engine(cfg, tempfile.mkdtemp(prefix="fedhetero-bare-"), progress=False)
-    eng._setup()
+    eng.setup()
     ctx, data = eng.ctx, eng.data
     global_model = eng.algorithm.global_model
     assert global_model is not None  # made by the algorithm's setup
@@ -98,7 +98,7 @@ def round_benchmark(*, clients: int, per_round: int, rounds: int, repeats: int, 
     spent in REP, DYMM and merge (``dynamicfl_rounds`` rounds); prints the table, writes the numbers
     to ``json_path`` when given and returns them."""
     torch.set_num_threads(threads)
-    console = Console()
+    console = make_console()
     cfg = _round_cfg(clients, per_round, rounds, "fedavg", dataset, model)
     eng_t, bare_t = [], []
     # warm-up: one-time costs of a fresh process (lazy imports, first optimizer) are not a round's
@@ -176,7 +176,7 @@ def memory_benchmark(*, rounds: int, algorithm: str, json_path: str | None = Non
     table.add_row("100 clients, 10 % sampled", f"{small['maxrss_kb'] / 1024:.1f}")
     table.add_row("1000 clients, 1 % sampled", f"{big['maxrss_kb'] / 1024:.1f}")
     table.add_row("ratio (target ≤ 1.2)", f"{ratio:.3f}")
-    Console().print(table)
+    make_console().print(table)
     out = {"small": small, "big": big, "ratio": ratio}
     if json_path:
         Path(json_path).write_text(json.dumps(out, indent=2))
@@ -266,7 +266,7 @@ def engines_benchmark(*, clients: int, per_round: int, rounds: int, repeats: int
     process/local row with ``heavy_epochs`` local epochs; with ``flower`` and the extra installed,
     our Flower back end vs Flower's own FedAvg strategy); prints the table, writes the numbers to
     ``json_path`` when given and returns them."""
-    console = Console()
+    console = make_console()
     base = to_dict(_round_cfg(clients, per_round, rounds, "fedavg", dataset, model))
     base["threads"] = 1
 

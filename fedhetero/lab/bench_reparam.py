@@ -32,8 +32,10 @@ Rows:
   (the ``fedhetero`` trainer runs this way), where the expanded model is also timed with the
   per-branch forward (:func:`reparam.fused.fused_training` off). The target row is the tuned one.
 
-:func:`run_benchmark` returns the numbers as a dict and :func:`print_table` prints them;
-``fedhetero bench reparam`` runs both (its options are declared in :mod:`fedhetero.cli.bench`).
+:func:`run_benchmark` returns the numbers as a dict (its ``progress`` callback receives a line per
+step and per timed repeat) and :func:`print_table` prints them, with :data:`UPSTREAM` (what
+"upstream" is) under the table; ``fedhetero bench reparam`` runs both, says up front how long it
+takes and reports progress on stderr (its options are declared in :mod:`fedhetero.cli.bench`).
 """
 
 from __future__ import annotations
@@ -46,12 +48,12 @@ from typing import Any, Callable, Literal, Protocol, Sequence, cast
 import numpy as np
 import torch
 import torch.nn.functional as F
-from rich.console import Console
 from rich.table import Table
 from torch import nn
 
 import reparam
 from fedhetero.core import allocator
+from fedhetero.core.console import make_console
 from fedhetero.models import build_model
 from reparam import AvgBranch, ConvBNBranch, IdentityBasedConv1x1, IdentityBranch, OneByOneKxKBranch, flops, fused
 from reparam._compat import import_torchvision
@@ -60,7 +62,19 @@ from reparam.testing import perturb_, rel_err
 
 __all__ = [
     "run_benchmark", "print_table", "upstream_switch_to_deploy", "float64_products", "MODELS", "QUOTED_UPSTREAM", "TARGETS",
+    "UPSTREAM", "DEFAULT_DURATION", "duration_note",
 ]
+
+#: what "upstream" means in the table and the output
+UPSTREAM = (
+    "upstream: the public reference implementation of the Diverse Branch Block (DBB, Ding et al., "
+    "CVPR 2021; github.com/DingXiaoH/DiverseBranchBlock). Its deploy conversion "
+    "(switch_to_deploy) is re-implemented here and timed live on copies of the same model "
+    "(\"measured\"); the other upstream figures are quoted for that code (\"quoted\"), not "
+    "measured by this benchmark."
+)
+#: how long ``fedhetero bench reparam`` takes with its default settings on a 2-core CPU
+DEFAULT_DURATION = "2–5 minutes"
 
 #: figures of the upstream implementation quoted for comparison (not measured by this benchmark;
 #: the merge time of upstream is measured live, see :func:`upstream_switch_to_deploy`)
@@ -280,16 +294,20 @@ def _best(samples: dict[str, list[float]], log: dict[str, list[float]], tag: str
 
 
 def _interleaved(
-    fns: dict[str, Callable[[], Any]], warmup: int, repeats: int, log: dict[str, list[float]], tag: str
+    fns: dict[str, Callable[[], Any]], warmup: int, repeats: int, log: dict[str, list[float]], tag: str,
+    tick: Callable[[int, int], None] | None = None,
 ) -> dict[str, float]:
-    """Best seconds per call of each function, calls interleaved round-robin (samples into ``log``)."""
+    """Best seconds per call of each function, calls interleaved round-robin (samples into ``log``);
+    ``tick(done, repeats)`` after each timed repeat."""
     for _ in range(warmup):
         for fn in fns.values():
             fn()
     samples: dict[str, list[float]] = {k: [] for k in fns}
-    for _ in range(repeats):
+    for i in range(repeats):
         for k, fn in fns.items():
             samples[k].append(_timed(fn))
+        if tick is not None:
+            tick(i + 1, repeats)
     return _best(samples, log, tag)
 
 
@@ -350,11 +368,13 @@ def float64_products(model: nn.Module, seed: int = 0) -> _Products:
 
 
 def _merge_times(
-    expanded: nn.Module, pairs: dict[str, str], repeats: int, log: dict[str, list[float]]
+    expanded: nn.Module, pairs: dict[str, str], repeats: int, log: dict[str, list[float]],
+    tick: Callable[[int, int], None] | None = None,
 ) -> dict[str, float]:
     """Best seconds of each merge variant, each on a fresh copy made beforehand (the copy is not
     timed except in ``ours_with_copy``), and of the float64 products alone
-    (:func:`float64_products`); variants interleaved, one untimed warm-up round."""
+    (:func:`float64_products`); variants interleaved, one untimed warm-up round; ``tick(done,
+    repeats)`` after each timed round."""
     variants: dict[str, Callable[[nn.Module], Any]] = {
         "ours": lambda m: reparam.merge(m, inplace=True),
         "upstream": lambda m: upstream_switch_to_deploy(m, pairs),
@@ -374,6 +394,8 @@ def _merge_times(
         t = _timed(products)
         if rep:
             samples["float64_products"].append(t)
+            if tick is not None:
+                tick(rep, repeats)
     return _best(samples, log, "merge")
 
 
@@ -394,6 +416,7 @@ def run_benchmark(
     input_size: int = 32,
     seed: int = 0,
     tune_allocator: bool = True,
+    progress: Callable[[str], None] | None = None,
 ) -> dict:
     """Measure merge time (ours and upstream's), inference and training-step cost; return a
     JSON-able dict.
@@ -410,6 +433,8 @@ def run_benchmark(
         seed: seed of the random data and of the perturbation.
         tune_allocator: also time training after :func:`fedhetero.core.allocator.tune_malloc` (the target
             row); with ``False`` the allocator is left alone and the first measurement is the target.
+        progress: called with one line per step (``[k/n] what``, with an estimate of the
+            training steps' time once inference is timed) and one per timed repeat.
     """
     for name, v in (
         ("batch", batch), ("repeats", repeats), ("merge_repeats", merge_repeats), ("train_repeats", train_repeats)
@@ -422,11 +447,28 @@ def run_benchmark(
         raise ValueError(f"threads must be None or an int >= 1, got {threads!r}")
 
     log: dict[str, list[float]] = {}  # every timed sample (ms), by measure
+    steps = 5 if tune_allocator else 4
+    done = [0]
+
+    def say(text: str) -> None:
+        if progress is not None:
+            done[0] += 1
+            progress(f"[{done[0]}/{steps}] {text}")
+
+    def tick(what: str) -> Callable[[int, int], None]:
+        def report(i: int, n: int) -> None:
+            if progress is not None:
+                progress(f"      {what}: repeat {i}/{n} timed")
+
+        return report
+
     old_threads = torch.get_num_threads()
     if threads is not None:
         torch.set_num_threads(threads)
     try:
         torch.manual_seed(seed)
+        say(f"building {model if isinstance(model, str) else 'the model' if model is not None else 'resnet18'}, "
+            "expanding it and perturbing it as training would")
         if model is None or isinstance(model, str):
             plain, model_name = _build_model(model or "resnet18")
         else:
@@ -449,7 +491,10 @@ def run_benchmark(
         macs_expanded = flops.model_macs(expanded, input_shape)
 
         tuned_before = allocator.malloc_tuned()
-        merge = _merge_times(expanded, pairs, merge_repeats, log)
+        say(f"timing the whole-model merge: ours, upstream's, float64 (a warm-up, then {merge_repeats} timed)")
+        merge = _merge_times(expanded, pairs, merge_repeats, log, tick("merge"))
+        say("checking every merged model against the expanded one; timing inference: plain, expanded, merged "
+            f"({warmup} warm-up + {repeats} repeats)")
         merged = reparam.merge(expanded)
         upstream = upstream_switch_to_deploy(copy.deepcopy(expanded), pairs)
         merged_f64 = reparam.merge(expanded, compute_dtype=torch.float64)
@@ -468,15 +513,26 @@ def run_benchmark(
             repeats,
             log,
             "inference",
+            tick("inference"),
         )
         plain_t = copy.deepcopy(plain).train()
         expanded_t = copy.deepcopy(expanded).train()
-        steps = {"plain": _train_step_fn(plain_t, x, y), "expanded": _train_step_fn(expanded_t, x, y)}
-        train_system = _interleaved(steps, warmup, train_repeats, log, "train_allocator_as_found")
+        train_fns = {"plain": _train_step_fn(plain_t, x, y), "expanded": _train_step_fn(expanded_t, x, y)}
+        # a training step costs roughly four inference forwards (a forward with autograd, the
+        # backward, the update); the tuned pass also times the per-branch forward (~1.2× expanded)
+        forwards = infer["plain"] + infer["expanded"]
+        tuned_pass = forwards + 1.2 * infer["expanded"] if tune_allocator else 0.0
+        guess = 4 * (warmup + train_repeats) * (forwards + tuned_pass)
+        say(f"timing training steps: plain, expanded, allocator as found ({warmup} warm-up + {train_repeats} "
+            f"repeats); estimate for the training steps: {_duration(guess)}")
+        train_system = _interleaved(train_fns, warmup, train_repeats, log, "train_allocator_as_found",
+                                    tick("training, allocator as found"))
         train = train_system
         tuned = False
         if tune_allocator:
             tuned = allocator.tune_malloc()
+            say("timing training steps after tuning the C allocator: plain, expanded, per-branch forward"
+                if tuned else "the C allocator cannot be tuned here: no second training measurement")
         if tuned:
             per_branch = _train_step_fn(copy.deepcopy(expanded).train(), x, y)
 
@@ -484,7 +540,8 @@ def run_benchmark(
                 with fused.fused_training(False):
                     per_branch()
 
-            train = _interleaved({**steps, "expanded_per_branch": unfused}, warmup, train_repeats, log, "train_tuned_malloc")
+            train = _interleaved({**train_fns, "expanded_per_branch": unfused}, warmup, train_repeats, log,
+                                 "train_tuned_malloc", tick("training, tuned allocator"))
     finally:
         torch.set_num_threads(old_threads)
 
@@ -533,12 +590,30 @@ def run_benchmark(
     }
 
 
+def _duration(seconds: float) -> str:
+    """``~40 s``, ``~3 min``: a rough duration."""
+    if seconds < 90:
+        return f"~{max(seconds, 1):.0f} s"
+    return f"~{seconds / 60:.0f} min"
+
+
+def duration_note(*, defaults: bool) -> str:
+    """What ``fedhetero bench reparam`` prints before it starts: how long it takes."""
+    if defaults:
+        return (f"this takes roughly {DEFAULT_DURATION} on an idle 2-core CPU, longer on a busy one (training "
+                "steps take most of it); progress follows on stderr")
+    return (f"with the default settings this takes roughly {DEFAULT_DURATION} on an idle 2-core CPU; a larger batch, "
+            "input or more repeats take longer; an estimate of the training steps follows once inference is "
+            "timed; progress follows on stderr")
+
+
 # --------------------------------------------------------------------------------------------
 # presentation
 
 
-def print_table(res: dict) -> None:
-    """Print the numbers of :func:`run_benchmark` as a table."""
+def print_table(res: dict, console: Any = None) -> None:
+    """Print the numbers of :func:`run_benchmark` as a table (on ``console``, default stdout),
+    with what "upstream" means below it."""
 
     def ok(value: float, target: float) -> str:
         return "[green]yes[/green]" if value <= target else "[red]no[/red]"
@@ -585,4 +660,6 @@ def print_table(res: dict) -> None:
     t.add_row("step time expanded / plain", f"{res['step_ratio']:.2f}", "", "", f"{up['step_ratio']:.2f} (quoted)")
     t.add_row("overhead per MAC (time ratio / MACs ratio)", f"{res['overhead_per_mac']:.2f}", "<= 1.3",
               ok(res["overhead_per_mac"], TARGETS["overhead_per_mac"]), f"{up['overhead_per_mac']:.2f} (quoted)")
-    Console().print(t)
+    t.caption = UPSTREAM
+    t.caption_justify = "left"
+    (console or make_console()).print(t)

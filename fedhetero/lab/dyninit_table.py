@@ -26,9 +26,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from rich.console import Console
 
 from fedhetero.core.config import load_config
+from fedhetero.core.console import make_console
 from fedhetero.core.context import client_context
 from fedhetero.core.rundir import finite_json
 from fedhetero.core.sessions import EnergyModel
@@ -242,7 +242,7 @@ def run_table(*, config: str, overrides: list[str], out: str | Path, overlaps: l
     """``fedhetero dyninit-table``: run (with ``run``) the grid's unfinished runs from the base
     ``config`` with ``overrides``, ``jobs`` at a time, into ``out``; write and print both tables;
     returns the exit status (1 when runs are missing, 2 for an unknown method)."""
-    console = Console()
+    console = make_console()
     base = load_config(config, overrides=overrides)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)

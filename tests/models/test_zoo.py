@@ -264,3 +264,26 @@ def test_fast_pool_equals_max_pool(shape: tuple[int, int, int, int], channels_la
     fast(xg).nan_to_num().sum().backward()
     ref(xr).nan_to_num().sum().backward()
     assert torch.equal(xg.grad, xr.grad)
+
+
+def test_register_model_builds_refuses_a_taken_name_and_unregisters():
+    from fedhetero.models import register_model, unregister_model
+
+    class Tiny(torch.nn.Module):
+        def __init__(self, num_classes: int = 10, **_: object) -> None:
+            super().__init__()
+            self.fc = torch.nn.Linear(4, num_classes)
+
+    register_model("tiny_probe", Tiny)
+    try:
+        assert "tiny_probe" in list_models()
+        assert build_model("Tiny-Probe", num_classes=3).fc.out_features == 3
+        with pytest.raises(ValueError, match="already the model 'tiny_probe'"):
+            register_model("tinyprobe", Tiny)
+        with pytest.raises(ValueError, match="already the model 'lenet5'"):
+            register_model("lenet", Tiny)
+    finally:
+        unregister_model("tiny_probe")
+    assert "tiny_probe" not in list_models()
+    with pytest.raises(ValueError, match="unknown model"):
+        build_model("tiny_probe")

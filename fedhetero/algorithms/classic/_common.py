@@ -17,7 +17,7 @@ from fedhetero.core.aggregation import weighted_average
 from fedhetero.core.types import ClientResult
 
 if TYPE_CHECKING:  # pragma: no cover
-    from fedhetero.core.context import ClientContext
+    from fedhetero.core.context import RunContext
 
 __all__ = ["objective_weights", "param_names", "split_average", "zeros_like_params"]
 
@@ -32,7 +32,7 @@ def zeros_like_params(model: nn.Module) -> dict[str, torch.Tensor]:
     return {n: torch.zeros_like(p, device="cpu") for n, p in model.named_parameters() if p.requires_grad}
 
 
-def objective_weights(ctx: "ClientContext", cids: list[int]) -> list[float]:
+def objective_weights(ctx: "RunContext", cids: list[int]) -> list[float]:
     """Each client's weight in the global objective ``Σ_i w_i f_i`` over *all* clients: its share
     of all training samples (``train.aggregation: samples``) or ``1/N`` (``uniform``). Server
     states that track a mean over every client (SCAFFOLD's c, FedDyn's h) are updated with these
@@ -45,7 +45,7 @@ def objective_weights(ctx: "ClientContext", cids: list[int]) -> list[float]:
 
 
 def split_average(
-    ctx: "ClientContext", results: list[ClientResult], params: set[str]
+    ctx: "RunContext", results: list[ClientResult], params: set[str]
 ) -> tuple[list[float], dict[str, torch.Tensor]]:
     """The normalised aggregation weights ``p_i`` (sample or uniform, as configured) and the
     FedAvg average of every state entry that is not a trainable parameter."""

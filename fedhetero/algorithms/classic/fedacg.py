@@ -28,12 +28,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch import nn
 
 from fedhetero.core.aggregation import weighted_average
 from fedhetero.core.algorithm import Algorithm
-from fedhetero.core.cohort import plain_results, proximal_hook, train_cohort
 from fedhetero.core.config import MethodOptions, option
+from fedhetero.core.objective import LocalObjective, proximal
 from fedhetero.core.types import ClientInfo, ClientResult, ClientTask
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -59,6 +58,11 @@ class FedACG(Algorithm):
     """Lookahead broadcast, regularised local training and server momentum."""
 
     name = "fedacg"
+    summary = (
+        "The server broadcasts a lookahead model along its momentum, clients train regularised towards it, "
+        "and the server updates the momentum from the average."
+    )
+    paper = "Kim, Kim, Han; CVPR 2024"
     Options = FedACGOptions
     state_fields = ("global_model", "momentum")
 
@@ -94,21 +98,6 @@ class FedACG(Algorithm):
         self.momentum = {k: self.momentum[k].to(v.device, v.dtype) for k, v in like.items()}
 
     # ---------------------------------------------------------------- client half
-    def local_train(self, ctx: "ClientContext", task: ClientTask, model: nn.Module) -> dict[str, Any]:
-        beta = float(self.options.beta)
-        sent = task.payload["state"]
-        anchors = [(p, sent[name].detach()) for name, p in model.named_parameters() if p.requires_grad]
-
-        def regularise(_model: nn.Module) -> None:
-            for p, p0 in anchors:
-                if p.grad is not None:
-                    p.grad.add_(p.detach() - p0, alpha=beta)
-
-        return ctx.train(model, task, ctx.cfg.train.local_epochs, after_backward=regularise)
-
-    def client_update_many(
-        self, ctx: "ClientContext", tasks: list[ClientTask], states: list[dict[str, Any] | None]
-    ) -> list[ClientResult] | None:
+    def local_objective(self, ctx: "ClientContext", task: ClientTask, state: dict[str, Any] | None) -> LocalObjective:
         # the regulariser's anchor θ₀ is the state the task carries, where every client starts
-        done = train_cohort(self, ctx, tasks, hook=proximal_hook(float(self.options.beta)))
-        return None if done is None else plain_results(ctx, tasks, *done)
+        return LocalObjective(grad=proximal(float(self.options.beta)), consts={"anchor": task.payload["state"]})

@@ -17,7 +17,7 @@ from fedhetero.core.types import ClientInfo, ClientTask
 from fedhetero.core.widths import narrowest_width_macs
 
 if TYPE_CHECKING:  # pragma: no cover
-    from fedhetero.core.context import ClientContext, Context
+    from fedhetero.core.context import Context, RunContext
 
 __all__ = ["FedAvg", "FedAvgSmall"]
 
@@ -26,6 +26,11 @@ class FedAvg(Algorithm):
     """Sample-weighted averaging of full local models (the engine's default hooks)."""
 
     name = "fedavg"
+    summary = (
+        "Every client trains the full global model on its own data and the server takes the sample-weighted "
+        "average of the returned models."
+    )
+    paper = "McMahan et al., AISTATS 2017"
 
 
 @dataclass(frozen=True)
@@ -37,9 +42,14 @@ class FedAvgSmall(Algorithm):
     """FedAvg where everybody trains the model that fits the smallest tier (budget-matched)."""
 
     name = "fedavg_small"
+    summary = (
+        "FedAvg in which every client trains the narrower model that fits the smallest tier's budget (the "
+        "budget-matched baseline)."
+    )
+    paper = "McMahan et al., AISTATS 2017 (FedAvg), run budget-matched"
     Options = FedAvgSmallOptions
 
-    def min_budget_macs(self, ctx: "ClientContext") -> float | None:
+    def min_budget_macs(self, ctx: "RunContext") -> float | None:
         """Budget-matched (``width`` null): the narrowest width's MACs. A ``width`` given by hand
         is trained by everybody whatever their budget (as FedAvg does): no floor."""
         if self.options.width is not None:

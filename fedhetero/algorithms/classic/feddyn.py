@@ -28,11 +28,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch import nn
 
-from fedhetero.algorithms.classic._common import objective_weights, param_names, split_average, zeros_like_params
+from fedhetero.algorithms.classic._common import objective_weights, split_average, zeros_like_params
 from fedhetero.core.algorithm import Algorithm
 from fedhetero.core.config import MethodOptions, option
+from fedhetero.core.objective import GradRule, LocalObjective, Tensors
 from fedhetero.core.types import ClientResult, ClientTask
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -50,6 +50,11 @@ class FedDyn(Algorithm):
     """FedDyn (see the module docstring)."""
 
     name = "feddyn"
+    summary = (
+        "Each client's local loss gets a dynamic linear and quadratic regulariser from its own state, and the"
+        " server corrects the average with a running state."
+    )
+    paper = "Acar et al., ICLR 2021"
     Options = FedDynOptions
     state_fields = ("global_model", "h")
 
@@ -84,26 +89,29 @@ class FedDyn(Algorithm):
         self.global_model.load_state_dict(new)
 
     # ---------------------------------------------------------------- client half
-    def client_update(self, ctx: "ClientContext", task: ClientTask, state: dict[str, Any] | None) -> ClientResult:
+    def local_objective(self, ctx: "ClientContext", task: ClientTask, state: dict[str, Any] | None) -> LocalObjective:
         alpha = float(self.options.alpha)
-        model = self.client_model(ctx, task, state)
-        names = param_names(model)
-        g = state["grad"] if state and "grad" in state else zeros_like_params(model)
-        params = dict(model.named_parameters())
-        terms = [
-            (params[n], task.payload["state"][n].detach().clone(), g[n].to(device=params[n].device, dtype=params[n].dtype))
-            for n in names
-        ]
+        sent = task.payload["state"]
+        if state and "grad" in state:
+            g = state["grad"]
+        else:
+            g = zeros_like_params(self.client_model(ctx, task, state))
 
-        def after_backward(_model: nn.Module) -> None:
-            with torch.no_grad():
-                for p, anchor, g_i in terms:
-                    if p.grad is not None:
-                        p.grad.sub_(g_i).add_(p - anchor, alpha=alpha)
+        def finish(result: ClientResult) -> None:
+            new_g: dict[str, torch.Tensor] = {}
+            for n, g_n in g.items():
+                drift = (result.state[n] - sent[n].to(result.state[n])).to("cpu", torch.float64)
+                new_g[n] = (g_n.to(torch.float64) - alpha * drift).to(g_n.dtype)
+            result.client_state = {"grad": new_g}
 
-        report = ctx.train(model, task, ctx.cfg.train.local_epochs, after_backward=after_backward)
-        trained = {k: v.detach().clone() for k, v in model.state_dict().items()}
-        new_g: dict[str, torch.Tensor] = {}
-        for n, (_, anchor, _g) in zip(names, terms):
-            new_g[n] = (g[n].to(torch.float64) - alpha * (trained[n] - anchor).to("cpu", torch.float64)).to(g[n].dtype)
-        return ClientResult.of(task, trained, macs=ctx.macs(model), metrics=report, client_state={"grad": new_g})
+        return LocalObjective(grad=_dynamic(alpha), consts={"anchor": sent, "g": g}, finish=finish)
+
+
+def _dynamic(alpha: float) -> GradRule:
+    """FedDyn's local gradient ``∇f_i(w) − g_i + α·(w − w_anchor)``."""
+
+    def rule(params: Tensors, grads: Tensors, c: dict[str, Any]) -> None:
+        for n, grad in grads.items():
+            grad.sub_(c["g"][n]).add_(params[n] - c["anchor"][n], alpha=alpha)
+
+    return rule

@@ -64,6 +64,11 @@ class FedEnsemble(Algorithm):
     predictions."""
 
     name = "fedensemble"
+    summary = (
+        "K global models rotate over client strata by random permutations so that each sees all the data; "
+        "inference averages their predicted probabilities."
+    )
+    paper = "Shi, Lai, Al Kontar, Chowdhury; arXiv 2021"
     Options = FedEnsembleOptions
 
     # ---------------------------------------------------------------- server half

@@ -45,6 +45,11 @@ class FedNova(Algorithm):
     """FedNova (see the module docstring)."""
 
     name = "fednova"
+    summary = (
+        "Normalised averaging: each update is divided by the client's amount of local work before averaging, "
+        "so unequal local steps do not bias the model."
+    )
+    paper = "Wang et al., NeurIPS 2020"
 
     # ---------------------------------------------------------------- server half
     def aggregate(self, ctx: "Context", results: list[ClientResult]) -> None:

@@ -11,13 +11,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import torch
-from torch import nn
-
 from fedhetero.core.algorithm import Algorithm
-from fedhetero.core.cohort import plain_results, proximal_hook, train_cohort
 from fedhetero.core.config import MethodOptions, option
-from fedhetero.core.types import ClientResult, ClientTask
+from fedhetero.core.objective import LocalObjective, proximal
+from fedhetero.core.types import ClientTask
 
 if TYPE_CHECKING:  # pragma: no cover
     from fedhetero.core.context import ClientContext
@@ -34,22 +31,13 @@ class FedProx(Algorithm):
     """FedAvg with the proximal term in the local objective."""
 
     name = "fedprox"
+    summary = (
+        "FedAvg whose clients add a proximal term towards the received global model to their local loss, "
+        "which limits client drift."
+    )
+    paper = "Li et al., MLSys 2020"
     Options = FedProxOptions
 
-    def local_train(self, ctx: "ClientContext", task: ClientTask, model: nn.Module) -> dict[str, Any]:
-        mu = float(self.options.mu)
-        pairs = [(p, p.detach().clone()) for p in model.parameters() if p.requires_grad]
+    def local_objective(self, ctx: "ClientContext", task: ClientTask, state: dict[str, Any] | None) -> LocalObjective:
+        return LocalObjective(grad=proximal(float(self.options.mu)), consts={"anchor": task.payload["state"]})
 
-        def proximal(_model: nn.Module) -> None:
-            with torch.no_grad():
-                for p, anchor in pairs:
-                    if p.grad is not None:
-                        p.grad.add_(p - anchor, alpha=mu)
-
-        return ctx.train(model, task, ctx.cfg.train.local_epochs, after_backward=proximal)
-
-    def client_update_many(
-        self, ctx: "ClientContext", tasks: list[ClientTask], states: list[dict[str, Any] | None]
-    ) -> list[ClientResult] | None:
-        done = train_cohort(self, ctx, tasks, hook=proximal_hook(float(self.options.mu)))
-        return None if done is None else plain_results(ctx, tasks, *done)

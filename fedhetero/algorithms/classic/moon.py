@@ -13,7 +13,7 @@ started from (the positive pair) and the client's own model from the last round 
 Choices for the zoo models:
 
 * the representation is the input of the model's final classifier (the penultimate features;
-  :mod:`fedhetero.algorithms.features` finds it with a hook). The zoo models have no projection
+  :mod:`fedhetero.core.features` finds it with a hook). The zoo models have no projection
   head, so MOON's head is not added: the contrastive loss acts on the features the classifier
   reads. A model that is its classifier alone (logistic regression) has no features but its input,
   which is the same for all three models; there the logits are the representation, as in the
@@ -34,23 +34,22 @@ every data set). μ = 0 trains exactly FedAvg's models.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fedhetero.algorithms.features import FeatureTap, has_hidden_layers, penultimate
 from fedhetero.core.algorithm import Algorithm
-from fedhetero.core.cohort import plain_results, train_cohort
 from fedhetero.core.config import MethodOptions, option
+from fedhetero.core.features import has_hidden_layers, penultimate
+from fedhetero.core.objective import Batch, LocalObjective, LossRule
 from fedhetero.core.types import ClientResult, ClientTask
 
 if TYPE_CHECKING:  # pragma: no cover
-    from fedhetero.core.cohort import Cohort
     from fedhetero.core.context import ClientContext
 
-__all__ = ["Moon", "MoonOptions", "moon_contrastive_loss", "representation"]
+__all__ = ["Moon", "MoonOptions", "contrastive_per_sample", "moon_contrastive_loss", "representation"]
 
 
 @dataclass(frozen=True)
@@ -62,12 +61,14 @@ class MoonOptions(MethodOptions):
 def moon_contrastive_loss(z: torch.Tensor, z_glob: torch.Tensor, z_prev: torch.Tensor, tau: float) -> torch.Tensor:
     """MOON's model-contrastive loss, averaged over the batch: cross-entropy of the logits
     ``[cos(z, z_glob), cos(z, z_prev)] / τ`` with the positive (global) pair as the target."""
-    z = z.flatten(1)
-    pos = F.cosine_similarity(z, z_glob.flatten(1), dim=1)
-    neg = F.cosine_similarity(z, z_prev.flatten(1), dim=1)
-    logits = torch.stack([pos, neg], dim=1) / tau
-    target = torch.zeros(z.shape[0], dtype=torch.long, device=z.device)
-    return F.cross_entropy(logits, target)
+    return contrastive_per_sample(z.flatten(1), z_glob.flatten(1), z_prev.flatten(1), tau).mean()
+
+
+def contrastive_per_sample(z: torch.Tensor, z_glob: torch.Tensor, z_prev: torch.Tensor, tau: float) -> torch.Tensor:
+    """MOON's loss of every sample (representations on the last axis; any leading axes)."""
+    pos = F.cosine_similarity(z, z_glob, dim=-1)
+    neg = F.cosine_similarity(z, z_prev, dim=-1)
+    return -torch.log_softmax(torch.stack([pos, neg], dim=-1) / tau, dim=-1)[..., 0]
 
 
 def representation(model: nn.Module, x: torch.Tensor, num_classes: int | None = None) -> torch.Tensor:
@@ -83,86 +84,38 @@ class Moon(Algorithm):
     representations."""
 
     name = "moon"
+    summary = (
+        "FedAvg plus a model-contrastive loss that pulls a client's representations towards the global "
+        "model's and away from its previous local model's."
+    )
+    paper = "Li, He, Song; CVPR 2021"
     Options = MoonOptions
 
-    def client_update(self, ctx: "ClientContext", task: ClientTask, state: dict[str, Any] | None) -> ClientResult:
-        model = self.client_model(ctx, task)
-        if not state:  # no previous local model yet: plain cross-entropy (see the module docstring)
-            report = self.local_train(ctx, task, model)
-        else:
-            report = self._contrastive_train(ctx, task, model, state)
-        result = self.upload(ctx, task, model, report)
-        result.client_state = dict(result.state)  # this round's local model is next round's z_prev
-        return result
+    def local_objective(self, ctx: "ClientContext", task: ClientTask, state: dict[str, Any] | None) -> LocalObjective:
+        """The contrastive term against the global model (positive) and the client's previous
+        model (negative); a client without a previous model trains plain cross-entropy (its term
+        is weighted by zero, so a cohort may mix both kinds of client)."""
+        sent = task.payload["state"]
 
-    def _frozen(self, ctx: "ClientContext", key: str, state: dict[str, torch.Tensor]) -> nn.Module:
-        frozen = ctx.reusable(("moon", key), ctx.build_model)
-        frozen.load_state_dict(state)
-        frozen.eval()
-        return frozen
+        def finish(result: ClientResult) -> None:
+            result.client_state = dict(result.state)  # this round's local model is next round's z_prev
 
-    def _contrastive_train(self, ctx: "ClientContext", task: ClientTask, model: nn.Module, state: dict[str, Any]) -> dict[str, Any]:
-        mu, tau = float(self.options.mu), float(self.options.tau)
-        glob = self._frozen(ctx, "global", task.payload["state"])
-        prev = self._frozen(ctx, "previous", state)
-        use_logits = not has_hidden_layers(model, ctx.num_classes)
-        con_sum: list[torch.Tensor] = []
+        return LocalObjective(
+            loss=_contrastive(float(self.options.mu), float(self.options.tau)),
+            consts={"has_previous": 1.0 if state else 0.0},
+            references={"global": sent, "previous": state or sent},
+            representation="features",
+            finish=finish,
+        )
 
-        with FeatureTap(model, ctx.num_classes, capture_input=True) as tap:
 
-            def loss_fn(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-                x = tap.input
-                assert x is not None  # the tap saw this step's forward
-                with torch.no_grad():
-                    if use_logits:
-                        z_glob, z_prev = glob(x), prev(x)
-                    else:
-                        z_glob, z_prev = penultimate(glob, x, ctx.num_classes), penultimate(prev, x, ctx.num_classes)
-                feats = out if use_logits else tap.features
-                assert feats is not None and z_glob is not None and z_prev is not None  # the tap saw the forward
-                con = moon_contrastive_loss(feats, z_glob, z_prev, tau)
-                con_sum.append(con.detach())
-                return F.cross_entropy(out, y) + mu * con
+def _contrastive(mu: float, tau: float) -> LossRule:
+    """``μ·ℓ_con`` of the batch (see the module docstring), zero for a client without a previous
+    model."""
 
-            report = ctx.train(model, task, ctx.cfg.train.local_epochs, loss_fn=loss_fn)
-        if con_sum:
-            report["contrastive_loss"] = float(torch.stack(con_sum).mean())
-        return report
+    def rule(b: Batch) -> torch.Tensor:
+        con = b.mean(contrastive_per_sample(b.out, b.ref("global"), b.ref("previous"), tau))
+        b.record("contrastive_loss", con)
+        return mu * b.c["has_previous"] * con
 
-    def client_update_many(
-        self, ctx: "ClientContext", tasks: list[ClientTask], states: list[dict[str, Any] | None]
-    ) -> list[ClientResult] | None:
-        """Vectorised MOON for models whose representation is their logits (see the module
-        docstring); None (one by one) for models with hidden layers."""
-        if has_hidden_layers(self.client_model(ctx, tasks[0]), ctx.num_classes):
-            return None
-        sent: dict[str, torch.Tensor] | None = tasks[0].payload.get("state")
-        if sent is None or any(t.payload.get("state") is not sent for t in tasks):
-            return None  # one global model per round
-        mu, tau = float(self.options.mu), float(self.options.tau)
-
-        def extra(co: "Cohort") -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
-            glob = ctx.reusable(("moon", "global"), ctx.build_model)
-            glob.load_state_dict(sent)
-            glob.eval()
-            prev = co.stacked([s or sent for s in states])
-            has_prev = torch.tensor([1.0 if s else 0.0 for s in states], dtype=ctx.dtype, device=ctx.device)
-
-            def term(out: torch.Tensor, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-                z_glob = co.shared_forward(glob, x)
-                with torch.no_grad():
-                    z_prev = co.forward(prev, x)
-                pos = F.cosine_similarity(out, z_glob, dim=-1)
-                neg = F.cosine_similarity(out, z_prev, dim=-1)
-                con = -torch.log_softmax(torch.stack([pos, neg], dim=-1) / tau, dim=-1)[..., 0]
-                return mu * has_prev * (con * mask).sum(1) / mask.sum(1).clamp_min(1.0)
-
-            return term
-
-        done = train_cohort(self, ctx, tasks, extra_loss=extra)
-        if done is None:
-            return None
-        results = plain_results(ctx, tasks, *done)
-        for r in results:
-            r.client_state = dict(r.state)
-        return results
+    return rule

@@ -29,19 +29,17 @@ local step count ``K`` still normalises ``x − y_i`` as the paper's option II d
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
-from torch import nn
 
-from fedhetero.algorithms.classic._common import objective_weights, param_names, split_average, zeros_like_params
+from fedhetero.algorithms.classic._common import objective_weights, split_average, zeros_like_params
 from fedhetero.core.algorithm import Algorithm
-from fedhetero.core.cohort import train_cohort
 from fedhetero.core.config import MethodOptions, option
+from fedhetero.core.objective import LocalObjective, Tensors
 from fedhetero.core.types import ClientInfo, ClientResult, ClientTask
 
 if TYPE_CHECKING:  # pragma: no cover
-    from fedhetero.core.cohort import Cohort
     from fedhetero.core.context import ClientContext, Context
 
 __all__ = ["Scaffold", "ScaffoldOptions"]
@@ -80,6 +78,11 @@ class Scaffold(Algorithm):
     """SCAFFOLD with option-II control variates (see the module docstring)."""
 
     name = "scaffold"
+    summary = (
+        "Server and client control variates correct every local step for client drift (the paper's option "
+        "II); two model-sized tensors travel each way."
+    )
+    paper = "Karimireddy et al., ICML 2020"
     Options = ScaffoldOptions
     state_fields = ("global_model", "c")
 
@@ -123,72 +126,23 @@ class Scaffold(Algorithm):
         self.global_model.load_state_dict(new)
 
     # ---------------------------------------------------------------- client half
-    def client_update(self, ctx: "ClientContext", task: ClientTask, state: dict[str, Any] | None) -> ClientResult:
-        model = self.client_model(ctx, task, state)
-        names = param_names(model)
+    def local_objective(self, ctx: "ClientContext", task: ClientTask, state: dict[str, Any] | None) -> LocalObjective:
         c = task.payload["c"]
-        c_i = state["c_i"] if state and "c_i" in state else zeros_like_params(model)
-        sent = {n: task.payload["state"][n].detach().clone() for n in names}
-        params = dict(model.named_parameters())
-        after_backward: Callable[[nn.Module], None] | None = None
-        if self.options.variant == "standard":
-            correction = [
-                (params[n], (c[n] - c_i[n]).to(device=params[n].device, dtype=params[n].dtype)) for n in names
-            ]
-
-            def corrected(_model: nn.Module) -> None:
-                for p, corr in correction:
-                    if p.grad is not None:
-                        p.grad.add_(corr)
-
-            after_backward = corrected
-
+        c_i = state["c_i"] if state and "c_i" in state else {n: torch.zeros_like(v, device="cpu") for n, v in c.items()}
         lr = ctx.lr_at()
-        report = ctx.train(model, task, ctx.cfg.train.local_epochs, after_backward=after_backward)
-        steps = int(report["steps"])
-        trained = {k: v.detach().clone() for k, v in model.state_dict().items()}
-        delta_c, new_c_i = _control_update(names, sent, trained, c, c_i, steps, lr)
-        return ClientResult.of(
-            task, trained, macs=ctx.macs(model), payload={"delta_c": delta_c}, metrics=report,
-            client_state={"c_i": new_c_i},
-        )
 
-    def client_update_many(
-        self, ctx: "ClientContext", tasks: list[ClientTask], states: list[dict[str, Any] | None]
-    ) -> list[ClientResult] | None:
-        standard = self.options.variant == "standard"
-        keep: dict[str, Any] = {}
+        def finish(result: ClientResult) -> None:
+            steps = int(result.metrics["steps"])
+            delta_c, new_c_i = _control_update(list(c), task.payload["state"], result.state, c, c_i, steps, lr)
+            result.send(delta_c=delta_c)
+            result.client_state = {"c_i": new_c_i}
 
-        def hook(co: "Cohort") -> Callable[[dict[str, torch.Tensor], dict[str, torch.Tensor]], None]:
-            zeros = {n: torch.zeros_like(co.start[n][0], device="cpu") for n in co.names}
-            keep["c_i"] = [dict(s["c_i"]) if s and "c_i" in s else dict(zeros) for s in states]
-            corr = {
-                n: torch.stack([(t.payload["c"][n] - ci[n]).to(co.start[n]) for t, ci in zip(tasks, keep["c_i"])])
-                for n in co.names
-            }
+        if self.options.variant != "standard":  # the DynInit authors' variant: plain local SGD
+            return LocalObjective(finish=finish)
+        return LocalObjective(grad=_corrected, consts={"correction": {n: c[n] - c_i[n] for n in c}}, finish=finish)
 
-            def add(_params: dict[str, torch.Tensor], grads: dict[str, torch.Tensor]) -> None:
-                if standard:
-                    for n in co.names:
-                        grads[n].add_(corr[n])
 
-            return add
-
-        done = train_cohort(self, ctx, tasks, hook=hook)
-        if done is None:
-            return None
-        co, reports = done
-        lr = ctx.lr_at()
-        macs = ctx.macs(co.model)
-        out = []
-        for i, task in enumerate(tasks):
-            trained = co.state(i)
-            steps = int(reports[i]["steps"])
-            delta_c, new_c_i = _control_update(
-                co.names, task.payload["state"], trained, task.payload["c"], keep["c_i"][i], steps, lr
-            )
-            out.append(ClientResult.of(
-                task, trained, macs=macs, payload={"delta_c": delta_c}, metrics=reports[i],
-                client_state={"c_i": new_c_i},
-            ))
-        return out
+def _corrected(params: Tensors, grads: Tensors, c: dict[str, Any]) -> None:
+    """SCAFFOLD's local step direction ``g(y) + c − c_i``."""
+    for n, g in grads.items():
+        g.add_(c["correction"][n])

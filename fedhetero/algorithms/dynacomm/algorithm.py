@@ -137,6 +137,14 @@ class DynaComm(Algorithm):
     """DynaComm: equal local steps; a label-balanced high-frequency group syncs more often."""
 
     name = "dynacomm"
+    summary = (
+        "Every client runs the same local steps; a label-balanced high-frequency group, chosen under a "
+        "communication budget, synchronises more often."
+    )
+    paper = (
+        "Le et al., \"DynamicFL: Federated Learning with Dynamic Communication Resource Allocation\", IEEE "
+        "BigData 2024"
+    )
     Options = DynaCommOptions
 
     # ---------------------------------------------------------------- server half

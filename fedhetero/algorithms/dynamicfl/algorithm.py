@@ -54,7 +54,7 @@ from reparam.planning import expandable_convs, fill_to_budget, first_plan, grow_
 from reparam.saliency import SaliencyMeter
 
 if TYPE_CHECKING:  # pragma: no cover
-    from fedhetero.core.context import ClientContext, Context
+    from fedhetero.core.context import ClientContext, Context, RunContext
 
 __all__ = ["DynamicFL", "DynamicFLOptions"]
 
@@ -175,12 +175,20 @@ class DynamicFL(Algorithm):
     """DynamicFL: FLOPs-budgeted clients grown by lossless re-parameterization, plain global model."""
 
     name = "dynamicfl"
+    summary = (
+        "Clients train models grown above (or pruned below) the plain global model to fit their FLOPs budgets"
+        " by lossless re-parameterization, merged back for averaging."
+    )
+    paper = (
+        "\"Everyone Counts: Fair and Accurate Heterogeneous Federated Learning with Resource-Adaptive Model "
+        "Modulation\" (anonymous, under review), Algorithm 1"
+    )
     Options = DynamicFLOptions
     adapts_to = frozenset({"static", "increasing", "decreasing", "random"})
     supports_submodels = True
 
     # ------------------------------------------------------------------ budgets
-    def min_budget_macs(self, ctx: ClientContext) -> float | None:
+    def min_budget_macs(self, ctx: RunContext) -> float | None:
         """A client below the plain model trains a pruned sub-model (:meth:`_pruned`, and
         :meth:`_to_pruned` when its budget falls mid-round): the smallest plan
         :func:`~fedhetero.algorithms.pruning.surgery.plan_for_budget` allows keeps one channel of every group

@@ -45,7 +45,7 @@ At every session start the host's server state (SCAFFOLD's ``c``, FedACG's momen
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal, Mapping, Sequence
 
 import torch
@@ -54,8 +54,8 @@ from torch import nn
 
 from fedhetero.algorithms import get_algorithm
 from fedhetero.core.algorithm import Algorithm
-from fedhetero.core.cohort import plain_results, train_cohort
 from fedhetero.core.config import OPTIONS_PATH, MethodOptions, from_mapping, option, require
+from fedhetero.core.objective import Batch, LocalObjective, LossRule
 from fedhetero.core.sessions import transition_accuracy
 from fedhetero.core.types import ClientInfo, ClientResult, ClientTask
 
@@ -156,20 +156,15 @@ def _clone(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {k: v.detach().to("cpu").clone() for k, v in state.items()}
 
 
-class _WithTeacher(nn.Module):
-    """The student, with the teacher's logits of the same batch kept aside (the teacher is held
-    outside the module tree, so its weights are neither trained nor uploaded)."""
+def _distillation(kappa: float) -> LossRule:
+    """Continuous's term ``κ·KL(p_teacher ‖ p)``, averaged over the batch."""
 
-    def __init__(self, student: nn.Module, teacher: nn.Module) -> None:
-        super().__init__()
-        self.student = student
-        self._teacher = [teacher]
-        self.teacher_logits: torch.Tensor | None = None
+    def rule(b: Batch) -> torch.Tensor:
+        p_t = F.softmax(b.ref("teacher"), dim=-1)
+        kl = F.kl_div(F.log_softmax(b.out, dim=-1), p_t, reduction="none").sum(-1)
+        return kappa * b.mean(kl)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        with torch.no_grad():
-            self.teacher_logits = self._teacher[0](x)
-        return self.student(x)
+    return rule
 
 
 # ---------------------------------------------------------------------------- the algorithm
@@ -177,6 +172,11 @@ class DynInit(Algorithm):
     """DynInit (or one of its baselines) around a host FL algorithm; see the module docstring."""
 
     name = "dyninit"
+    summary = (
+        "Wraps a host method and, when devices arrive and depart between sessions, starts each session from "
+        "earlier sessions' models weighted by update similarity."
+    )
+    paper = "Chang, Han, Hosseinalipour, Chiang, Brinton; Communication-Efficient FL under Dynamic Device Arrival and Departure"
     Options = DynInitOptions
 
     def __init__(self, options: Any | None = None) -> None:
@@ -190,11 +190,13 @@ class DynInit(Algorithm):
         self.host_options = from_mapping(self.host_cls.Options, opts, f"{OPTIONS_PATH}.host_options")
 
     # ------------------------------------------------------------------ budgets: the host's
+    @property  # type: ignore[misc]  # a class flag elsewhere; the host's, known once options are read
+    def trains_below_floor(self) -> bool:  # type: ignore[override]
+        return self.host_cls.trains_below_floor
+
     def min_budget_macs(self, ctx) -> float | None:
         return self.host_cls(self.host_options).min_budget_macs(ctx)
 
-    def min_dynamic_budget_macs(self, ctx) -> float | None:
-        return self.host_cls(self.host_options).min_dynamic_budget_macs(ctx)
 
     # ------------------------------------------------------------------ server half
     def _new_host(self, ctx, state: Mapping[str, torch.Tensor] | None, salt: int) -> Algorithm:
@@ -410,66 +412,32 @@ class DynInit(Algorithm):
         self.session = int(state["session"])
 
     # ------------------------------------------------------------------ client half
+    def default_client_half(self) -> bool:
+        return self.host_cls(self.host_options).default_client_half()
+
     def client_update(self, ctx, task: ClientTask, state: dict[str, Any] | None) -> ClientResult:
-        if "teacher" in task.payload:
-            result = self._distil(ctx, task)
-        else:
-            result = self.host_cls(self.host_options).client_update(ctx, task, state)
+        """The host's client half, or Continuous's distillation (FedAvg's training with the KL
+        term of :meth:`local_objective`); a gradient round's task keeps the client's state."""
+        if "teacher" in task.payload or self.default_client_half():
+            return super().client_update(ctx, task, state)
+        result = self.host_cls(self.host_options).client_update(ctx, task, state)
         if task.payload.get("keep_client_state"):
             result.client_state = None
         return result
 
-    def client_update_many(self, ctx, tasks, states):
-        if any("teacher" in t.payload for t in tasks):
-            results = self._distil_many(ctx, tasks)
-        else:
-            results = self.host_cls(self.host_options).client_update_many(ctx, tasks, states)
-        if results is None:
-            return None
-        for r, t in zip(results, tasks):
-            if t.payload.get("keep_client_state"):
-                r.client_state = None
-        return results
+    def local_objective(self, ctx, task: ClientTask, state: dict[str, Any] | None) -> LocalObjective | None:
+        if "teacher" in task.payload:  # Continuous: CE + κ·KL(p_teacher ‖ p); bytes down: the model and the teacher
+            return LocalObjective(loss=_distillation(float(self.options.continuous_kl_coef)),
+                                  references={"teacher": task.payload["teacher"]})
+        objective = self.host_cls(self.host_options).local_objective(ctx, task, state)
+        if not task.payload.get("keep_client_state"):
+            return objective
+        objective = objective if objective is not None else LocalObjective()
+        host_finish = objective.finish
 
-    def _distil_many(self, ctx, tasks):
-        teacher_state = tasks[0].payload.get("teacher")
-        if any(t.payload.get("teacher") is not teacher_state for t in tasks):
-            return None
-        kappa = float(self.options.continuous_kl_coef)
+        def finish(result: ClientResult) -> None:
+            if host_finish is not None:
+                host_finish(result)
+            result.client_state = None
 
-        def extra(co):
-            teacher = ctx.reusable(("dyninit", "teacher"), ctx.build_model)
-            teacher.load_state_dict(teacher_state)
-            teacher.eval()
-
-            def term(out, x, mask):
-                p_t = F.softmax(co.shared_forward(teacher, x), dim=-1)
-                kl = (p_t * (torch.log(p_t.clamp_min(1e-30)) - F.log_softmax(out, dim=-1))).sum(-1)
-                return kappa * (kl * mask).sum(1) / mask.sum(1).clamp_min(1.0)
-
-            return term
-
-        host = self.host_cls(self.host_options)
-        done = train_cohort(host, ctx, tasks, extra_loss=extra)
-        if done is None:
-            return None
-        return plain_results(ctx, tasks, *done)
-
-    def _distil(self, ctx, task: ClientTask) -> ClientResult:
-        """Continuous: FedAvg local training with ``CE + κ·KL(p_teacher ‖ p)``."""
-        host = self.host_cls(self.host_options)
-        model = host.client_model(ctx, task)
-        teacher = ctx.reusable(("dyninit", "teacher"), ctx.build_model)
-        teacher.load_state_dict(task.payload["teacher"])
-        teacher.eval()
-        wrapped = _WithTeacher(model, teacher)
-        kappa = float(self.options.continuous_kl_coef)
-
-        def loss_fn(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-            t = wrapped.teacher_logits
-            assert t is not None
-            kl = F.kl_div(F.log_softmax(out, dim=1), F.softmax(t, dim=1), reduction="batchmean")
-            return F.cross_entropy(out, y) + kappa * kl
-
-        report = ctx.train(wrapped, task, ctx.cfg.train.local_epochs, loss_fn=loss_fn)
-        return host.upload(ctx, task, model, report)  # bytes down: the model and the teacher
+        return replace(objective, finish=finish)

@@ -39,7 +39,7 @@ from fedhetero.data.batches import iterate_batches
 from fedhetero.data.server import non_iid_degree
 
 if TYPE_CHECKING:  # pragma: no cover
-    from fedhetero.core.context import ClientContext, Context
+    from fedhetero.core.context import ClientContext, Context, RunContext
 
 __all__ = [
     "FPRIMES",
@@ -195,7 +195,7 @@ class NonIIDStats:
 
 # ==================================================================================== training helpers
 def sgd_epochs(
-    ctx: "ClientContext",
+    ctx: "RunContext",
     model: nn.Module,
     indices: Any,
     epochs: int,

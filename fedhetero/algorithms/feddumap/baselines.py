@@ -93,6 +93,8 @@ class DataSharing(ServerDataAlgorithm):
     """Data-sharing (Zhao et al., 2018): devices train on local data plus a shared server subset."""
 
     name = "data_sharing"
+    summary = "Devices train on their own data plus a fixed random subset of the server data, sent to them once."
+    paper = "Zhao et al., arXiv 2018 (a baseline of the FedDUMAP paper)"
     Options = DataSharingOptions
     #: ``served``: the devices that already received their shared samples
     state_fields = (*ServerDataAlgorithm.state_fields, "served")
@@ -171,6 +173,11 @@ class HybridFL(ServerDataAlgorithm):
     """Hybrid-FL (Yoshida et al., 2020): the server data is one more FedAvg participant (weight n_0)."""
 
     name = "hybrid_fl"
+    summary = (
+        "The server trains on its own data from the last global model and joins the FedAvg average as one "
+        "more participant, weighted by its sample count."
+    )
+    paper = "Yoshida et al., IEEE ICC 2020 (a baseline of the FedDUMAP paper)"
     Options = HybridFLOptions
 
     def aggregate(self, ctx: "Context", updates: list[ClientResult]) -> None:
@@ -201,6 +208,8 @@ class FedDUServerM(FedDUM):
     """ServerM / FedDU-SM: FedDU + server momentum only (Formulas 12 and 8); plain local SGD."""
 
     name = "feddu_sm"
+    summary = "FedDU plus server momentum over the pseudo-gradient only, with plain local SGD on the devices (ServerM)."
+    paper = "a momentum baseline of the FedDUMAP paper (Liu, Jia, Zhang, Yun, Wang et al., ACM TIST)"
     Options = FedDUServerMOptions
 
 
@@ -215,6 +224,8 @@ class FedDUDeviceM(FedDU):
     """DeviceM / FedDU-DM: FedDU + device-side momentum only (Formula 11), no server momentum."""
 
     name = "feddu_dm"
+    summary = "FedDU plus dampened device-side momentum only, reset every round, with no server momentum (DeviceM)."
+    paper = "a momentum baseline of the FedDUMAP paper (Liu, Jia, Zhang, Yun, Wang et al., ACM TIST)"
     Options = FedDUDeviceMOptions
 
 
@@ -235,6 +246,11 @@ class FedDUDA(FedDU):
     """
 
     name = "feddu_da"
+    summary = (
+        "FedDU plus momentum on devices and server with the buffer transmitted both ways, which doubles "
+        "communication (FedDA)."
+    )
+    paper = "a momentum baseline of the FedDUMAP paper (Liu, Jia, Zhang, Yun, Wang et al., ACM TIST)"
     Options = FedDUDAOptions
     #: ``global_momentum``: the averaged buffer ``m^t`` (empty before the first aggregation)
     state_fields = (*FedDU.state_fields, "global_momentum")
@@ -312,6 +328,11 @@ class HRankFL(PruningMixin, ServerDataAlgorithm):
 
     server_data = "optional"
     name = "hrank_fl"
+    summary = (
+        "FedAvg whose global model loses a fixed share of every conv's filters after prune_round rounds, "
+        "those of lowest feature-map rank (HRank) on server data."
+    )
+    paper = "HRank: Lin et al., CVPR 2020 (a baseline of the FedDUMAP paper)"
     Options = HRankFLOptions
 
 
@@ -361,6 +382,11 @@ class IMC(ServerDataAlgorithm):
 
     server_data = "optional"
     name = "imc"
+    summary = (
+        "FedAvg whose global model is pruned once, unstructured, by a global magnitude threshold at a "
+        "Hessian-based rate aggregated over devices; the mask is kept from then on."
+    )
+    paper = "IMC: Zhang et al., NeurIPS 2021 (a baseline of the FedDUMAP paper)"
     Options = IMCOptions
     #: ``masks``: parameter name → bool mask (empty before pruning); ``prune_report``: its audit
     state_fields = (*ServerDataAlgorithm.state_fields, "masks", "prune_report")

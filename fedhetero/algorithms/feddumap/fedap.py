@@ -389,4 +389,9 @@ class FedAP(PruningMixin, ServerDataAlgorithm):
 
     server_data = "optional"  # pruning needs no server data; FedDU steps are not part of FedAP
     name = "fedap"
+    summary = (
+        "FedAvg whose global model is pruned once after prune_round rounds, with layer rates from Hessian "
+        "spectra aggregated over devices and HRank filter choice."
+    )
+    paper = "Liu, Jia, Zhang, Yun, Wang et al., ACM TIST (FedDUMAP; journal version of FedDUAP, Zhang et al., IJCAI 2022), Algorithm 3"
     Options = FedAPOptions

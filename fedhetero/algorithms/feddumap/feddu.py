@@ -111,6 +111,11 @@ class FedDU(ServerDataAlgorithm):
     docstring."""
 
     name = "feddu"
+    summary = (
+        "FedAvg of plain-SGD devices, then a step towards a model trained on shared server data, sized every "
+        "round from accuracy, non-IID degree and a decay."
+    )
+    paper = "Liu, Jia, Zhang, Yun, Wang et al., ACM TIST (FedDUMAP; journal version of FedDUAP, Zhang et al., IJCAI 2022), Algorithm 1"
     Options = FedDUOptions
 
 
@@ -123,6 +128,11 @@ class FedDUStatic(ServerDataAlgorithm):
     """
 
     name = "feddu_static"
+    summary = (
+        "FedDU with a constant server step (a static effective step count) in place of the dynamic one: the "
+        "paper's FedDU-S ablation."
+    )
+    paper = "Liu, Jia, Zhang, Yun, Wang et al., ACM TIST (FedDUMAP; journal version of FedDUAP, Zhang et al., IJCAI 2022), Table 2"
     Options = FedDUStaticOptions
 
     def step_alpha(self, ctx: "Context", acc: float, ratio: float) -> float:

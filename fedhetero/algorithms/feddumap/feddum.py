@@ -162,4 +162,9 @@ class FedDUM(ServerMomentumMixin, ServerDataAlgorithm):
     pseudo-gradient (Formulas 12 and 8)."""
 
     name = "feddum"
+    summary = (
+        "FedDU with decoupled momentum: dampened momentum SGD on the devices, reset every round, and server "
+        "momentum over the FedDU pseudo-gradient."
+    )
+    paper = "Liu, Jia, Zhang, Yun, Wang et al., ACM TIST (FedDUMAP; journal version of FedDUAP, Zhang et al., IJCAI 2022), Algorithm 2"
     Options = FedDUMOptions

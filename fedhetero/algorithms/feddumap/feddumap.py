@@ -50,6 +50,11 @@ class FedDUAP(PruningMixin, FedDU):
     """FedDUAP (IJCAI 2022): FedDU (Algorithm 1) + FedAP (Algorithm 3) once after ``prune_round``."""
 
     name = "fedduap"
+    summary = (
+        "FedDU plus FedAP: the global model is pruned once, structurally and with adaptive per-layer rates, "
+        "after prune_round rounds (the conference method)."
+    )
+    paper = "Zhang et al., IJCAI 2022"
     Options = FedDUAPOptions
 
 
@@ -59,6 +64,11 @@ class FedDUMAP(PruningMixin, FedDUM):
     pruned channels' indices."""
 
     name = "feddumap"
+    summary = (
+        "FedDUM plus FedAP's one-shot adaptive structured pruning after prune_round rounds, with the server "
+        "momentum sliced like the model (the journal method)."
+    )
+    paper = "Liu, Jia, Zhang, Yun, Wang et al., ACM TIST (FedDUMAP; journal version of FedDUAP, Zhang et al., IJCAI 2022)"
     Options = FedDUMAPOptions
 
     def _on_pruned(self, spec: SubmodelSpec) -> None:

@@ -34,7 +34,7 @@ from fedhetero.core.types import ClientInfo, ClientResult, ClientTask
 from fedhetero.core.widths import WidthPlanner
 
 if TYPE_CHECKING:  # pragma: no cover
-    from fedhetero.core.context import ClientContext, Context
+    from fedhetero.core.context import ClientContext, Context, RunContext
 
 __all__ = [
     "FamilyMember",
@@ -73,14 +73,14 @@ def public_indices(ctx: "Context", method: str) -> np.ndarray:
     return np.asarray(idx, dtype=np.int64)
 
 
-def public_source(ctx: "ClientContext") -> Any:
+def public_source(ctx: "RunContext") -> Any:
     """The dataset the public indices refer to (``data.public_dataset``, else ``data.train``)."""
     src = getattr(ctx.data, "public_dataset", None)
     return src if src is not None else ctx.data.train
 
 
 def public_batches(
-    ctx: "ClientContext", indices: np.ndarray | Sequence[int], batch_size: int, generator: torch.Generator
+    ctx: "RunContext", indices: np.ndarray | Sequence[int], batch_size: int, generator: torch.Generator
 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """Endless stream of ``(x, position)`` batches over the public indices.
 
@@ -132,7 +132,7 @@ def member_payload(family: "ModelFamily", tier_models: Mapping[str, nn.Module], 
 
 
 def member_model(
-    ctx: "ClientContext", width: float, make: Callable[[], nn.Module], state: dict[str, torch.Tensor], key: Any
+    ctx: "RunContext", width: float, make: Callable[[], nn.Module], state: dict[str, torch.Tensor], key: Any
 ) -> nn.Module:
     """A copy of the family member at ``width`` (per-process template built by ``make``, cached
     under ``key``) loaded with ``state``."""
@@ -227,7 +227,7 @@ def _cosine(step: int, total: int, base: float) -> float:
 
 
 def distill(
-    ctx: "ClientContext",
+    ctx: "RunContext",
     student: nn.Module,
     batches: Iterator[tuple[torch.Tensor, torch.Tensor]],
     loss_fn: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor | None],

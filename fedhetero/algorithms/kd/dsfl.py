@@ -57,7 +57,7 @@ from fedhetero.core.types import ClientInfo, ClientResult, ClientTask
 from fedhetero.core.widths import narrowest_width_macs
 
 if TYPE_CHECKING:  # pragma: no cover
-    from fedhetero.core.context import ClientContext, Context
+    from fedhetero.core.context import ClientContext, Context, RunContext
 
 __all__ = ["DSFL", "DSFLOptions", "era"]
 
@@ -85,11 +85,16 @@ class DSFL(Algorithm):
     """DS-FL: per-client persistent models, probability sharing on open data, ERA."""
 
     name = "dsfl"
+    summary = (
+        "Clients keep their own models and share only predicted probabilities on open data; the server "
+        "sharpens their mean (entropy reduction aggregation) and distils it."
+    )
+    paper = "Itahara et al., IEEE Transactions on Mobile Computing 2023"
     public_data = "required"
     Options = DSFLOptions
     adapts_to = frozenset({"static"})
 
-    def min_budget_macs(self, ctx: "ClientContext") -> float | None:
+    def min_budget_macs(self, ctx: "RunContext") -> float | None:
         """The narrowest family member's MACs (width ``model.width / 16``)."""
         return narrowest_width_macs(ctx)
 
@@ -114,7 +119,7 @@ class DSFL(Algorithm):
         return self._round_subset[1]
 
     def _distill_to(
-        self, ctx: "ClientContext", model: nn.Module, indices: torch.Tensor, q: torch.Tensor, gen: torch.Generator
+        self, ctx: "RunContext", model: nn.Module, indices: torch.Tensor, q: torch.Tensor, gen: torch.Generator
     ) -> dict[str, Any]:
         opts = self.options
         steps = opts.kd_epochs * math.ceil(len(indices) / opts.kd_batch_size)

@@ -61,7 +61,7 @@ from fedhetero.core.types import ClientInfo, ClientResult, ClientTask
 from fedhetero.core.widths import narrowest_width_macs
 
 if TYPE_CHECKING:  # pragma: no cover
-    from fedhetero.core.context import ClientContext, Context
+    from fedhetero.core.context import ClientContext, Context, RunContext
 
 __all__ = ["FedDF", "FedDFOptions"]
 
@@ -85,13 +85,18 @@ class FedDF(Algorithm):
     """FedDF with one prototype per tier and AvgLogits ensemble distillation on public data."""
 
     name = "feddf"
+    summary = (
+        "One model per budget tier; the server fuses each tier's model by ensemble distillation from all "
+        "returned models (averaged logits) on unlabelled public data."
+    )
+    paper = "Lin, Kong, Stich, Jaggi; NeurIPS 2020"
     public_data = "required"
     server_data = "optional"  # early stopping of the distillation on server data, when given
     Options = FedDFOptions
     adapts_to = frozenset({"static"})
     state_fields = ("tier_models",)  # the global model is the largest tier's model
 
-    def min_budget_macs(self, ctx: "ClientContext") -> float | None:
+    def min_budget_macs(self, ctx: "RunContext") -> float | None:
         """The narrowest family member's MACs (width ``model.width / 16``)."""
         return narrowest_width_macs(ctx)
 
@@ -112,7 +117,7 @@ class FedDF(Algorithm):
         return [self.task(ctx, c, member_payload(self.family, self.tier_models, c)) for c in clients]
 
     # ------------------------------------------------------------------ client half
-    def member_build(self, ctx: "ClientContext", width: float) -> nn.Module:
+    def member_build(self, ctx: "RunContext", width: float) -> nn.Module:
         """A fresh family member at ``width`` (both halves: it depends on the config only)."""
         return ctx.build_model(width=width)
 

@@ -66,7 +66,7 @@ from fedhetero.core.types import ClientInfo, ClientResult, ClientTask
 from fedhetero.core.widths import narrowest_width_macs
 
 if TYPE_CHECKING:  # pragma: no cover
-    from fedhetero.core.context import ClientContext, Context
+    from fedhetero.core.context import ClientContext, Context, RunContext
 
 __all__ = ["FedET", "FedETOptions", "SharedHeadModel", "consensus_targets", "with_shared_head"]
 
@@ -146,12 +146,17 @@ class FedET(Algorithm):
     distillation with diversity regularisation."""
 
     name = "fedet"
+    summary = (
+        "Tier models with a shared head train a larger server model by weighted consensus distillation with "
+        "diversity regularisation on unlabelled public data."
+    )
+    paper = "Cho et al., IJCAI 2022"
     public_data = "required"
     Options = FedETOptions
     adapts_to = frozenset({"static"})
     state_fields = ("server_model", "tier_models")  # the global model is the server model
 
-    def min_budget_macs(self, ctx: "ClientContext") -> float | None:
+    def min_budget_macs(self, ctx: "RunContext") -> float | None:
         """The narrowest family member's MACs (width ``model.width / 16``, shared head included)."""
         return narrowest_width_macs(ctx, lambda width: self.member_build(ctx, width, device=False))
 
@@ -165,7 +170,7 @@ class FedET(Algorithm):
         self.global_model = self.server_model
         self._teachers: list[nn.Module] = []
 
-    def member_build(self, ctx: "ClientContext", width: float, device: bool = True) -> SharedHeadModel:
+    def member_build(self, ctx: "RunContext", width: float, device: bool = True) -> SharedHeadModel:
         """A fresh family member at ``width``: the zoo model with the shared head (both halves: it
         depends on the config and options only)."""
         model = with_shared_head(ctx.build_model(width=width), self.options.rep_dim, ctx.num_classes)

@@ -2,7 +2,7 @@
 
 The global model is trained and averaged as in FedAvg. Besides it the server keeps a lightweight
 conditional generator ``G(y, ε)`` that maps a label and uniform noise to a point in the model's
-feature space (the input of the final classifier, see :mod:`fedhetero.algorithms.features`):
+feature space (the input of the final classifier, see :mod:`fedhetero.core.features`):
 ``[ε, onehot(y)] → Linear → BatchNorm → ReLU → Linear → z``.
 
 **Server, after the clients of round t returned** (ensemble distillation into the generator):
@@ -56,7 +56,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fedhetero.algorithms.features import classifier_of
+from fedhetero.core.features import classifier_of
 from fedhetero.core.aggregation import weighted_average
 from fedhetero.core.algorithm import Algorithm
 from fedhetero.core.config import MethodOptions, option
@@ -115,6 +115,11 @@ class FedGen(Algorithm):
     """FedAvg plus a server-trained feature generator that regularises local training."""
 
     name = "fedgen"
+    summary = (
+        "FedAvg plus a conditional feature generator, trained on the server from the clients' classifiers, "
+        "that regularises local training (data-free distillation)."
+    )
+    paper = "Zhu, Hong, Zhou; ICML 2021"
     Options = FedGenOptions
     # plus the generator's Adam moments, which :meth:`state_dict` adds in a format of its own
     state_fields = ("global_model", "generator", "gen_rounds", "labels")

@@ -70,6 +70,11 @@ class FedRolex(WidthSlicedAlgorithm):
     """FedRolex: HeteroFL with a rolling (or random / static) channel window."""
 
     name = "fedrolex"
+    summary = (
+        "HeteroFL with a channel window that rolls one channel further every round, so every channel of the "
+        "global model gets trained."
+    )
+    paper = "Alam, Liu, Yan, Zhang; NeurIPS 2022"
     Options = FedRolexOptions
 
     def pick(self, ctx: "Context", client: ClientInfo | None) -> Callable[[str, int, int], torch.Tensor] | None:

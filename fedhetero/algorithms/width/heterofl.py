@@ -73,7 +73,7 @@ from fedhetero.core.widths import WidthPlanner, narrowest_width_macs
 from fedhetero.data import iterate_batches
 
 if TYPE_CHECKING:  # pragma: no cover
-    from fedhetero.core.context import ClientContext, Context
+    from fedhetero.core.context import ClientContext, Context, RunContext
     from fedhetero.models.groups import ChannelGroups
 
 __all__ = [
@@ -217,7 +217,7 @@ class HeteroFLOptions(MethodOptions):
 
 
 # ---------------------------------------------------------------------------------------- algorithm
-def width_model(ctx: "ClientContext", width: float, track_running_stats: bool) -> nn.Module:
+def width_model(ctx: "RunContext", width: float, track_running_stats: bool) -> nn.Module:
     """A fresh copy of the configured architecture at ``width`` (from a per-process template; the
     client's sub-model and the server's reference for its channel groups)."""
     key = ("width-sliced", float(width), bool(track_running_stats))
@@ -240,19 +240,17 @@ class WidthSlicedAlgorithm(Algorithm):
 
     name = "base"
     adapts_to = frozenset({"static", "decreasing"})
+    # a budget that falls below the narrowest sub-model is part of the protocol (the client stops
+    # local training at the change; a later round starts it on the narrowest tier's model,
+    # recorded as over budget)
+    trains_below_floor = True
     supports_submodels = True
 
     # ------------------------------------------------------------------ set-up
-    def min_budget_macs(self, ctx: "ClientContext") -> float | None:
+    def min_budget_macs(self, ctx: "RunContext") -> float | None:
         """The narrowest sub-model's MACs (width ``model.width / 16``): a client below it would
         train over budget."""
         return narrowest_width_macs(ctx)
-
-    def min_dynamic_budget_macs(self, ctx: "ClientContext") -> float | None:
-        """None: a budget that falls below the narrowest sub-model is part of the protocol (the
-        client stops local training at the change; a later round starts it on the narrowest
-        tier's model, recorded as over budget)."""
-        return None
 
     def setup(self, ctx: "Context") -> None:
         # a tier no width fits: one error naming it (instead of the planner's, mid-set-up)
@@ -492,4 +490,9 @@ class HeteroFL(WidthSlicedAlgorithm):
     """HeteroFL: nested prefix sub-models, masked per-element averaging, static BN and Scaler."""
 
     name = "heterofl"
+    summary = (
+        "Each client trains the nested prefix sub-model of a widened global model that fits its FLOPs budget;"
+        " every weight is averaged over the clients that trained it."
+    )
+    paper = "Diao, Ding, Tarokh; ICLR 2021"
     Options = HeteroFLOptions

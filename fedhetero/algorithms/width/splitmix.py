@@ -54,7 +54,7 @@ from fedhetero.core.types import ClientInfo, ClientResult, ClientTask
 from fedhetero.core.widths import WidthPlanner, narrowest_width_macs
 
 if TYPE_CHECKING:  # pragma: no cover
-    from fedhetero.core.context import ClientContext, Context
+    from fedhetero.core.context import ClientContext, Context, RunContext
 
 __all__ = ["BaseEnsemble", "SplitMix", "SplitMixOptions", "ensemble_loss"]
 
@@ -103,19 +103,21 @@ class SplitMix(Algorithm):
     """SplitMix with FLOPs-budgeted numbers of independent base networks."""
 
     name = "splitmix"
+    summary = (
+        "The global model is split into independent narrow base networks; each client trains as many bases as"
+        " its budget allows and inference averages them."
+    )
+    paper = "Hong et al., ICLR 2022"
     Options = SplitMixOptions
     adapts_to = frozenset({"static", "decreasing"})
+    # the base is sized to the smallest tier, so a budget that falls below one base is the
+    # method's ordinary case (the client stops local training, or trains one base over budget)
+    trains_below_floor = True
 
-    def min_budget_macs(self, ctx: "ClientContext") -> float | None:
+    def min_budget_macs(self, ctx: "RunContext") -> float | None:
         """One base's MACs: at ``atom_width`` when set, else at the narrowest width the atom width
         can take (a tier below it could not train a single base within its budget)."""
         return narrowest_width_macs(ctx, width=self.options.atom_width)
-
-    def min_dynamic_budget_macs(self, ctx: "ClientContext") -> float | None:
-        """None: the base is sized to the smallest tier, so a budget that falls below one base is
-        the method's ordinary case (the client stops local training, or trains one base recorded as
-        over budget)."""
-        return None
 
     def setup(self, ctx: "Context") -> None:
         # a tier below one base: one error naming it (instead of the planner's, mid-set-up)

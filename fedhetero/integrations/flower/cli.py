@@ -14,9 +14,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from rich.console import Console
-
 from fedhetero.core.config import load_config
+from fedhetero.core.console import make_console
 from fedhetero.core.reports import default_out_dir, print_summary
 from fedhetero.integrations.flower import require_flwr
 from fedhetero.integrations.flower.deploy import flower_config, write_app
@@ -99,7 +98,10 @@ def _simulate(args: argparse.Namespace, console: Any) -> int:
         overrides=list(args.set) if cfg is None else None,
     )
     if result.summary:
-        print_summary(console, result.summary, out)
+        print_summary(console, result.summary, out, metrics=result.metrics)
+        plot = Path(out) / "accuracy.png"
+        if plot.is_file():  # written by the ServerApp (fedhetero.integrations.flower.server_app.run_server)
+            console.print(f"plot: {plot} (accuracy and loss by round)", markup=False)
     return 0
 
 
@@ -127,7 +129,7 @@ def _app(args: argparse.Namespace, console: Any) -> int:
 
 def handle(args: argparse.Namespace) -> int:
     """Run ``fedhetero flower <command>``."""
-    console = Console(highlight=False)
+    console = make_console(highlight=False)
     command = getattr(args, "flower_command", None)
     if command is None:
         return 0

@@ -22,6 +22,7 @@ Run-config keys (``[tool.flwr.app.config]`` of the Flower App, or ``flwr run --r
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -37,7 +38,7 @@ from fedhetero.integrations.flower._common import (
     split_overrides,
 )
 from fedhetero.core.engine import Engine, resume_config
-from fedhetero.core.reports import default_out_dir
+from fedhetero.core.reports import default_out_dir, plot_run
 from fedhetero.integrations.flower.backend import FlowerBackend
 
 try:  # flwr >= 1.21
@@ -149,6 +150,12 @@ def run_server(grid: Grid, settings: ServerSettings, console: Any = None) -> Any
             s["final_accuracy"] if s["final_accuracy"] is not None else float("nan"),
             s["all_fit_budget"], s["dropped_clients"], s["wall_s"],
         )
+        # accuracy.png, as `fedhetero train` writes it (needs the plot extra on this machine)
+        plot = plot_run(console, result, settings.out_dir, cfg)
+        if plot is not None:
+            log.info("fedhetero: plot %s", plot)
+        elif console is None and importlib.util.find_spec("matplotlib") is None:
+            log.info("fedhetero: no plot written (install the plot extra: pip install 'fedhetero[plot]')")
     return result
 
 

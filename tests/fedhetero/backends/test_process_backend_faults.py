@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shlex
 import signal
 import socket
 import subprocess
@@ -286,7 +287,9 @@ def test_ctrl_c_prints_one_line_and_no_worker_traceback(tmp_path):
             _kill_group(proc.pid)
     assert proc.returncode == 130, err
     assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
-    assert "fedhetero: interrupted" in err and "--resume" in err
+    # the exact command that continues the run (its first round is checkpointed), --out included
+    out = tmp_path / "run"
+    assert f"fedhetero: interrupted; continue with: fedhetero train --out {shlex.quote(str(out))} --resume\n" in err, err
     assert len(err.strip().splitlines()) <= 3, err
     assert not any(_alive(pid) for pid in workers)
     assert _worker_dirs() <= before

@@ -35,6 +35,7 @@ BENCH_OPTIONS = {
     "memory": ["--rounds", "--algorithm"],
     "engines": ["--workers", "--no-flower", "--heavy-epochs"],
     "selector": ["--exhaustive-max", "--ga-mutation", "genetic"],
+    "vectorize": ["--clients", "--samples", "--no-flower"],
 }
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import shlex
 import shutil
 import subprocess
 import uuid
@@ -58,15 +59,67 @@ def test_the_stop_message_names_the_checkpoint_that_is_kept(tmp_path, capsys):
     assert rc == 1 and "its checkpoint of round 1 is kept" in err
 
 
-def test_interrupting_prints_the_exact_command_that_continues(tmp_path, capsys, monkeypatch):
-    def interrupted(self):
+def _interrupted_then_continued(capsys, monkeypatch, *argv: str) -> list[str]:
+    """Run ``fedhetero train argv`` as interrupted (Ctrl-C) once round 1 is checkpointed, check the
+    one line it prints, run the command that line gives and return that command."""
+    checkpoint = Engine._checkpoint
+
+    def interrupted(self, rnd):
+        checkpoint(self, rnd)
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(Engine, "run", interrupted)
-    out = tmp_path / "my runs" / "r"
-    rc, _, err = _train(capsys, "--out", str(out), "--quiet", *_sets())
+    with monkeypatch.context() as m:
+        m.setattr(Engine, "_checkpoint", interrupted)
+        rc, _, err = _train(capsys, *argv)
     assert rc == 130
-    assert err.strip() == f"fedhetero: interrupted; continue with: fedhetero train --out '{out}' --resume"
+    prefix = "fedhetero: interrupted; continue with: "
+    assert err.startswith(prefix) and len(err.strip().splitlines()) == 1, err
+    command = shlex.split(err.strip()[len(prefix):])
+    assert command[:2] == ["fedhetero", "train"]
+    rc, _, err = _train(capsys, *command[2:], "--quiet")
+    assert rc == 0, err
+    return command
+
+
+def test_interrupting_prints_the_exact_command_that_continues(tmp_path, capsys, monkeypatch):
+    out = tmp_path / "my runs" / "r"
+    command = _interrupted_then_continued(capsys, monkeypatch, "--out", str(out), "--quiet", *_sets())
+    assert shlex.join(command) == f"fedhetero train --out '{out}' --resume"
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["resumed_from_round"] == 1 and summary["rounds"] == 2
+    # a resumed run interrupted again: its --set (fields that may change on resume) are given again
+    (out / "summary.json").unlink()
+    (out / "checkpoint.pt").unlink()
+    command = _interrupted_then_continued(capsys, monkeypatch, "--out", str(out), "--resume", "--quiet",
+                                          "--set", "engine.min_clients=2")
+    assert shlex.join(command) == f"fedhetero train --out '{out}' --resume --set engine.min_clients=2"
+
+
+def test_interrupting_a_method_of_your_own_names_it_again(tmp_path, capsys, monkeypatch):
+    algo = tmp_path / "my_algo.py"
+    algo.write_text("from fedhetero.algorithms.classic.fedavg import FedAvg\n\nclass Mine(FedAvg):\n    pass\n")
+    out = tmp_path / "r"
+    command = _interrupted_then_continued(capsys, monkeypatch, "--out", str(out), "--quiet",
+                                          *_sets(f"algorithm.name={algo}:Mine"))
+    assert command[2:] == ["--out", str(out), "--resume", "--set", f"algorithm.name={algo}:Mine"]
+
+
+def test_interrupting_before_the_run_is_on_disk_gives_the_command_again(tmp_path, capsys, monkeypatch):
+    """Interrupted during the set-up (say, while the data loads), a run has written nothing that
+    --resume could continue: the command that continues it is the one given, with its --out."""
+    def interrupted(cfg):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("fedhetero.core.engine.build_data", interrupted)
+    out = tmp_path / "my runs" / "r"
+    rc, _, err = _train(capsys, "--quiet", *_sets(), "--out", str(out))
+    assert rc == 130 and not out.exists()
+    sets = " ".join(f"--set {shlex.quote(s)}" for s in SMALL)
+    assert err.strip() == f"fedhetero: interrupted; continue with: fedhetero train {sets} --out '{out}'"
+    monkeypatch.undo()
+    rc, _, err = _train(capsys, *shlex.split(err.strip().split(": ", 2)[2])[2:], "--quiet")
+    assert rc == 0, err
+    assert json.loads((out / "summary.json").read_text())["rounds"] == 2
 
 
 # ---------------------------------------------------------------------------- user strings, literally

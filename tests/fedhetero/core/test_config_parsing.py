@@ -431,12 +431,12 @@ def test_width_floor_is_the_narrowest_width_the_planner_finds(algorithm):
 def test_setup_itself_refuses_instead_of_the_planner_error():
     """The width methods' set-up would fail in the width planner first ("no width of the model fits
     the budget of ... MACs", naming no field): it refuses with the field-naming error instead."""
-    from fedhetero.core.context import Context
+    from fedhetero.core.context import Context, RunContext
 
     cfg = _cfg("heterofl", tiers=_tiers(0.001))
     data = SimpleNamespace(input_shape=(3, 32, 32), num_classes=10, client_indices=[[0]] * 4)
     ctx = Context.__new__(Context)
-    ClientContext.__init__(ctx, cfg, data, torch.device("cpu"))
+    RunContext.__init__(ctx, cfg, data, torch.device("cpu"))
     with pytest.raises(ConfigError, match=r"^budget\.tiers\[0\]\.ratio: heterofl cannot train"):
         build_algorithm(cfg).setup(ctx)
 
@@ -477,7 +477,7 @@ def test_width_methods_follow_falling_budgets_below_their_floor(algorithm):
     cfg = from_dict({**_as_dict(_cfg(algorithm)), "train": {"rounds": 500},
                      "budget": {"scenario": "decreasing", "change": 0.3, "min_ratio": 1e-6}})
     algo = build_algorithm(cfg)
-    assert algo.min_dynamic_budget_macs(_ctx(cfg)) is None
+    assert algo.trains_below_floor
     budget_mod.check_budgets(cfg, algo, _ctx(cfg))
 
 

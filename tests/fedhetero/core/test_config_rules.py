@@ -308,6 +308,7 @@ def _reference_hash(cfg, unhashed=C.RESUMABLE) -> str:
     for section, keys in unhashed.items():
         for key in keys:
             data.get(section, {}).pop(key, None)
+    data.pop("loggers", None)  # added later and never hashed: loggers change no number
     # fields added later are hashed only when set, so runs made before them can still be resumed
     if not cfg.sessions.count:
         data.pop("sessions", None)

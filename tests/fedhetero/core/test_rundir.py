@@ -108,7 +108,7 @@ def test_the_lock_is_taken_before_set_up(tmp_path, monkeypatch):
     run = tmp_path / "r"
     run.mkdir()
     calls = []
-    monkeypatch.setattr(Engine, "_setup", lambda self: calls.append(1))
+    monkeypatch.setattr(Engine, "setup", lambda self: calls.append(1))
     with RunLock(run):
         with pytest.raises(RunDirError, match="in use"):
             Engine(_cfg(), run, progress=False).run()

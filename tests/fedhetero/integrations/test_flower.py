@@ -357,6 +357,48 @@ def test_backend_maps_clients_by_partition_id_not_node_id(task_identity):
         FlowerBackend(_cfg(), MockGrid(3, partitions=[0, 1, None]), num_nodes=3).connect()
 
 
+# ---------------------------------------------------------------------------------- the plot
+def _serve(cfg, out: Path, **kw):
+    from fedhetero.integrations.flower.server_app import ServerSettings, run_server
+
+    return run_server(MockGrid(3), ServerSettings(config=cfg, out_dir=out, num_nodes=3, node_wait_s=5.0, **kw))
+
+
+_PLOT = {"seed": 3, "train": {"rounds": 2}}
+
+
+def test_server_app_writes_the_plot(tmp_path, task_identity):
+    """The ServerApp (deployment and simulation alike) writes accuracy.png beside the metrics."""
+    pytest.importorskip("matplotlib", reason="the plot needs the plot extra")
+    res = _serve(_cfg(**_PLOT), tmp_path / "run")
+    assert res.summary and (tmp_path / "run" / "accuracy.png").read_bytes().startswith(b"\x89PNG")
+
+
+def test_an_unfinished_run_writes_no_plot(tmp_path, task_identity):
+    res = _serve(_cfg(**_PLOT), tmp_path / "cut", stop_after=1)
+    assert res.summary == {} and not (tmp_path / "cut" / "accuracy.png").exists()
+
+
+def test_flower_simulate_names_the_plot(tmp_path, task_identity, monkeypatch, capsys):
+    pytest.importorskip("matplotlib", reason="the plot needs the plot extra")
+    from fedhetero.cli import main
+    from fedhetero.integrations.flower import simulation
+    from fedhetero.integrations.flower.server_app import ServerSettings, run_server
+
+    def fake_simulate(cfg, out, num_supernodes=None, resume=False, **kw):  # the ServerApp, without Ray
+        settings = ServerSettings(config=cfg, out_dir=Path(out).resolve(), num_nodes=3, node_wait_s=5.0)
+        return run_server(MockGrid(3), settings, kw.get("console"))
+
+    monkeypatch.setattr(simulation, "simulate", fake_simulate)
+    out = tmp_path / "sim"
+    sets = [a for k in ("data.num_clients=6", "train.rounds=2", "train.sample_rate=0.5", "train.local_epochs=1",
+                        "algorithm.name=fedavg", "threads=1", "seed=3") for a in ("--set", k)]
+    assert main(["flower", "simulate", *sets, "--out", str(out), "--quiet"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[-1] == f"plot: {out / 'accuracy.png'} (accuracy and loss by round)"
+    assert "fedavg: final accuracy" in "\n".join(lines) and (out / "accuracy.png").is_file()
+
+
 # ---------------------------------------------------------------------------------- (c), (d) simulation
 SIM = {
     "seed": 1,

@@ -21,7 +21,7 @@ from fedhetero.core.types import ClientInfo, ClientResult, state_bytes
 from fedhetero.algorithms.classic.feddyn import FedDyn, FedDynOptions
 from fedhetero.algorithms.classic.fednova import FedNova, normalizing_factor
 from fedhetero.core.config import ConfigError, from_dict
-from fedhetero.core.context import Context, build_data
+from fedhetero.core.context import ClientContext, Context, build_data
 from fedhetero.data import ArrayDataset, FederatedData
 from fedhetero.core.engine import Engine
 from fedhetero.core.backend import run_task
@@ -234,16 +234,23 @@ def _half_square(out: torch.Tensor, _y: torch.Tensor) -> torch.Tensor:
     return 0.5 * (out**2).mean()
 
 
-class _QuadContext(Context):
-    """The real context and trainer, with the toy's squared loss as the base loss."""
+class _QuadContext(ClientContext):
+    """The real client context and trainer, with the toy's squared loss as the base loss."""
 
     def train(self, model, client, epochs, **kw):  # type: ignore[override]
         kw["loss_fn"] = kw.get("loss_fn") or _half_square
         return super().train(model, client, epochs, **kw)
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _toy_model():
+    """The toy registered as a model for this module's runs (a public registration, undone)."""
+    fedhetero.models.register_model("toyquad", _Quad)
+    yield
+    fedhetero.models.unregister_model("toyquad")
+
+
 def _toy(monkeypatch, name: str, options: dict, rounds: int, momentum: float = 0.0):
-    monkeypatch.setitem(fedhetero.models.registry._MODELS, "toyquad", _Quad)
     cfg = from_dict(
         {
             "seed": 0,
@@ -260,20 +267,19 @@ def _toy(monkeypatch, name: str, options: dict, rounds: int, momentum: float = 0
     ds = ArrayDataset(images=images, labels=torch.zeros(len(rows), dtype=torch.int64), num_classes=1)
     data = FederatedData(train=ds, test=ds, client_indices=[np.array([2 * i, 2 * i + 1]) for i in range(len(_X))])
     store: dict[int, dict] = {}
-    holder: list[Context] = []
+    cctx = _QuadContext(cfg, data, torch.device("cpu"))
 
     def execute(alg, tasks):
         out = []
         for t in sorted(tasks, key=lambda t: t.cid):
-            o = run_task(lambda: type(alg)(alg.options), holder[0], t, store.get(t.cid))
+            o = run_task(lambda: type(alg)(alg.options), cctx, t, store.get(t.cid))
             assert o.error is None, o.detail
             if o.result.client_state is not None:
                 store[t.cid] = o.result.client_state
             out.append(o.result)
         return out
 
-    ctx = _QuadContext(cfg, data, None, torch.device("cpu"), executor=execute)  # type: ignore[arg-type]
-    holder.append(ctx)
+    ctx = Context(cfg, data, None, torch.device("cpu"), executor=execute)  # type: ignore[arg-type]
     alg = build_algorithm(cfg)
     alg.setup(ctx)
     trace = []

@@ -22,6 +22,7 @@ from fedhetero.core.types import ClientResult
 from fedhetero.algorithms.classic.fedacg import FedACG, FedACGOptions, lookahead_state
 from fedhetero.algorithms.classic.fedensemble import EnsembleModel
 from fedhetero.algorithms.classic.moon import moon_contrastive_loss
+from fedhetero.core.objective import move_consts
 from fedhetero.core.config import ConfigError, from_dict
 from fedhetero.core.engine import Engine
 from fedhetero.core.registry import build_algorithm
@@ -162,17 +163,11 @@ def test_fedacg_lookahead_momentum_and_regulariser_follow_the_formulas():
     # client: each step's gradient gains β·(θ − θ₀)
     model = nn.Linear(3, 2)
     sent = {k: v + 1.0 for k, v in model.state_dict().items()}
-    seen = {}
-
-    def fake_train(model, task, epochs, *, after_backward=None, **kw):
-        for q in model.parameters():
-            q.grad = torch.full_like(q, 0.25)
-        after_backward(model)
-        seen.update({k: q.grad.clone() for k, q in model.named_parameters()})
-        return {}
-
-    cctx = SimpleNamespace(cfg=SimpleNamespace(train=SimpleNamespace(local_epochs=1)), train=fake_train)
-    algo.local_train(cctx, SimpleNamespace(payload={"state": sent}), model)
+    objective = algo.local_objective(None, SimpleNamespace(payload={"state": sent}), None)
+    params = dict(model.named_parameters())
+    seen = {k: torch.full_like(q, 0.25) for k, q in params.items()}
+    with torch.no_grad():
+        objective.grad(params, seen, move_consts(objective.consts, params))
     for k, q in model.named_parameters():
         assert torch.allclose(seen[k], 0.25 + beta * (q.detach() - sent[k]))
 

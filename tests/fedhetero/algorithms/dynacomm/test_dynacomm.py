@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from fedhetero.algorithms.dynacomm import selection as dc
 from fedhetero.core.config import ConfigError, from_dict, to_dict
 from fedhetero.data import num_batches
+from fedhetero.core.context import ClientContext
 from fedhetero.core.engine import Engine
 from _util import strip_wall
 
@@ -260,17 +261,20 @@ def test_every_client_at_interval_one_is_dynamic_sgd(tmp_path):
 
     # the reference: one model, the weighted mean of per-client clipped gradient steps
     eng = Engine(_cfg({"budget_mode": "none"}, train, rounds=1, model=plain), tmp_path / "ref", progress=False)
-    eng._setup()
+    eng.setup()
     ctx = eng.ctx
     ctx.round = 1
     model = eng.algorithm.global_model
     cids = eng.sample_clients(1)
     sizes = [len(eng.data.client_indices[c]) for c in cids]
     lr = ctx.lr_at(1)
+    client = ClientContext(eng.cfg, eng.data, ctx.device)  # the batches a client's trainer takes
+    client.round = 1
+
     def batch(cid, s):  # step s of the round takes batch s mod P of pass s // P
         per_pass = num_batches(len(eng.data.client_indices[cid]), ctx.cfg.train.batch_size)
         p, pos = divmod(s, per_pass)
-        return list(ctx.client_batches(cid, p))[pos]
+        return list(client.client_batches(cid, p))[pos]
 
     for s in range(4):
         new = {k: torch.zeros_like(v, dtype=torch.float64) for k, v in model.state_dict().items()}

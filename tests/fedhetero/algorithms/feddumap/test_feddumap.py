@@ -125,7 +125,7 @@ def test_js_degrees_used_by_feddu_match_hand_computation():
 
 def test_feddu_server_step_equals_formula_in_the_engine(tmp_path):
     eng = Engine(_cfg("feddu", {"decay": 0.9}), tmp_path, progress=False)
-    eng._setup()
+    eng.setup()
     alg, ctx = eng.algorithm, eng.ctx
     ctx.round = 3
     clients = [ClientInfo(cid=c, tier="small", ratio=1.0, budget_macs=float(ctx.plain_macs),
@@ -224,7 +224,7 @@ def test_options_are_validated_with_the_field_name():
 def test_fedap_pruned_model_fits_the_computed_rates_and_has_fewer_flops(tmp_path):
     opts = {"prune_round": 0, "slq_iters": 3, "hessian_batch": 4, "hrank_samples": 16, "hrank_batch": 8}
     eng = Engine(_cfg("fedap", opts), tmp_path, progress=False)
-    eng._setup()
+    eng.setup()
     alg, ctx = eng.algorithm, eng.ctx
     ctx.round = 1
     before = copy.deepcopy(alg.global_model)

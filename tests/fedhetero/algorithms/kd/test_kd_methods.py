@@ -68,8 +68,7 @@ def test_client_half_runs_from_the_task_alone(tmp_path, algorithm):
     scenario = "decreasing" if "decreasing" in get_algorithm(algorithm).adapts_to else "static"
     cfg = _cfg(algorithm, budget={"scenario": scenario, "change": 0.3}, train={"local_epochs": 3})
     engine = Engine(cfg, tmp_path, progress=False, shared_splits=True)
-    engine._setup()
-    engine._participation = [0] * cfg.data.num_clients
+    engine.setup()
     engine.ctx.round = 1
     algo = engine.algorithm
     clients = [engine.client_info(c, 1) for c in engine.sample_clients(1)]

@@ -83,8 +83,7 @@ def test_client_half_runs_from_the_task_alone(tmp_path, algorithm):
     scenario = "decreasing" if "decreasing" in get_algorithm(algorithm).adapts_to else "static"
     cfg = _cfg(algorithm, budget={"scenario": scenario, "change": 0.3}, train={"local_epochs": 3})
     engine = Engine(cfg, tmp_path, progress=False, shared_splits=True)
-    engine._setup()
-    engine._participation = [0] * cfg.data.num_clients
+    engine.setup()
     engine.ctx.round = 1
     algo = engine.algorithm
     clients = [engine.client_info(c, 1) for c in engine.sample_clients(1)]
@@ -357,7 +356,7 @@ def test_static_bn_equals_cumulative_average():
 
 def test_splitmix_untrained_base_unchanged_and_average_per_base(tmp_path):
     engine = Engine(_cfg("splitmix"), tmp_path, progress=False, shared_splits=True)
-    engine._setup()  # data, context and algorithm set-up only (no rounds)
+    engine.setup()  # data, context and algorithm set-up only (no rounds)
     algo: SplitMix = engine.algorithm  # type: ignore[assignment]
     assert algo.num_bases == max(algo.tier_bases.values()) >= 2
     before = [{k: v.clone() for k, v in b.state_dict().items()} for b in algo.bases]

@@ -1,0 +1,231 @@
+"""One model holding ``C`` clients' models side by side along the channel axis.
+
+The clients of a round train small models on small batches; one after another, a step of LeNet-5
+on a CPU costs a few milliseconds, most of it per-operator overhead. :func:`stack_model` turns a
+model into a *stacked* one that runs ``C`` copies with their own parameters as one network: the
+input holds client ``c``'s batch in channels ``[c·Cin, (c+1)·Cin)``, and every layer keeps each
+client's channels in its own block:
+
+* a convolution becomes a grouped convolution (``groups × C``), its weight the clients' weights one
+  after another;
+* a linear layer becomes a batched matrix product over the clients' blocks of features (the
+  model's own ``flatten`` keeps a client's features contiguous);
+* BatchNorm normalises each client's channels by that client's batch statistics and keeps each
+  client's running statistics; with padded rows (a client whose batch is shorter, or that has
+  finished its steps) the statistics leave them out (:attr:`StackedBatchNorm2d.mask`);
+* GroupNorm over ``g`` groups becomes GroupNorm over ``g·C`` groups (it normalises each sample on
+  its own, so padding never enters it);
+* activations, pooling, flattening and additions act elementwise or per channel, and stay.
+
+Each stacked parameter is the clients' parameters stacked and reshaped, so ``p.view(C, *shape)``
+is client ``c``'s parameter at row ``c``: the cohort trainer reads and updates the clients through
+those views. A model with a layer this module does not know, or whose forward mixes channels in
+another way, is refused; :func:`stack_model` also checks the stacked forward against each client's
+own model on a random batch before it hands the stacked model out.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = [
+    "StackedBatchNorm2d", "StackedConv2d", "StackedGroupNorm", "StackedLinear", "client_shapes", "load_clients",
+    "stack_model", "stacked_layers", "views",
+]
+
+
+class StackedConv2d(nn.Module):
+    """``C`` copies of a :class:`~torch.nn.Conv2d` as one grouped convolution."""
+
+    def __init__(self, conv: nn.Conv2d, clients: int) -> None:
+        super().__init__()
+        self.clients = clients
+        self.stride, self.padding, self.dilation = conv.stride, conv.padding, conv.dilation
+        self.groups = conv.groups * clients
+        self.weight = nn.Parameter(conv.weight.detach().repeat(clients, 1, 1, 1))
+        self.bias = None if conv.bias is None else nn.Parameter(conv.bias.detach().repeat(clients))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.conv2d(x, self.weight, self.bias, self.stride, self.padding, self.dilation, self.groups)
+
+
+class StackedLinear(nn.Module):
+    """``C`` copies of a :class:`~torch.nn.Linear`: input ``(B, C·in)``, output ``(B, C·out)``."""
+
+    def __init__(self, linear: nn.Linear, clients: int) -> None:
+        super().__init__()
+        self.clients = clients
+        self.weight = nn.Parameter(linear.weight.detach().unsqueeze(0).repeat(clients, 1, 1))
+        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().unsqueeze(0).repeat(clients, 1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b = x.shape[0]
+        xc = x.reshape(b, self.clients, -1).transpose(0, 1)  # (C, B, in)
+        if self.bias is None:
+            y = torch.bmm(xc, self.weight.transpose(1, 2))
+        else:
+            y = torch.baddbmm(self.bias.unsqueeze(1), xc, self.weight.transpose(1, 2))
+        return y.transpose(0, 1).reshape(b, -1)
+
+
+class StackedBatchNorm2d(nn.Module):
+    """``C`` copies of a :class:`~torch.nn.BatchNorm2d`, each with its own batch and running
+    statistics. :attr:`mask` (``(B, C)``, 1 for a real row) is set by the trainer before a step
+    whose batches are padded; None means every row of every client is real."""
+
+    def __init__(self, bn: nn.BatchNorm2d, clients: int) -> None:
+        super().__init__()
+        self.clients, self.channels = clients, bn.num_features
+        self.eps, self.momentum = bn.eps, float(bn.momentum if bn.momentum is not None else 0.1)
+        self.weight = nn.Parameter(bn.weight.detach().repeat(clients))
+        self.bias = nn.Parameter(bn.bias.detach().repeat(clients))
+        assert bn.running_mean is not None and bn.running_var is not None and bn.num_batches_tracked is not None
+        self.running_mean: torch.Tensor
+        self.running_var: torch.Tensor
+        self.num_batches_tracked: torch.Tensor
+        self.register_buffer("running_mean", bn.running_mean.detach().repeat(clients))
+        self.register_buffer("running_var", bn.running_var.detach().repeat(clients))
+        self.register_buffer("num_batches_tracked", bn.num_batches_tracked.detach().repeat(clients))
+        self.mask: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rm, rv, w, b = self.running_mean, self.running_var, self.weight, self.bias
+        if not self.training:
+            return F.batch_norm(x, rm, rv, w, b, False, 0.0, self.eps)
+        if self.mask is None:
+            self.num_batches_tracked.add_(1)
+            return F.batch_norm(x, rm, rv, w, b, True, self.momentum, self.eps)
+        c, ch = self.clients, self.channels
+        bsz, hw = x.shape[0], x.shape[2] * x.shape[3]
+        xs = x.unflatten(1, (c, ch))  # (B, C, ch, H, W)
+        m = self.mask.to(x.dtype).view(bsz, c, 1, 1, 1)
+        n = self.mask.to(x.dtype).sum(0) * hw  # (C,) values per channel
+        safe = n.clamp_min(1.0).view(c, 1)
+        mean = (xs * m).sum((0, 3, 4)) / safe
+        centred = xs - mean.view(1, c, ch, 1, 1)
+        var = (centred.square() * m).sum((0, 3, 4)) / safe
+        y = centred * torch.rsqrt(var + self.eps).view(1, c, ch, 1, 1)
+        y = y * w.view(1, c, ch, 1, 1) + b.view(1, c, ch, 1, 1)
+        with torch.no_grad():
+            active = (n > 0).view(c, 1)
+            unbiased = var * (n / (n - 1.0).clamp_min(1.0)).view(c, 1)
+            mom = self.momentum
+            new_mean = rm.view(c, ch) * (1 - mom) + mean.detach() * mom
+            new_var = rv.view(c, ch) * (1 - mom) + unbiased.detach() * mom
+            rm.copy_(torch.where(active, new_mean, rm.view(c, ch)).reshape(-1))
+            rv.copy_(torch.where(active, new_var, rv.view(c, ch)).reshape(-1))
+            self.num_batches_tracked.add_(active.view(c).to(self.num_batches_tracked.dtype))
+        return y.flatten(1, 2)
+
+
+class StackedGroupNorm(nn.Module):
+    """``C`` copies of a :class:`~torch.nn.GroupNorm` (per-sample statistics: padding never
+    enters them)."""
+
+    def __init__(self, gn: nn.GroupNorm, clients: int) -> None:
+        super().__init__()
+        self.groups, self.eps = gn.num_groups * clients, gn.eps
+        self.weight = None if gn.weight is None else nn.Parameter(gn.weight.detach().repeat(clients))
+        self.bias = None if gn.bias is None else nn.Parameter(gn.bias.detach().repeat(clients))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.group_norm(x, self.groups, self.weight, self.bias, self.eps)
+
+
+#: layers with parameters or buffers the stacking knows; every other such layer is refused
+def _stacked(module: nn.Module, clients: int) -> nn.Module | None:
+    if type(module) is nn.Conv2d and module.padding_mode == "zeros":
+        return StackedConv2d(module, clients)
+    if type(module) is nn.Linear:
+        return StackedLinear(module, clients)
+    if type(module) is nn.BatchNorm2d and module.track_running_stats and module.affine and module.momentum is not None:
+        return StackedBatchNorm2d(module, clients)
+    if type(module) is nn.GroupNorm and module.affine:
+        return StackedGroupNorm(module, clients)
+    return None
+
+
+def stacked_layers(model: nn.Module) -> list[StackedBatchNorm2d]:
+    """The stacked BatchNorms of a stacked model (the trainer sets their masks)."""
+    return [m for m in model.modules() if isinstance(m, StackedBatchNorm2d)]
+
+
+def _replace(module: nn.Module, clients: int) -> bool:
+    for name, child in module.named_children():
+        new = _stacked(child, clients)
+        if new is not None:
+            setattr(module, name, new)
+            continue
+        if any(True for _ in child.parameters(recurse=False)) or any(True for _ in child.buffers(recurse=False)):
+            # a layer with state the stacking does not know
+            return False
+        if not _replace(child, clients):
+            return False
+    return True
+
+
+def stack_model(model: nn.Module, clients: int, in_shape: tuple[int, ...]) -> nn.Module | None:
+    """A stacked copy of ``model`` for ``clients`` clients (see the module docstring), or None
+    when a layer or the forward cannot be stacked. ``in_shape``: one sample's shape ``(Cin, H, W)``.
+
+    Before it is returned, the stacked model runs a random batch against each client's own model
+    (distinct parameters per client, in train mode and eval mode, in float64): a forward that
+    mixes clients' channels is caught here instead of training wrong."""
+    stacked = copy.deepcopy(model)
+    if any(True for _ in stacked.parameters(recurse=False)) or any(True for _ in stacked.buffers(recurse=False)):
+        return None
+    if not _replace(stacked, clients):
+        return None
+    if not _agrees(model, stacked, clients, in_shape):
+        return None
+    return stacked
+
+
+def load_clients(stacked: nn.Module, states: list[dict[str, torch.Tensor]]) -> None:
+    """Put each client's state (keys of the original model) into the stacked model."""
+    own = stacked.state_dict()
+    with torch.no_grad():
+        for key, target in own.items():
+            value = torch.stack([s[key].to(target.device, target.dtype) for s in states])
+            target.copy_(value.reshape(target.shape))
+
+
+def _agrees(model: nn.Module, stacked: nn.Module, clients: int, in_shape: tuple[int, ...]) -> bool:
+    gen = torch.Generator().manual_seed(0)
+    ref = copy.deepcopy(model).double()
+    probe = copy.deepcopy(stacked).double()
+    states = []
+    for _ in range(clients):
+        s = {k: (v + 0.1 * torch.randn(v.shape, generator=gen, dtype=torch.float64)) if v.is_floating_point() else v
+             for k, v in ref.state_dict().items()}
+        states.append({k: v.abs() + 0.5 if k.endswith("running_var") else v for k, v in s.items()})
+    try:
+        x = torch.randn(3, clients, *in_shape, generator=gen, dtype=torch.float64)
+        for train in (True, False):
+            load_clients(probe, states)
+            probe.train(train)
+            got = probe(x.flatten(1, 2)).reshape(3, clients, -1)
+            for c in range(clients):
+                ref.load_state_dict(states[c])
+                ref.train(train)
+                want = ref(x[:, c]).reshape(3, -1)
+                if got.shape[2] != want.shape[1] or not torch.allclose(got[:, c], want, rtol=1e-9, atol=1e-9):
+                    return False
+    except (RuntimeError, ValueError, IndexError):
+        return False
+    return True
+
+
+def client_shapes(model: nn.Module) -> dict[str, tuple[int, ...]]:
+    """Each state entry's shape in one client's model (keys of the original model)."""
+    return {k: tuple(v.shape) for k, v in model.state_dict().items()}
+
+
+def views(stacked: nn.Module, shapes: dict[str, tuple[int, ...]], clients: int) -> dict[str, Any]:
+    """Each state entry of the stacked model as ``(C, *client shape)`` views."""
+    return {k: v.view(clients, *shapes[k]) for k, v in stacked.state_dict(keep_vars=True).items()}
