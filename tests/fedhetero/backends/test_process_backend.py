@@ -48,6 +48,7 @@ def test_process_backend_is_bit_identical_to_local(tmp_path, name):
         assert all("evaluate" not in r["timers"] for r in rows if "accuracy" not in r)
 
 
+@pytest.mark.slow  # run by: python -m pytest -m slow
 def test_resume_on_process_backend_equals_uninterrupted(tmp_path):
     full, rf = _run(tmp_path, _cfg("dynamicfl", "process", rounds=4, workers=2), "full")
     cfg = _cfg("dynamicfl", "process", rounds=4, workers=2)
@@ -66,6 +67,7 @@ def test_resume_may_switch_backend(tmp_path):
     _assert_same_model(full, resumed)
 
 
+@pytest.mark.slow  # run by: python -m pytest -m slow
 def test_hung_client_is_killed_at_timeout(tmp_path):
     cfg = _cfg(
         "fedavg", "process", rounds=2, workers=2, client_timeout_s=5.0,
@@ -77,6 +79,7 @@ def test_hung_client_is_killed_at_timeout(tmp_path):
     assert res.summary["rounds"] == 2
 
 
+@pytest.mark.slow  # run by: python -m pytest -m slow
 def test_process_pool_counts_the_server_as_an_executor(tmp_path):
     """With no time-out the server runs a share itself (workers - 1 processes); with one, every
     task runs in a worker that can be killed (workers processes). Both give local's numbers."""
@@ -226,6 +229,7 @@ def test_evaluation_falls_back_to_the_server_when_a_worker_cannot(tmp_path):
         backend.close()
 
 
+@pytest.mark.slow  # run by: python -m pytest -m slow
 def test_evaluation_is_not_shared_with_a_time_out_or_free_threads():
     from fedhetero.core.context import client_context
     from fedhetero.backends.process import ProcessBackend

@@ -101,6 +101,7 @@ def test_an_overdue_time_out_is_enforced_even_by_a_poll_that_does_not_wait():
     assert done[7].kind == "timeout" and done[7].error.startswith("timeout: no answer within")
 
 
+@pytest.mark.slow  # run by: python -m pytest -m slow
 def test_hung_clients_on_every_worker_do_not_stall_the_run(tmp_path):
     """Seed 24 hangs clients 0 and 2 (worker 1's share) and 3 (worker 2's second task) in round 1.
     Worker 1 is killed at its time-out and replaced; client 2 hangs on the replacement; worker 2's
@@ -172,6 +173,7 @@ def _sabotage(monkeypatch, kill_at_spawn):
     return spawned
 
 
+@pytest.mark.slow  # run by: python -m pytest -m slow
 def test_a_worker_that_dies_and_then_its_replacement_while_starting_cost_one_client_each(tmp_path, monkeypatch):
     """Worker 1 (clients 0, 2, 4) is killed running client 0; its replacement is killed while it
     starts, holding 2 and 4; the next one runs client 4. Each death costs one client (``lost``);
@@ -199,6 +201,7 @@ def test_workers_that_keep_dying_while_starting_stop_the_run_with_one_message(tm
     assert all(w.proc.poll() is not None for w in spawned)
 
 
+@pytest.mark.slow  # run by: python -m pytest -m slow
 def test_a_worker_that_died_while_idle_costs_no_client(tmp_path, monkeypatch):
     """A worker killed between rounds held no client: the next round's share goes to its
     replacement whole."""
@@ -225,6 +228,7 @@ def test_a_worker_that_died_while_idle_costs_no_client(tmp_path, monkeypatch):
 
 
 # ---------------------------------------------------------------------------- working directory
+@pytest.mark.slow  # run by: python -m pytest -m slow
 def test_folders_named_like_the_packages_in_the_working_directory_shadow_nothing(tmp_path):
     """A ``models`` folder is a common name: neither it nor ``reparam`` or ``fedhetero`` in the
     working directory is imported by the server or by its workers."""
@@ -295,6 +299,7 @@ def test_ctrl_c_prints_one_line_and_no_worker_traceback(tmp_path):
     assert _worker_dirs() <= before
 
 
+@pytest.mark.slow  # run by: python -m pytest -m slow
 def test_workers_end_quietly_when_the_server_is_killed(tmp_path):
     before = _worker_dirs()
     proc, workers = _start_long(tmp_path / "run")

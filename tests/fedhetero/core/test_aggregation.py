@@ -137,7 +137,7 @@ def test_upload_stream_gives_weighted_average_bits_in_any_arrival_order():
         assert stream.mean_of([results[c] for c in sorted(sizes)], [float(sizes[c]) for c in sorted(sizes)]) is None
 
 
-@pytest.mark.parametrize("backend", ["local", "process"])
+@pytest.mark.parametrize("backend", ["local", pytest.param("process", marks=pytest.mark.slow)])
 def test_default_aggregate_uses_the_streamed_mean(tmp_path, backend, monkeypatch):
     """A FedAvg round averages its uploads while they arrive: the list average is never needed,
     and the run equals one where it is forced (faults make the stream stop; those rounds fall back)."""

@@ -33,7 +33,7 @@ SYNTHETIC_STANDS_IN = {"cifar10", "cifar100", "dermamnist"}
 #: models whose reduced runs still take tens of seconds on one core: in the slow set
 HEAVY_MODELS = {"resnet18", "googlenet"}
 #: comparisons of many methods whose reduced run takes minutes: in the slow set
-HEAVY_CONFIGS = {"digits_feddumap"}
+HEAVY_CONFIGS = {"digits_feddumap", "digits_compare", "digits_table"}  # the eight- and nine-method comparisons
 
 
 def _assert_no_drop(res: Any) -> None:

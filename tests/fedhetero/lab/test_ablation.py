@@ -4,6 +4,8 @@ locked one alone."""
 
 import json
 
+import pytest
+
 from fedhetero.cli import main
 from fedhetero.lab.ablation import CHOICES, build_tables, plan
 from fedhetero.lab.grid import pending, run_grid
@@ -24,6 +26,7 @@ def test_plan_shares_the_default_runs_and_counts_the_grid():
     assert sum(1 for g, _, _ in both.values() if g == "choices") == 2  # bn-reset at each beta
 
 
+@pytest.mark.slow  # run by: python -m pytest -m slow
 def test_ablation_command_runs_reuses_and_tables(tmp_path, capsys):
     args = ["--config", "examples/configs/digits_table.yaml", "--set", "train.rounds=2", "--set", "data.public_fraction=0",
             "--set", "data.val_fraction=0.2", "--set", "threads=1", "--betas", "0.5", "--seeds", "0",

@@ -8,6 +8,7 @@ import json
 import pytest
 
 
+@pytest.mark.slow  # run by: python -m pytest -m slow
 def test_bench_engines_without_the_second_process_still_reports_the_rest(tmp_path, capsys, monkeypatch):
     import fedhetero.lab.bench as bench
     from fedhetero.cli import main
@@ -38,6 +39,7 @@ def test_parallel_bound_halves_only_what_two_executors_can_share():
     assert parallel_bound(50.0, 50.0, 0.0, 50.0, split_eval=False) == pytest.approx(2.0)
 
 
+@pytest.mark.slow  # run by: python -m pytest -m slow
 def test_bench_engines_runs_and_reports_every_row(tmp_path, capsys):
     from fedhetero.cli import main
 

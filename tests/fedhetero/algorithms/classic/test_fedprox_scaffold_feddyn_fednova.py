@@ -388,6 +388,7 @@ _ALL_TRAINER_OPTIONS = {
 }
 
 
+@pytest.mark.slow  # run by: python -m pytest -m slow
 @pytest.mark.parametrize("name", METHODS)
 def test_process_backend_gives_the_numbers_of_local(tmp_path, name):
     cfg_local = _cfg(name, rounds=2, train=_ALL_TRAINER_OPTIONS if name == "fedprox" else None)

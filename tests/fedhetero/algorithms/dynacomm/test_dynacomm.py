@@ -367,6 +367,7 @@ def test_resume_equals_uninterrupted(tmp_path):
     _same_states(_global(full), _global(resumed))
 
 
+@pytest.mark.slow  # run by: python -m pytest -m slow
 def test_process_backend_gives_the_numbers_of_local(tmp_path):
     cfg = _cfg({"budget_mode": "dynamic", "beta": 0.5, "interval_high": 2, "interval_low": 3})
     cfg_proc = from_dict({**to_dict(cfg), "engine": {"backend": "process", "workers": 2}})

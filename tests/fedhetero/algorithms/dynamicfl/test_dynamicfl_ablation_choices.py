@@ -100,6 +100,7 @@ def test_dymm_sees_both_saliencies_and_modulates(tmp_path, monkeypatch):
     assert sum(c.get("folded", 0) for c in _clients(tmp_path / "r")) > 0
 
 
+@pytest.mark.slow  # run by: python -m pytest -m slow
 def test_random_saliency_is_seeded_and_changes_the_structure_choice(tmp_path):
     for name in ("a", "b"):
         Engine(_cfg(saliency="random"), tmp_path / name, progress=False).run()

@@ -63,6 +63,7 @@ def test_an_upload_that_is_not_the_trained_model_stops_the_task(tmp_path, monkey
         Engine(_cfg(), tmp_path / "run", progress=False).run()
 
 
+@pytest.mark.slow  # run by: python -m pytest -m slow
 def test_without_verify_the_checks_do_not_run(tmp_path, monkeypatch, lenient):
     """Without ``verify`` the checks cost nothing, and the run does not stop (what a user's run
     does); the invariant tests and verify runs are where such a bug is caught."""

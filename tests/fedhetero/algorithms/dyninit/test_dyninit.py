@@ -205,6 +205,7 @@ def test_study_models_parameter_counts():
     assert sum(p.numel() for p in models.build_model("resnet18_proj", num_classes=100).parameters()) == 11_596_196
 
 
+@pytest.mark.slow  # run by: python -m pytest -m slow
 def test_process_back_end_equals_local(tmp_path):
     """Prelude exchanges (the gradient round, with its server-sent rate) and session hooks run the
     same on worker processes: bit-identical to the local back end."""

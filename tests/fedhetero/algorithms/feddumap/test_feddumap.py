@@ -372,6 +372,7 @@ def test_client_half_runs_from_the_task_alone(tmp_path, name, extra_key):
     assert list(sa) == list(sb) and all(torch.equal(sa[k], sb[k]) for k in sa)
 
 
+@pytest.mark.slow  # run by: python -m pytest -m slow
 def test_feddumap_on_the_process_backend_equals_local(tmp_path):
     opts = dict(FAST_PRUNE, prune_round=1)
     local = Engine(_cfg("feddumap", opts), tmp_path / "local", progress=False)
