@@ -192,3 +192,41 @@ def fedavg_cfg(name: str = "fedavg", backend: str = "local", rounds: int = 3, **
             "engine": {"backend": backend, **engine},
         }
     )
+
+
+def client_half_from_the_task_alone(cfg: Any, tmp_path: Any, keeps_client_state: bool) -> None:
+    """The client half needs only the options, the task (after a trip through pickle, as to a
+    worker process) and a client context without the server's store; it gives the same upload
+    either way, reports what the server sent, and its result pickles too; the server aggregates
+    the results."""
+    import pickle
+
+    import torch
+
+    from fedhetero.core.context import client_context
+    from fedhetero.core.engine import Engine
+    from fedhetero.core.types import payload_bytes
+
+    engine = Engine(cfg, tmp_path, progress=False, shared_splits=True)
+    engine.setup()
+    engine.ctx.round = 1
+    algo = engine.algorithm
+    clients = [engine.client_info(c, 1) for c in engine.sample_clients(1)]
+    tasks = algo.configure(engine.ctx, clients)
+    assert [t.cid for t in tasks] == [c.cid for c in clients]
+    cctx = client_context(cfg, engine.data)
+    assert not hasattr(cctx, "store")
+    results = []
+    for task in tasks:
+        out = []
+        for t in (task, pickle.loads(pickle.dumps(task))):
+            with cctx.client_scope(t):
+                out.append(type(algo)(algo.options).client_update(cctx, t, None))
+        a, b = out
+        assert a.state.keys() == b.state.keys()
+        assert all(torch.equal(a.state[k], b.state[k]) for k in a.state)
+        assert a.bytes_down == payload_bytes(task.payload) > 0
+        assert (a.client_state is not None) == keeps_client_state
+        results.append(pickle.loads(pickle.dumps(b)))
+    algo.aggregate(engine.ctx, results)
+    algo.server_update(engine.ctx)

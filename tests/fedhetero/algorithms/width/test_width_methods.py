@@ -10,7 +10,6 @@ is the identity in eval mode, SplitMix averages per base. Which baselines follow
 
 from __future__ import annotations
 
-import pickle
 from types import SimpleNamespace
 
 import numpy as np
@@ -18,7 +17,7 @@ import pytest
 import torch
 
 from fedhetero.algorithms import get_algorithm
-from fedhetero.core.types import ClientInfo, ClientResult, payload_bytes
+from fedhetero.core.types import ClientInfo, ClientResult
 from fedhetero.algorithms.width.fedrolex import FedRolex, FedRolexOptions, rolling_window
 from fedhetero.algorithms.width.heterofl import (
     HeteroFL,
@@ -29,12 +28,11 @@ from fedhetero.algorithms.width.heterofl import (
 )
 from fedhetero.algorithms.width.splitmix import SplitMix
 from fedhetero.core.config import ConfigError
-from fedhetero.core.context import client_context
 from fedhetero.core.engine import Engine
 from fedhetero.core.registry import build_algorithm
 from fedhetero.core.submodel import extract_state
 from fedhetero.models import build_model
-from _util import budget_method_cfg, metrics_rows, run_within_budgets
+from _util import budget_method_cfg, client_half_from_the_task_alone, metrics_rows, run_within_budgets
 
 
 FAST_OPTIONS = {
@@ -77,34 +75,9 @@ def test_method_trains_end_to_end_within_budgets(tmp_path, algorithm):
 
 @pytest.mark.parametrize("algorithm", ["heterofl", "fedrolex", "splitmix"])
 def test_client_half_runs_from_the_task_alone(tmp_path, algorithm):
-    """The client half needs only the options, the task (after a trip through pickle, as to a
-    worker process) and a client context without the server's store; it gives the same upload
-    either way, reports what the server sent, and its result pickles too."""
     scenario = "decreasing" if "decreasing" in get_algorithm(algorithm).adapts_to else "static"
     cfg = _cfg(algorithm, budget={"scenario": scenario, "change": 0.3}, train={"local_epochs": 3})
-    engine = Engine(cfg, tmp_path, progress=False, shared_splits=True)
-    engine.setup()
-    engine.ctx.round = 1
-    algo = engine.algorithm
-    clients = [engine.client_info(c, 1) for c in engine.sample_clients(1)]
-    tasks = algo.configure(engine.ctx, clients)
-    assert [t.cid for t in tasks] == [c.cid for c in clients]
-    cctx = client_context(cfg, engine.data)
-    assert not hasattr(cctx, "store")
-    results = []
-    for task in tasks:
-        out = []
-        for t in (task, pickle.loads(pickle.dumps(task))):
-            with cctx.client_scope(t):
-                out.append(type(algo)(algo.options).client_update(cctx, t, None))
-        a, b = out
-        assert a.state.keys() == b.state.keys()
-        assert all(torch.equal(a.state[k], b.state[k]) for k in a.state)
-        assert a.bytes_down == payload_bytes(task.payload) > 0
-        assert a.client_state is None
-        results.append(pickle.loads(pickle.dumps(b)))
-    algo.aggregate(engine.ctx, results)
-    algo.server_update(engine.ctx)
+    client_half_from_the_task_alone(cfg, tmp_path, keeps_client_state=False)
 
 
 def test_decreasing_budget_shrinks_width_methods(tmp_path):
