@@ -230,3 +230,33 @@ def client_half_from_the_task_alone(cfg: Any, tmp_path: Any, keeps_client_state:
         results.append(pickle.loads(pickle.dumps(b)))
     algo.aggregate(engine.ctx, results)
     algo.server_update(engine.ctx)
+
+
+def local_cfg(name: str = "fedavg", rounds: int = 3, options: Any = None, train: Any = None, data: Any = None,
+              **top: Any) -> Any:
+    """Eight digits clients, half sampled, one local epoch, checkpoints every round."""
+    from fedhetero.core.config import from_dict
+
+    return from_dict(
+        {
+            "seed": 3,
+            "threads": 1,
+            "data": {"num_clients": 8, **(data or {})},
+            "train": {"rounds": rounds, "sample_rate": 0.5, "local_epochs": 1, "checkpoint_every": 1, **(train or {})},
+            "algorithm": {"name": name, "options": options or {}},
+            **top,
+        }
+    )
+
+
+def run_engine(tmp_path: Path, cfg: Any, tag: str, **kw: Any) -> tuple[Any, Any]:
+    """The engine of a run in ``tmp_path / tag`` and the run's result."""
+    from fedhetero.core.engine import Engine
+
+    eng = Engine(cfg, tmp_path / tag, progress=False, **kw)
+    return eng, eng.run()
+
+
+def global_state(eng: Any) -> dict[str, torch.Tensor]:
+    """A copy of the engine's global model state."""
+    return {k: v.detach().clone() for k, v in eng.algorithm.global_model.state_dict().items()}

@@ -5,7 +5,6 @@ schedules, a fixed number of local steps, and the option checks."""
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import pytest
 import torch
@@ -14,39 +13,17 @@ from torch import nn
 
 from fedhetero.core.types import ClientInfo
 from fedhetero.algorithms.classic.fedavg import FedAvg
-from fedhetero.core.config import ConfigError, from_dict
+from fedhetero.core.config import ConfigError
 from fedhetero.core.types import OPTIMIZER_STATE_KEY
 from fedhetero.core.context import client_context
-from fedhetero.core.engine import Engine
 from fedhetero.core.backend import run_task
+from _util import equal_states, global_state, local_cfg, run_engine
 
 
-def _cfg(name="fedavg", rounds=3, options=None, train=None, data=None, **top):
-    return from_dict(
-        {
-            "seed": 3,
-            "threads": 1,
-            "data": {"num_clients": 8, **(data or {})},
-            "train": {"rounds": rounds, "sample_rate": 0.5, "local_epochs": 1, "checkpoint_every": 1, **(train or {})},
-            "algorithm": {"name": name, "options": options or {}},
-            **top,
-        }
-    )
-
-
-def _run(tmp_path: Path, cfg, tag: str, **kw):
-    eng = Engine(cfg, tmp_path / tag, progress=False, **kw)
-    return eng, eng.run()
-
-
-def _state(eng: Engine) -> dict[str, torch.Tensor]:
-    return {k: v.detach().clone() for k, v in eng.algorithm.global_model.state_dict().items()}
-
-
-def _assert_equal_states(a, b) -> None:
-    assert list(a) == list(b)
-    for k in a:
-        assert torch.equal(a[k], b[k]), k
+_cfg = local_cfg
+_run = run_engine
+_state = global_state
+_assert_equal_states = equal_states
 
 
 # ---------------------------------------------------------------------------- trainer options
