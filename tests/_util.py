@@ -177,9 +177,10 @@ def session_cfg(**over: Any) -> Any:
     return from_dict(data)
 
 
-def fedavg_cfg(name: str = "fedavg", backend: str = "local", rounds: int = 3, **engine: Any) -> Any:
+def fedavg_cfg(name: str = "fedavg", backend: str = "local", rounds: int = 3, options: Any = None, **engine: Any) -> Any:
     """Ten digits clients, 40 % sampled, ``rounds`` rounds of one local epoch, checkpoints every
-    round, on ``backend`` with the ``engine`` options."""
+    round, on ``backend`` with the ``engine`` options (clients one by one unless they say
+    otherwise) and the method's ``options``."""
     from fedhetero.core.config import from_dict
 
     return from_dict(
@@ -188,8 +189,9 @@ def fedavg_cfg(name: str = "fedavg", backend: str = "local", rounds: int = 3, **
             "threads": 1,
             "data": {"num_clients": 10},
             "train": {"rounds": rounds, "sample_rate": 0.4, "local_epochs": 1, "checkpoint_every": 1},
-            "algorithm": {"name": name},
-            "engine": {"backend": backend, **engine},
+            "algorithm": {"name": name, "options": dict(options or {})},
+            # one by one unless a test asks otherwise: the back ends then agree bit for bit
+            "engine": {"backend": backend, "vectorize": False, **engine},
         }
     )
 
@@ -244,7 +246,9 @@ def local_cfg(name: str = "fedavg", rounds: int = 3, options: Any = None, train:
             "data": {"num_clients": 8, **(data or {})},
             "train": {"rounds": rounds, "sample_rate": 0.5, "local_epochs": 1, "checkpoint_every": 1, **(train or {})},
             "algorithm": {"name": name, "options": options or {}},
-            **top,
+            # one by one unless a test asks otherwise: methods that batch and methods that do
+            # not then agree bit for bit where they should
+            **{"engine": {"vectorize": False}, **top},
         }
     )
 

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from fedhetero.core.backend import Backend, run_task, run_together
+from fedhetero.core.backend import Backend, run_tasks
 from fedhetero.core.config import RunConfig
 from fedhetero.core.context import ClientContext
 
@@ -26,15 +26,4 @@ class LocalBackend(Backend):
 
     def run(self, algorithm, tasks, states, on_done=None):  # type: ignore[no-untyped-def]
         cls, options = type(algorithm), algorithm.options
-        together = run_together(lambda: cls(options), self.ctx, tasks, states)
-        if together is not None:
-            if on_done is not None:
-                for o in together:
-                    on_done(o)
-            return together
-        out = []
-        for task in sorted(tasks, key=lambda t: t.cid):
-            out.append(run_task(lambda: cls(options), self.ctx, task, states.get(task.cid)))
-            if on_done is not None:
-                on_done(out[-1])
-        return out
+        return run_tasks(lambda: cls(options), self.ctx, tasks, states, on_done)

@@ -46,7 +46,7 @@ import torch
 
 from fedhetero.backends.wire import Channel
 from fedhetero.core.allocator import tune_malloc
-from fedhetero.core.backend import Backend, run_task
+from fedhetero.core.backend import Backend, run_task, run_together
 from fedhetero.core.config import ConfigError, RunConfig, from_dict, to_dict
 from fedhetero.core.context import RunError, client_context
 from fedhetero.core.registry import build_algorithm
@@ -159,8 +159,13 @@ def _worker_main(conn: Connection) -> None:
             continue
         if kind == "stop":
             return
-        for task, state in body[0]:  # one outcome message per task, as soon as it is done
-            o = run_task(lambda: cls(options), ctx, task, state, hang_seconds=3600.0)
+        share = body[0]
+        # this executor's share: its cohorts first (engine.vectorize), then one outcome message per
+        # task in the order sent, each as soon as it is done
+        done = run_together(lambda: cls(options), ctx, [t for t, _ in share], {t.cid: st for t, st in share})
+        for task, state in share:
+            together = done.pop(task.cid, None)
+            o = together if together is not None else run_task(lambda: cls(options), ctx, task, state, hang_seconds=3600.0)
             # the server has the task: only the rest travels back (the task holds the global model)
             chan.send((o.result, o.error, o.seconds, o.detail, o.checked, o.kind))
 
@@ -511,8 +516,10 @@ class ProcessBackend(Backend):
         ctx = self._server_context()
         cls, options = type(algorithm), algorithm.options
         with self._workers_threads():
+            done = run_together(lambda: cls(options), ctx, tasks, states)
             for task in tasks:
-                finish(task, run_task(lambda: cls(options), ctx, task, states.get(task.cid)))
+                together = done.pop(task.cid, None)
+                finish(task, together if together is not None else run_task(lambda: cls(options), ctx, task, states.get(task.cid)))
                 between()
 
     def close(self) -> None:

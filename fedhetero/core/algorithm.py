@@ -41,15 +41,16 @@ import torch
 from torch import nn
 
 from fedhetero.core.aggregation import weighted_average
-from fedhetero.core.cohort import plain_results, train_cohort
+from fedhetero.core.cohort import client_bytes, client_steps, plan_cohorts, structure_key, train_cohort
 from fedhetero.core.context import ClientContext, Context, RunContext
-from fedhetero.core.objective import LocalObjective
+from fedhetero.core.objective import LocalObjective, LocalSGD, rules_key
 from fedhetero.core.types import (
     ClientInfo,
     ClientResult,
     ClientTask,
     NoOptions,
     derive_seed,
+    merge_optimizer_state,
     packed_copy,
     payload_bytes,
     state_bytes,
@@ -197,33 +198,86 @@ class Algorithm:
         return None
 
     def client_update_many(
-        self, ctx: "ClientContext", tasks: list[ClientTask], states: list[dict[str, Any] | None]
-    ) -> list[ClientResult] | None:
-        """Not a hook: the client halves of several tasks of one round trained as one batched
-        model (:mod:`fedhetero.core.cohort`) with their :meth:`local_objective`, or None when
-        this method or set-up cannot (a method with client hooks of its own, models or
-        objectives the cohort cannot batch): the back end then runs :meth:`client_update` task by
-        task, with the same numbers up to the order of floating-point sums."""
-        if not self.default_client_half():
+        self, ctx: "ClientContext", tasks: list[ClientTask], states: list[dict[str, Any] | None],
+        optimizer_states: list[dict[str, Any] | None] | None = None,
+    ) -> list[ClientResult | None]:
+        """Not a hook: the client halves of several tasks of one exchange, trained in batched
+        cohorts (:mod:`fedhetero.core.cohort`) where they can be, with the same numbers as
+        :meth:`client_update` up to the order of floating-point sums. Returns one entry per task:
+        its result, or None for a task the back end then runs one by one.
+
+        A task can join a cohort when the method keeps the default client half
+        (:meth:`default_client_half`) and its local training is plain SGD
+        (:meth:`local_optimizer`). Tasks are grouped by their model's structure (so width methods
+        group by width), SGD settings and objective rules, then by their number of steps
+        (:func:`~fedhetero.core.cohort.plan_cohorts`), cohorts capped by
+        ``engine.cohort_memory_mb``; :meth:`client_model` and :meth:`upload` run per task as
+        they do one by one. ``optimizer_states``: each client's kept momentum buffers."""
+        out: list[ClientResult | None] = [None] * len(tasks)
+        if not self.default_client_half() or len(tasks) < 2:
+            return out
+        buffers = optimizer_states or [None] * len(tasks)
+        groups: dict[Any, list[tuple[int, nn.Module, dict[str, torch.Tensor], LocalSGD, LocalObjective | None]]] = {}
+        for i, (task, state) in enumerate(zip(tasks, states)):
+            with ctx.client_scope(task):
+                sgd = self.local_optimizer(ctx, task)
+                if sgd is None:
+                    continue
+                model = self.client_model(ctx, task, state)
+                initial = {k: v.detach().clone() for k, v in model.state_dict().items()}
+                objective = self.local_objective(ctx, task, state)
+            key = (structure_key(model), sgd, task.round, task.prelude, rules_key(objective))
+            groups.setdefault(key, []).append((i, model, initial, sgd, objective))
+        e = ctx.cfg.engine
+        smallest = 2 if e.vectorize or ctx.device.type != "cpu" else e.min_cohort
+        for members in groups.values():
+            model = members[0][1]
+            cap = max(1, int(e.cohort_memory_mb * 2**20 // max(1, client_bytes(ctx, model))))
+            steps = [client_steps(ctx, tasks[i].cid) for i, *_ in members]
+            for plan in plan_cohorts(steps, min_size=smallest, max_size=cap):
+                chosen = [members[k] for k in plan]
+                sub = [tasks[i] for i, *_ in chosen]
+                with ctx.client_scope(sub[0]):
+                    done = train_cohort(ctx, model, sub, [m[4] for m in chosen], [m[2] for m in chosen], chosen[0][3],
+                                        [buffers[i] for i, *_ in chosen])
+                if done is None:
+                    continue
+                co, reports = done
+                for j, (i, _m, _init, _sgd, objective) in enumerate(chosen):
+                    task = tasks[i]
+                    with ctx.client_scope(task):
+                        trained = self.client_model(ctx, task, states[i])
+                        trained.load_state_dict(co.state(j))
+                        result = self.upload(ctx, task, trained, dict(reports[j]))
+                        if objective is not None and objective.finish is not None:
+                            objective.finish(result)
+                    kept = None
+                    if ctx.cfg.train.optimizer_state == "persistent":
+                        kept = co.momentum_out[j] if co.momentum_out is not None else buffers[i]
+                    result.client_state = merge_optimizer_state(result.client_state, states[i], kept)
+                    out[i] = result
+        return out
+
+    def local_optimizer(self, ctx: "ClientContext", task: ClientTask) -> LocalSGD | None:
+        """The plain SGD this method's :meth:`local_train` runs for ``task``, or None when it
+        trains otherwise; called in the task's client scope. A cohort of clients
+        (:meth:`client_update_many`) runs what it returns in place of :meth:`local_train`, so a
+        method that overrides :meth:`local_train` with plain SGD at other settings (another
+        learning rate, no momentum) says so here, and stays exact (the tests compare both
+        paths). Default: the configured local SGD (:meth:`ClientContext.make_optimizer`) when
+        :meth:`local_train` is not overridden, else None."""
+        if type(self).local_train is not Algorithm.local_train:
             return None
-        model = self.client_model(ctx, tasks[0])
-        objectives = [self.local_objective(ctx, t, s) for t, s in zip(tasks, states)]
-        done = train_cohort(ctx, model, tasks, objectives)
-        if done is None:
-            return None
-        results = plain_results(ctx, tasks, *done)
-        for result, objective in zip(results, objectives):
-            if objective is not None and objective.finish is not None:
-                objective.finish(result)
-        return results
+        t = ctx.cfg.train
+        momentum = ctx.local_momentum()
+        return LocalSGD(lr=ctx.lr_at(), momentum=momentum, weight_decay=t.weight_decay, nesterov=t.nesterov,
+                        clip=t.clip_grad_norm, persistent=t.optimizer_state == "persistent" and momentum > 0)
 
     def default_client_half(self) -> bool:
-        """Whether the client half is the default one (:meth:`client_update` through
-        :meth:`client_model`, :meth:`local_train` and :meth:`upload`), which a cohort can
+        """Whether the client half is the default :meth:`client_update` (through
+        :meth:`client_model`, local training and :meth:`upload`), whose training a cohort can
         replace; a method that hands its client half to another (DynInit's host) says so."""
-        cls = type(self)
-        hooks = ("client_update", "client_model", "local_train", "upload")
-        return all(getattr(cls, h) is getattr(Algorithm, h) for h in hooks)
+        return type(self).client_update is Algorithm.client_update
 
     def client_model(self, ctx: "ClientContext", task: ClientTask, state: dict[str, Any] | None = None) -> nn.Module:
         """The model this client trains (default: the configured model, at ``payload["width"]``

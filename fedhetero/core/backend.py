@@ -21,6 +21,7 @@ from __future__ import annotations
 import abc
 import importlib
 import time
+import warnings
 import traceback
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -46,6 +47,7 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__ = [
     "BACKENDS",
     "Backend",
+    "CohortFallbackWarning",
     "EXTERNAL_BACKENDS",
     "backend_names",
     "drop_kind",
@@ -115,40 +117,72 @@ def run_task(
         )
 
 
+class CohortFallbackWarning(RuntimeWarning):
+    """A batched cohort failed and its tasks ran one by one instead (the one-by-one run then
+    attributes a client's own failure to it; a failure of the cohort itself is a bug)."""
+
+
 def run_together(
     make_algorithm: Callable[[], "Algorithm"],
     ctx: "ClientContext",
     tasks: "list[ClientTask]",
     states: dict[int, dict[str, Any] | None],
-) -> list[Outcome] | None:
-    """The tasks of one exchange as one vectorised cohort (``engine.vectorize``; see
-    :mod:`fedhetero.core.cohort`), or None to run them one by one: when vectorising is off, faults are
-    injected or time-outs enforced (both are per client), the algorithm does not offer it, or it
-    fails (the one-by-one run then reports which client failed)."""
+) -> dict[int, Outcome]:
+    """The tasks of one exchange that train in vectorised cohorts (``engine.vectorize``; see
+    :mod:`fedhetero.core.cohort` and :meth:`Algorithm.client_update_many`), by client id; the
+    back end runs the others one by one. Nothing is batched when vectorising is off, faults are
+    injected or time-outs enforced (both are per client), or the batched run fails (the
+    one-by-one run then reports which client failed)."""
     e = ctx.cfg.engine
-    if not e.vectorize or e.inject_faults.rate > 0 or e.client_timeout_s is not None or len(tasks) < 2:
-        return None
+    if e.vectorize is False or e.inject_faults.rate > 0 or e.client_timeout_s is not None or len(tasks) < 2:
+        return {}
     ordered = sorted(tasks, key=lambda t: t.cid)
     t0 = time.perf_counter()
     try:
         algorithm = make_algorithm()
         ctx.timers = {}
-        private = []
+        private, buffers = [], []
         for t in ordered:
-            state, buffers = split_optimizer_state(states.get(t.cid))
-            if buffers:
-                return None
+            state, kept = split_optimizer_state(states.get(t.cid))
             private.append(state)
-        with ctx.client_scope(ordered[0]):
-            results = algorithm.client_update_many(ctx, ordered, private)
-    except Exception:  # run one by one, which attributes the failure to its client
-        return None
-    if results is None:
-        return None
-    share = (time.perf_counter() - t0) / len(ordered)
-    for r in results:
+            buffers.append(kept)
+        results = algorithm.client_update_many(ctx, ordered, private, buffers)
+    except Exception as exc:  # run one by one, which attributes the failure to its client
+        warnings.warn(f"engine.vectorize: the batched run of {len(ordered)} clients failed "
+                      f"({type(exc).__name__}: {exc}); they run one by one", CohortFallbackWarning, stacklevel=2)
+        return {}
+    together = [(t, r) for t, r in zip(ordered, results) if r is not None]
+    if not together:
+        return {}
+    share = (time.perf_counter() - t0) / len(together)
+    for _, r in together:
         r.timers = {}
-    return [_checked(t, r, share) for t, r in zip(ordered, results)]
+    return {t.cid: _checked(t, r, share) for t, r in together}
+
+
+def run_tasks(
+    make_algorithm: Callable[[], "Algorithm"],
+    ctx: "ClientContext",
+    tasks: "list[ClientTask]",
+    states: dict[int, dict[str, Any] | None],
+    on_done: Callable[[Outcome], None] | None = None,
+    **one_by_one: Any,
+) -> list[Outcome]:
+    """Every task of ``tasks`` in this process, in client-id order: those that train in cohorts
+    (:func:`run_together`) first, then the others one by one (:func:`run_task`, given
+    ``one_by_one``); ``on_done`` is called on each outcome as it is ready."""
+    done = run_together(make_algorithm, ctx, tasks, states)
+    if on_done is not None:
+        for cid in sorted(done):
+            on_done(done[cid])
+    out = []
+    for task in sorted(tasks, key=lambda t: t.cid):
+        if task.cid not in done:
+            done[task.cid] = run_task(make_algorithm, ctx, task, states.get(task.cid), **one_by_one)
+            if on_done is not None:
+                on_done(done[task.cid])
+        out.append(done[task.cid])
+    return out
 
 
 def _checked(task: "ClientTask", result: "ClientResult", seconds: float) -> Outcome:

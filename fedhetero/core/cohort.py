@@ -23,33 +23,47 @@ How the clients' models run at once, by model:
 
 A method's local objective (:mod:`fedhetero.core.objective`: FedProx's and FedACG's proximal pull,
 SCAFFOLD's correction, FedDyn's terms, MOON's and DynInit's losses against reference models) is
-applied to the clients' parameters by the same rule the one-by-one trainer uses. The local back end
-trains a round as a cohort when ``engine.vectorize`` is on, the method keeps the default client
-half (:meth:`~fedhetero.core.algorithm.Algorithm.default_client_half`) and
-:func:`cohort_supported` holds: no dropout, no persistent optimiser state, no augmentation, every
-client with data and a model of one shape. Anything else runs client by client as before.
+applied to the clients' parameters by the same rule the one-by-one trainer uses; dropout draws each
+client's masks from the stream its own run draws them from (bit for bit on a CPU); momentum
+buffers kept between rounds (``train.optimizer_state: persistent``) come in and go out per client.
+
+Which clients train together (:meth:`~fedhetero.core.algorithm.Algorithm.client_update_many`): a
+method that keeps the default client half and whose local training is plain SGD
+(:meth:`~fedhetero.core.algorithm.Algorithm.local_optimizer`: the configured SGD, or the FedDU
+family's at the server's rate) offers its tasks; they are grouped by model structure
+(:func:`structure_key`: a pruned or narrower model trains with its like), SGD settings and
+objective rules, then by their number of steps (:func:`plan_cohorts`: a cohort steps until its
+longest client is done, so clients of very different lengths go to different cohorts), each
+cohort capped by ``engine.cohort_memory_mb`` (:func:`client_bytes`). With ``engine.vectorize``
+null (the default) a CPU batches cohorts of ``engine.min_cohort`` clients or more (fewer are no
+faster than one by one), a GPU of two or more. Every other task — augmentation, a client half of
+the method's own, a model the cohort cannot run, too few clients of a kind — runs one by one.
 """
 
 from __future__ import annotations
 
+import math
 import threading
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from fedhetero.core.features import has_hidden_layers
-from fedhetero.core.objective import Batch, LocalObjective, cohort_rules, frozen_reference, stack_consts
-from fedhetero.core.stacking import client_shapes, load_clients, stack_model, stacked_layers, views
-from fedhetero.core.types import ClientResult, payload_bytes, state_bytes
+from fedhetero.core.objective import Batch, LocalObjective, LocalSGD, cohort_rules, frozen_reference, stack_consts
+from fedhetero.core.stacking import client_shapes, load_clients, stack_model, stacked_dropouts, stacked_layers, views
+from fedhetero.core.types import derive_seed
 from fedhetero.data.batches import num_batches
 
 if TYPE_CHECKING:  # pragma: no cover
     from fedhetero.core.context import ClientContext
     from fedhetero.core.types import ClientTask
 
-__all__ = ["Cohort", "cohort_supported"]
+__all__ = [
+    "Cohort", "client_bytes", "client_generator", "client_steps", "cohort_supported", "plan_cohorts", "structure_key",
+    "train_cohort",
+]
 
 
 class _StackedLinear(torch.autograd.Function):
@@ -86,6 +100,14 @@ def _scratch(like: torch.Tensor, rows: int) -> torch.Tensor:
     if buf is None or buf.shape[0] < rows:
         buf = held[key] = torch.empty((rows, *like.shape[1:]), dtype=like.dtype, device=like.device)
     return buf[:rows]
+
+
+def client_generator(ctx: "ClientContext", task: "ClientTask") -> torch.Generator:
+    """A generator in the state torch's default generator (of the run's device) is in when the
+    client scope of ``task`` starts: where its one-by-one run draws dropout masks from."""
+    gen = torch.Generator(device=ctx.device)
+    gen.manual_seed(derive_seed(ctx.cfg.seed, "client", task.round, task.cid))
+    return gen
 
 
 def _stacked_for(ctx: "ClientContext", model: nn.Module, clients: int) -> nn.Module | None:
@@ -135,10 +157,7 @@ def _flat_linear(model: nn.Module) -> str | None:
 
 def cohort_supported(ctx: "ClientContext", model: nn.Module, tasks: "Sequence[ClientTask]") -> bool:
     """Whether these tasks can be trained as one :class:`Cohort` with the same numbers."""
-    t = ctx.cfg.train
-    if len(tasks) < 2 or t.optimizer_state == "persistent" or ctx.cfg.data.augment:
-        return False
-    if any(isinstance(m, nn.modules.dropout._DropoutNd) for m in model.modules()):
+    if len(tasks) < 2 or ctx.cfg.data.augment:
         return False
     first = tasks[0]
     if any(x.round != first.round or x.lr != first.lr or x.prelude != first.prelude for x in tasks):
@@ -177,6 +196,8 @@ class Cohort:
         else:
             if any(torch.is_floating_point(b) for b in self.buffers.values()):
                 raise ValueError("a model with floating buffers needs a stacked copy")
+            if any(isinstance(m, nn.modules.dropout._DropoutNd) for m in model.modules()):
+                raise ValueError("a model with dropout needs a stacked copy (each client's own masks)")
             self.params = {n: v.clone().requires_grad_(True) for n, v in self.start.items()}
 
     @classmethod
@@ -265,27 +286,41 @@ class Cohort:
         return range(t.local_steps * (e - 1) // e, t.local_steps)
 
     # ------------------------------------------------------------------ training
-    def train(self, lr: float, objective: LocalObjective | None = None,
-              consts: dict[str, Any] | None = None) -> list[dict[str, Any]]:
-        """Local SGD for every client, with the method's ``objective`` (its rules applied to the
-        stacked parameters, ``consts`` the clients' constants stacked by
-        :func:`~fedhetero.core.objective.stack_consts`). Returns each client's report (``loss``
-        of its last epoch, ``steps``)."""
+    def train(self, sgd: LocalSGD, objective: LocalObjective | None = None,
+              consts: dict[str, Any] | None = None,
+              momentum_buffers: Sequence[Mapping[str, torch.Tensor] | None] | None = None) -> list[dict[str, Any]]:
+        """Local SGD as ``sgd`` states it for every client, with the method's ``objective`` (its
+        rules applied to the stacked parameters, ``consts`` the clients' constants stacked by
+        :func:`~fedhetero.core.objective.stack_consts`). ``momentum_buffers``: each client's
+        buffers from its last round (``sgd.persistent``; a parameter without one, or whose shape
+        changed, starts a new buffer, as :class:`torch.optim.SGD` does); the buffers to keep are
+        left in :attr:`momentum_out`. Returns each client's report (``loss`` of its last epoch,
+        ``steps``)."""
         grad_rule = objective.grad if objective is not None else None
         loss_rule = objective.loss if objective is not None else None
         c_all = consts or {}
         refs = self._references(objective) if objective is not None and loss_rule is not None else {}
         records: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
-        ctx, t = self.ctx, self.ctx.cfg.train
-        momentum = ctx.local_momentum()
-        wd, nesterov, clip = t.weight_decay, t.nesterov, t.clip_grad_norm
+        ctx = self.ctx
+        lr, momentum, wd, nesterov, clip = sgd.lr, sgd.momentum, sgd.weight_decay, sgd.nesterov, sgd.clip
         seqs = self._schedules()
         steps = [len(s) for s in seqs]
         c = len(seqs)
-        bufs: dict[str, torch.Tensor | None] = {n: None for n in self.names}
-        losses: list[list[tuple[float, int]]] = [[] for _ in range(c)]
         dev, dt = ctx.device, ctx.dtype
+        bufs: dict[str, torch.Tensor | None] = {n: None for n in self.names}
+        if momentum and sgd.persistent and momentum_buffers is not None and any(momentum_buffers):
+            for n in self.names:  # zeros where a client has none: the first step's 0·m + d is d
+                shape = tuple(self.params[n].shape[1:])
+                kept = [(b or {}).get(n) for b in momentum_buffers]
+                bufs[n] = torch.stack([k.to(dev, dt) if isinstance(k, torch.Tensor) and tuple(k.shape) == shape
+                                       else torch.zeros(shape, device=dev, dtype=dt) for k in kept])
+        losses: list[list[tuple[float, int]]] = [[] for _ in range(c)]
         images, labels = ctx.data.train.images, ctx.data.train.labels
+        drops = stacked_dropouts(self.stacked) if self.stacked is not None else []
+        if drops:  # each client's masks from the stream its own model would draw them from
+            gens = [client_generator(ctx, task) for task in self.tasks]
+            for drop in drops:
+                drop.generators = gens
         for step in range(max(steps)):
             active = torch.tensor([step < n for n in steps], device=dev)
             size = max(int(seqs[i][step].numel()) for i in range(c) if step < steps[i])
@@ -307,6 +342,10 @@ class Cohort:
                 padded = bool((mask < 1).any())
                 for norm in self._norms:
                     norm.mask = mask.t() if padded else None
+                if drops:
+                    real = [int(seqs[i][step].numel()) if step < steps[i] else 0 for i in range(c)]
+                    for drop in drops:
+                        drop.rows = real
             out = self.forward(self.params, x)
             ce = F.cross_entropy(out.reshape(c * size, -1), y.reshape(-1), reduction="none").reshape(c, size)
             per = (ce * mask).sum(1) / counts
@@ -351,6 +390,12 @@ class Cohort:
             for i in range(c):
                 if step < steps[i]:
                     losses[i].append((float(per[i].detach()), int(mask[i].sum())))
+        for drop in drops:
+            drop.generators = drop.rows = None
+        self.momentum_out = None
+        if momentum and sgd.persistent:
+            self.momentum_out = [{n: b[i].detach().to("cpu").clone() for n, b in bufs.items() if b is not None}
+                                 for i in range(c)]
         reports = []
         for i in range(c):
             keep = [losses[i][s] for s in self._last_epoch_steps(steps[i]) if s < len(losses[i])]
@@ -408,18 +453,92 @@ class Cohort:
 
 
 # ---------------------------------------------------------------------------- the framework's entry
+def client_steps(ctx: "ClientContext", cid: int) -> int:
+    """Optimizer steps client ``cid``'s local round takes (0 without data)."""
+    t = ctx.cfg.train
+    n = len(ctx.data.client_indices[cid])
+    if n == 0:
+        return 0
+    return int(t.local_steps) if t.local_steps is not None else t.local_epochs * num_batches(n, t.batch_size)
+
+
+def plan_cohorts(steps: Sequence[int], *, min_size: int, max_size: int, slack: float = 0.25) -> list[list[int]]:
+    """Which clients (indices into ``steps``, each client's optimizer steps) to train together.
+
+    A cohort steps all its clients until the longest is done, so clients are taken longest first
+    and a cohort grows while the steps it runs (``size × its longest``) stay within ``1 + slack``
+    of the steps its clients need; a run of such clients longer than ``max_size`` is cut into
+    nearly equal cohorts. Cohorts smaller than ``min_size`` are left out (trained one by one), as
+    are clients without steps. Each cohort lists its clients longest first, ties by index."""
+    if min_size < 1 or max_size < 1:
+        raise ValueError("plan_cohorts: min_size and max_size must be at least 1")
+    def runs(order: list[int]) -> list[list[int]]:  # longest first; a new run where padding would pass the bound
+        out: list[list[int]] = []
+        for i in order:
+            if out and (len(out[-1]) + 1) * steps[out[-1][0]] <= (1.0 + slack) * (sum(steps[j] for j in out[-1]) + steps[i]):
+                out[-1].append(i)
+            else:
+                out.append([i])
+        return out
+
+    out = []
+    for run in runs(sorted((i for i, n in enumerate(steps) if n > 0), key=lambda i: (-steps[i], i))):
+        parts = -(-len(run) // max_size)
+        bounds = [round(k * len(run) / parts) for k in range(parts + 1)]
+        for k in range(parts):  # a part of a run may pad more than the run: bound it again
+            out.extend(runs(run[bounds[k]: bounds[k + 1]]))
+    return [g for g in out if len(g) >= min_size]
+
+
+def structure_key(model: nn.Module) -> tuple[Any, ...]:
+    """What clients trained as one cohort must share: the model's class and every state entry's
+    name, shape and dtype, and which parameters train."""
+    return (type(model).__module__, type(model).__qualname__,
+            tuple((k, tuple(v.shape), str(v.dtype)) for k, v in model.state_dict().items()),
+            tuple(n for n, p in model.named_parameters() if p.requires_grad))
+
+
+def client_bytes(ctx: "ClientContext", model: nn.Module) -> int:
+    """Estimated memory one client adds to a cohort: its parameters four times (weights,
+    gradients, momentum, start) and three times the activations of a batch (forward outputs
+    kept for the backward, their gradients, the gathered input), in the run's dtype."""
+    key = ("cohort-bytes", structure_key(model), str(ctx.dtype), ctx.cfg.train.batch_size)
+    if key not in ctx.cache:
+        outputs = [0]
+        handles = [m.register_forward_hook(lambda _m, _i, o: outputs.__setitem__(0, outputs[0] + (
+            o.numel() if isinstance(o, torch.Tensor) else 0))) for m in model.modules() if not list(m.children())]
+        was = model.training
+        try:
+            model.eval()
+            with torch.no_grad():
+                p = next(model.parameters(), None)
+                x = torch.zeros((1, *ctx.input_shape), dtype=p.dtype if p is not None else ctx.dtype,
+                                device=p.device if p is not None else ctx.device)
+                model(x)
+        finally:
+            model.train(was)
+            for h in handles:
+                h.remove()
+        per_sample = outputs[0] + math.prod(ctx.input_shape)
+        params = sum(p.numel() for p in model.parameters())
+        size = torch.empty((), dtype=ctx.dtype).element_size()
+        ctx.cache[key] = int(size * (4 * params + 3 * per_sample * ctx.cfg.train.batch_size))
+    return int(ctx.cache[key])
+
+
 def train_cohort(
     ctx: "ClientContext",
     model: nn.Module,
     tasks: "Sequence[ClientTask]",
     objectives: "Sequence[LocalObjective | None]",
+    initial: Sequence[Mapping[str, torch.Tensor]],
+    sgd: LocalSGD,
+    momentum_buffers: Sequence[Mapping[str, torch.Tensor] | None] | None = None,
 ) -> tuple[Cohort, list[dict[str, Any]]] | None:
-    """Train the clients of ``tasks`` together from the global state each task carries
-    (``payload["state"]``, one width for all) with their objectives' shared rules; None when
-    :func:`cohort_supported` says no or the objectives cannot share a cohort."""
-    width = tasks[0].payload.get("width")
-    if any(t.payload.get("width") != width or "state" not in t.payload for t in tasks):
-        return None
+    """Train the clients of ``tasks`` together, each from its ``initial`` state, with ``sgd`` and
+    their objectives' shared rules; None when :func:`cohort_supported` says no or the objectives
+    cannot share a cohort. Runs in the client scope of the first task (the round and the data
+    stream of the exchange)."""
     if not cohort_supported(ctx, model, tasks):
         return None
     rules = cohort_rules(objectives)
@@ -429,27 +548,12 @@ def train_cohort(
     if objective is not None and objective.loss is not None and objective.representation == "features" \
             and has_hidden_layers(model, ctx.num_classes):
         return None  # penultimate features of a batched model: one by one
-    co = Cohort.build(ctx, model, tasks, [t.payload["state"] for t in tasks])
+    co = Cohort.build(ctx, model, tasks, [dict(s) for s in initial])
     if co is None:
         return None
     co.objectives = [o for o in objectives if o is not None]
     consts = None
     if objective is not None and objective.consts:
         consts = stack_consts([o.consts for o in co.objectives], co.names, ctx.device, ctx.dtype)
-    reports = co.train(ctx.lr_at(), objective, consts)
+    reports = co.train(sgd, objective, consts, momentum_buffers)
     return co, reports
-
-
-def plain_results(ctx: "ClientContext", tasks: "Sequence[ClientTask]", co: Cohort,
-                  reports: list[dict[str, Any]]) -> list[ClientResult]:
-    """One :class:`ClientResult` per task as :meth:`Algorithm.upload` makes them."""
-    macs = ctx.macs(co.model)
-    out = []
-    for i, task in enumerate(tasks):
-        state = co.state(i)
-        out.append(ClientResult(
-            cid=task.cid, num_samples=task.num_samples, state=state, macs=macs,
-            budget_macs=task.budget_macs, bytes_up=state_bytes(state), bytes_down=payload_bytes(task.payload),
-            tier=task.tier, metrics=dict(reports[i]),
-        ))
-    return out

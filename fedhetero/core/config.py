@@ -426,9 +426,14 @@ class EngineConfig:
     client_timeout_s: float | None = option(None, gt=0, note="seconds")
     min_clients: int = option(1, ge=1)  # fewer successful clients in a round stops the run with a clear message
     inject_faults: FaultConfig = field(default_factory=FaultConfig)
-    # local back end: train the clients of a round together as one batched model when the
-    # algorithm and model allow it (fedhetero.core.cohort); same numbers up to the order of float sums
-    vectorize: bool = option(False, added_later=True)
+    # train a round's clients in batched cohorts where the method and model allow it
+    # (fedhetero.core.cohort), on each executor of the local and process back ends; same numbers
+    # as one by one up to the order of float sums. null (auto): cohorts of engine.min_cohort
+    # clients or more on a CPU, of 2 or more on a GPU; true: of 2 or more; false: never
+    vectorize: bool | None = option(None, added_later=True)
+    min_cohort: int = option(4, ge=2, added_later=True, note="with vectorize: null, on a CPU")
+    # a cohort holds as many clients as fit in this much memory (estimated per client)
+    cohort_memory_mb: float = option(2048.0, gt=0, added_later=True, note="MiB")
 
 
 @dataclass(frozen=True)
@@ -991,9 +996,14 @@ _UNHASHED_BEFORE = {"": ("loggers",), "engine": ("backend", "workers")}
 
 
 def config_hashes(cfg: RunConfig) -> set[str]:
-    """Every hash a run directory of this config may have recorded (the current rule's, and the
-    rule's before the failure-handling fields left the hash)."""
-    return {config_hash(cfg), _hash(cfg, _UNHASHED_BEFORE)}
+    """Every hash a run directory of this config may have recorded (the current rule's, the
+    rule's before the failure-handling fields left the hash, and, for ``engine.vectorize: false``,
+    the hash from when false was its default and so left out)."""
+    out = {config_hash(cfg), _hash(cfg, _UNHASHED_BEFORE)}
+    if cfg.engine.vectorize is False:
+        without = {**RESUMABLE, "engine": (*RESUMABLE["engine"], "vectorize")}
+        out |= {_hash(cfg, without), _hash(cfg, {**_UNHASHED_BEFORE, "engine": (*_UNHASHED_BEFORE["engine"], "vectorize")})}
+    return out
 
 
 def config_hash(cfg: RunConfig) -> str:

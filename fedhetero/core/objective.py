@@ -36,11 +36,31 @@ from torch import nn
 if TYPE_CHECKING:  # pragma: no cover
     from fedhetero.core.types import ClientResult
 
-__all__ = ["Batch", "GradRule", "LocalObjective", "LossRule", "Tensors", "cohort_rules", "move_consts", "proximal", "stack_consts"]
+__all__ = [
+    "Batch", "GradRule", "LocalObjective", "LocalSGD", "LossRule", "Tensors", "cohort_rules", "move_consts", "proximal",
+    "rules_key", "stack_consts",
+]
 
 Tensors = Mapping[str, torch.Tensor]
 GradRule = Callable[[Tensors, Tensors, dict[str, Any]], None]
 LossRule = Callable[["Batch"], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class LocalSGD:
+    """The plain SGD a method's local training runs, stated so that a cohort of clients can run it
+    too (:meth:`~fedhetero.core.algorithm.Algorithm.local_optimizer`): what
+    :class:`torch.optim.SGD` gets (``lr``, ``momentum``, ``weight_decay``, ``nesterov``; no
+    dampening), the gradient-norm ``clip`` applied before each step, and ``persistent``: the
+    client's momentum buffers are loaded from its last round and kept for its next
+    (``train.optimizer_state: persistent``)."""
+
+    lr: float
+    momentum: float = 0.0
+    weight_decay: float = 0.0
+    nesterov: bool = False
+    clip: float | None = None
+    persistent: bool = False
 
 
 @dataclass
@@ -123,6 +143,14 @@ def stack_consts(per_client: Sequence[dict[str, Any]], names: Sequence[str], dev
 
 def _code(rule: Callable[..., Any] | None) -> Any:
     return None if rule is None else getattr(rule, "__code__", rule)
+
+
+def rules_key(objective: LocalObjective | None) -> tuple[Any, ...] | None:
+    """What objectives that can share a cohort have in common (see :func:`cohort_rules`)."""
+    if objective is None:
+        return None
+    o = objective
+    return (_code(o.grad), _code(o.loss), tuple(sorted(o.consts)), tuple(sorted(o.references)), o.representation)
 
 
 def cohort_rules(objectives: Sequence[LocalObjective | None]) -> LocalObjective | None | bool:

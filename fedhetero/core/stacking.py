@@ -15,6 +15,9 @@ client's channels in its own block:
   finished its steps) the statistics leave them out (:attr:`StackedBatchNorm2d.mask`);
 * GroupNorm over ``g`` groups becomes GroupNorm over ``g·C`` groups (it normalises each sample on
   its own, so padding never enters it);
+* dropout draws each client's mask from that client's own generator, shaped like its own
+  batch (:class:`StackedDropout`): the masks one client's model would draw from torch's default
+  generator seeded alike, bit for bit;
 * activations, pooling, flattening and additions act elementwise or per channel, and stay.
 
 Each stacked parameter is the clients' parameters stacked and reshaped, so ``p.view(C, *shape)``
@@ -34,8 +37,8 @@ import torch.nn.functional as F
 from torch import nn
 
 __all__ = [
-    "StackedBatchNorm2d", "StackedConv2d", "StackedGroupNorm", "StackedLinear", "client_shapes", "load_clients",
-    "stack_model", "stacked_layers", "views",
+    "StackedBatchNorm2d", "StackedConv2d", "StackedDropout", "StackedGroupNorm", "StackedLinear", "client_shapes",
+    "load_clients", "stack_model", "stacked_dropouts", "stacked_layers", "views",
 ]
 
 
@@ -137,8 +140,40 @@ class StackedGroupNorm(nn.Module):
         return F.group_norm(x, self.groups, self.weight, self.bias, self.eps)
 
 
+class StackedDropout(nn.Module):
+    """``C`` copies of a :class:`~torch.nn.Dropout`. In training, client ``c``'s rows ``[0, n_c)``
+    (:attr:`rows`; the rest are padding) are multiplied by ``bernoulli(1 − p) / (1 − p)`` drawn
+    from :attr:`generators` ``[c]`` in the shape of that client's own batch — what
+    :func:`torch.nn.functional.dropout` draws from torch's default generator in the same state —
+    and padded rows by 0. Every dropout of a stacked model shares one list of generators (a
+    client's model draws all its masks from one generator, in forward order). Without generators
+    (the trainer sets them) it refuses to train."""
+
+    def __init__(self, drop: nn.Dropout, clients: int) -> None:
+        super().__init__()
+        self.p, self.clients = float(drop.p), clients
+        self.generators: list[torch.Generator] | None = None
+        self.rows: list[int] | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training or self.p == 0.0:
+            return x
+        if self.generators is None or self.rows is None:
+            raise RuntimeError("StackedDropout: the trainer sets each client's generator and rows before a step")
+        keep = 1.0 - self.p
+        xs = x.unflatten(1, (self.clients, -1))  # (B, C, …)
+        noise = torch.zeros_like(xs, memory_format=torch.contiguous_format)
+        for c, (gen, n) in enumerate(zip(self.generators, self.rows)):
+            if n:
+                draw = torch.empty((n, *xs.shape[2:]), dtype=x.dtype, device=gen.device).bernoulli_(keep, generator=gen)
+                noise[:n, c] = draw.div_(keep).to(x.device)
+        return (xs * noise).flatten(1, 2)
+
+
 #: layers with parameters or buffers the stacking knows; every other such layer is refused
 def _stacked(module: nn.Module, clients: int) -> nn.Module | None:
+    if type(module) is nn.Dropout:
+        return StackedDropout(module, clients)
     if type(module) is nn.Conv2d and module.padding_mode == "zeros":
         return StackedConv2d(module, clients)
     if type(module) is nn.Linear:
@@ -153,6 +188,11 @@ def _stacked(module: nn.Module, clients: int) -> nn.Module | None:
 def stacked_layers(model: nn.Module) -> list[StackedBatchNorm2d]:
     """The stacked BatchNorms of a stacked model (the trainer sets their masks)."""
     return [m for m in model.modules() if isinstance(m, StackedBatchNorm2d)]
+
+
+def stacked_dropouts(model: nn.Module) -> list[StackedDropout]:
+    """The stacked dropouts of a stacked model (the trainer sets their generators and rows)."""
+    return [m for m in model.modules() if isinstance(m, StackedDropout)]
 
 
 def _replace(module: nn.Module, clients: int) -> bool:
@@ -204,6 +244,11 @@ def _agrees(model: nn.Module, stacked: nn.Module, clients: int, in_shape: tuple[
         s = {k: (v + 0.1 * torch.randn(v.shape, generator=gen, dtype=torch.float64)) if v.is_floating_point() else v
              for k, v in ref.state_dict().items()}
         states.append({k: v.abs() + 0.5 if k.endswith("running_var") else v for k, v in s.items()})
+    # each client's dropouts draw, in forward order, from one generator seeded 1000 + c, as its
+    # own model draws from torch's default generator seeded alike
+    gens = [torch.Generator().manual_seed(1000 + c) for c in range(clients)]
+    for d in stacked_dropouts(probe):
+        d.generators, d.rows = gens, [3] * clients
     try:
         x = torch.randn(3, clients, *in_shape, generator=gen, dtype=torch.float64)
         for train in (True, False):
@@ -213,7 +258,9 @@ def _agrees(model: nn.Module, stacked: nn.Module, clients: int, in_shape: tuple[
             for c in range(clients):
                 ref.load_state_dict(states[c])
                 ref.train(train)
-                want = ref(x[:, c]).reshape(3, -1)
+                with torch.random.fork_rng(devices=[]):
+                    torch.manual_seed(1000 + c)
+                    want = ref(x[:, c]).reshape(3, -1)
                 if got.shape[2] != want.shape[1] or not torch.allclose(got[:, c], want, rtol=1e-9, atol=1e-9):
                     return False
     except (RuntimeError, ValueError, IndexError):

@@ -34,6 +34,7 @@ from torch import Tensor, nn
 
 from fedhetero.core.algorithm import Algorithm
 from fedhetero.core.config import OPTIONS_PATH, MethodOptions, option, require
+from fedhetero.core.objective import LocalSGD
 from fedhetero.core.types import ClientInfo, ClientResult, ClientTask
 from fedhetero.data.batches import iterate_batches
 from fedhetero.data.server import non_iid_degree
@@ -427,6 +428,17 @@ class ServerDataAlgorithm(Algorithm):
     def local_train(self, ctx: "ClientContext", task: ClientTask, model: nn.Module) -> dict[str, Any]:
         opt = self.device_optimizer(ctx, task, model)
         return dict(ctx.train(model, task, ctx.cfg.train.local_epochs, optimizer=opt))
+
+    def local_optimizer(self, ctx: "ClientContext", task: ClientTask) -> LocalSGD | None:
+        """:meth:`local_train`'s SGD at the round's ``η_t`` without device momentum (with it, or
+        with another local training or device optimiser, one by one)."""
+        cls = type(self)
+        if cls.local_train is not ServerDataAlgorithm.local_train or cls.device_optimizer is not ServerDataAlgorithm.device_optimizer:
+            return None
+        if float(self.opt("device_momentum", 0.0)) != 0.0:
+            return None
+        t = ctx.cfg.train
+        return LocalSGD(lr=float(task.payload["lr"]), weight_decay=float(t.weight_decay), clip=t.clip_grad_norm)
 
     def upload(self, ctx: "ClientContext", task: ClientTask, model: nn.Module, result: dict[str, Any]) -> ClientResult:
         upd = super().upload(ctx, task, model, result)

@@ -243,7 +243,7 @@ def rank_batches(ctx: "Context", options: Any) -> list[Tensor]:
     if options.hrank_augment:
         gen = ctx.torch_generator("algorithm", int(ctx.round), 4)
         x = random_crop_flip(x, padding=4, flip=True, fill=ctx.data.train.pixel_fill(), generator=gen)
-    x = x.to(ctx.device)
+    x = x.to(ctx.device, ctx.dtype)  # the model computes in the run's dtype (float64 too)
     b = int(options.hrank_batch)
     return [x[i : i + b] for i in range(0, x.shape[0], b)]
 

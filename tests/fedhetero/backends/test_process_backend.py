@@ -162,7 +162,7 @@ def test_server_share_runs_at_the_workers_thread_count(monkeypatch):
 
     monkeypatch.setattr(proc, "run_task", fake_run_task)
     # one executor: the server runs every task itself (no worker process is started)
-    cfg = from_dict({"threads": None, "engine": {"backend": "process", "workers": 1}})
+    cfg = from_dict({"threads": None, "engine": {"backend": "process", "workers": 1, "vectorize": False}})
     backend = proc.ProcessBackend(cfg)
     old = torch.get_num_threads()
     torch.set_num_threads(2)

@@ -45,7 +45,7 @@ def _state(saved):
 def test_cohort_equals_one_by_one_float64(tmp_path, host, init, options, extra):
     over = {"dtype": "float64", "algorithm.options.host": host, "algorithm.options.init": init,
             "algorithm.options.host_options": options, "train.rounds": 20, "sessions.count": 4, **extra}
-    _, a = _run(tmp_path, "one", **over)
+    _, a = _run(tmp_path, "one", **over, **{"engine.vectorize": False})
     _, b = _run(tmp_path, "all", **over, **{"engine.vectorize": True})
     for k, v in _state(a).items():
         ref = _state(b)[k]
@@ -59,7 +59,7 @@ def test_cohort_equals_one_by_one_other_models(tmp_path, model_name):
     over = {"dtype": "float64", "model.name": model_name, "model.norm": "none", "train.rounds": 6,
             "sessions.count": 3, "sessions.rounds": 2, "algorithm.options.host": "fedprox",
             "algorithm.options.host_options": {"mu": 0.5}}
-    _, a = _run(tmp_path, "one", **over)
+    _, a = _run(tmp_path, "one", **over, **{"engine.vectorize": False})
     _, b = _run(tmp_path, "all", **over, **{"engine.vectorize": True})
     for k, v in _state(a).items():
         ref = _state(b)[k]
@@ -119,10 +119,21 @@ def test_cohort_is_used_and_falls_back(tmp_path, monkeypatch):
            tmp_path / "bn", progress=False).run()
     assert calls and set(calls) == {10}
     calls.clear()
-    # momentum buffers kept per client: one by one
+    # momentum buffers kept per client: a cohort too
     Engine(_cfg(**{"engine.vectorize": True, "train.optimizer_state": "persistent", "train.momentum": 0.9,
                    "train.rounds": 15, "sessions.count": 3}), tmp_path / "persistent", progress=False).run()
+    assert calls and set(calls) == {10}
+    calls.clear()
+    # off: one by one
+    Engine(_cfg(**{"engine.vectorize": False, "train.rounds": 3, "sessions.count": 3, "sessions.rounds": 1}),
+           tmp_path / "off", progress=False).run()
     assert calls == []
+    # by default (auto), on a CPU: cohorts of engine.min_cohort clients or more
+    Engine(_cfg(**{"train.rounds": 3, "sessions.count": 3, "sessions.rounds": 1, "engine.min_cohort": 11}),
+           tmp_path / "auto-few", progress=False).run()
+    assert calls == []
+    Engine(_cfg(**{"train.rounds": 3, "sessions.count": 3, "sessions.rounds": 1}), tmp_path / "auto", progress=False).run()
+    assert calls and set(calls) == {10}
 
 
 # ---------------------------------------------------------------------------- stacked models (BatchNorm, GroupNorm, clipping)
@@ -167,7 +178,7 @@ def test_stacked_cohort_equals_one_by_one(tmp_path, monkeypatch, name, over):
     used = []
     real = cohort.Cohort.train
     monkeypatch.setattr(cohort.Cohort, "train", lambda self, *a, **k: used.append(self.stacked is not None) or real(self, *a, **k))
-    cfg = _fedavg_like(name, **over)
+    cfg = _fedavg_like(name, **over, **{"engine.vectorize": False})
     a = Engine(cfg, tmp_path / "one", progress=False).run()
     assert used == []
     b_cfg = _fedavg_like(name, **over, **{"engine.vectorize": True})
@@ -230,3 +241,164 @@ def test_stacked_cohort_accuracy_curves_within_the_seed_spread(tmp_path):
     spread = one.max(0).values - one.min(0).values
     assert bool(((together.mean(0) - one.mean(0)).abs() <= spread + 5e-3).all())
     assert float((together - one).abs().max()) < 0.03  # seed by seed, the curves nearly coincide
+
+
+def _final(path: Path):
+    return _state(torch.load(path / "final_model.pt", weights_only=True))
+
+
+def _close_states(sa, sb, rel=1e-9):
+    assert sa.keys() == sb.keys()
+    for k, v in sa.items():
+        if v.is_floating_point():
+            assert torch.allclose(v, sb[k], rtol=rel, atol=rel * float(v.abs().max())), k
+        else:
+            assert torch.equal(v, sb[k]), k
+
+
+def _spied(monkeypatch) -> list[int]:
+    from fedhetero.core import cohort
+
+    sizes: list[int] = []
+    real = cohort.Cohort.train
+    monkeypatch.setattr(cohort.Cohort, "train", lambda self, *a, **k: sizes.append(len(self.tasks)) or real(self, *a, **k))
+    return sizes
+
+
+# ---------------------------------------------------------------------------- dropout, kept momentum, the FedDU family
+@pytest.mark.parametrize(
+    "name, over",
+    [
+        # dropout: each client's masks from its own stream, bit for bit those it draws alone
+        ("fedavg", {"model.name": "svhn_cnn", "train.rounds": 1, "train.local_steps": 4}),
+        ("fedprox", {"model.name": "svhn_cnn", "algorithm.options": {"mu": 0.2}, "train.local_steps": 3, "train.rounds": 1}),
+        # momentum buffers kept from round to round, per client
+        ("fedavg", {"train.optimizer_state": "persistent", "train.rounds": 3, "train.sample_rate": 0.7}),
+        # the FedDU family's plain-SGD devices at the server's η_t
+        ("feddu", {"data.server_fraction": 0.1, "train.rounds": 2}),
+        # FedAP: after pruning at round 1, every client trains the pruned structure
+        ("fedap", {"algorithm.options": {"prune_round": 1, "prune_rate_mode": "fixed", "fixed_prune_rate": 0.4},
+                   "data.server_fraction": 0.1, "train.rounds": 3}),
+    ],
+)
+def test_more_methods_and_models_train_as_cohorts(tmp_path, monkeypatch, name, over):
+    """Dropout, persistent momentum and the FedDU family (whose devices run plain SGD at the
+    server's rate, stated by ``local_optimizer``) give each client its one-by-one numbers in a
+    cohort (float64, up to the order of sums)."""
+    sizes = _spied(monkeypatch)
+    a = Engine(_fedavg_like(name, **over, **{"engine.vectorize": False}), tmp_path / "one", progress=False).run()
+    assert sizes == []
+    b = Engine(_fedavg_like(name, **over, **{"engine.vectorize": True}), tmp_path / "all", progress=False).run()
+    assert sizes and sum(sizes) >= 2 * len(b.metrics)
+    _close_states(_final(tmp_path / "one"), _final(tmp_path / "all"))
+    rows_a = [c for r in a.metrics for c in r["clients"]]
+    rows_b = [c for r in b.metrics for c in r["clients"]]
+    assert [(c["cid"], c["steps"]) for c in rows_a] == [(c["cid"], c["steps"]) for c in rows_b]
+    for ca, cb in zip(rows_a, rows_b):
+        assert cb["loss"] == pytest.approx(ca["loss"], rel=1e-9)
+        assert {k for k in ca if k != "seconds"} == {k for k in cb if k != "seconds"}
+
+
+def test_pruned_structures_group_apart(tmp_path, monkeypatch):
+    """Clients whose models differ in structure never share a cohort: FedAP before and after
+    pruning trains two structures, each round's cohorts one structure each."""
+    from fedhetero.core import cohort
+
+    seen = []
+    real = cohort.Cohort.train
+    monkeypatch.setattr(cohort.Cohort, "train",
+                        lambda self, *a, **k: seen.append(cohort.structure_key(self.model)) or real(self, *a, **k))
+    over = {"algorithm.options": {"prune_round": 1, "prune_rate_mode": "fixed", "fixed_prune_rate": 0.4},
+            "data.server_fraction": 0.1, "train.rounds": 2, "engine.vectorize": True, "dtype": "float32"}
+    Engine(_fedavg_like("fedap", **over), tmp_path / "r", progress=False).run()
+    assert len(set(seen)) == 2
+
+
+def test_methods_that_train_otherwise_run_one_by_one(tmp_path, monkeypatch):
+    """A method whose local training is not plain SGD (Data-sharing trains on shared data too;
+    device momentum in the FedDU family) keeps its own client half."""
+    sizes = _spied(monkeypatch)
+    Engine(_fedavg_like("data_sharing", **{"data.server_fraction": 0.1, "engine.vectorize": True, "dtype": "float32"}),
+           tmp_path / "ds", progress=False).run()
+    Engine(_fedavg_like("feddu", **{"data.server_fraction": 0.1, "engine.vectorize": True, "dtype": "float32",
+                                    "algorithm.options": {"device_momentum": 0.5}}), tmp_path / "m", progress=False).run()
+    assert sizes == []
+
+
+# ---------------------------------------------------------------------------- uneven clients, memory, back ends
+from hypothesis import given, settings, strategies as st  # noqa: E402
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.integers(0, 60), max_size=40), st.integers(1, 6), st.integers(1, 12),
+       st.sampled_from([0.0, 0.25, 1.0]))
+def test_plan_cohorts_invariants(steps, min_size, max_size, slack):
+    """Every client is in at most one cohort; cohorts are within [min_size, max_size], list
+    their clients longest first, run at most (1 + slack) × the steps their clients need, and only
+    clients with steps join; equal step counts never leave a client out for padding."""
+    from fedhetero.core.cohort import plan_cohorts
+
+    plan = plan_cohorts(steps, min_size=min_size, max_size=max_size, slack=slack)
+    flat = [i for g in plan for i in g]
+    assert len(flat) == len(set(flat))
+    for g in plan:
+        assert min_size <= len(g) <= max_size
+        assert all(steps[i] > 0 for i in g)
+        assert [steps[i] for i in g] == sorted((steps[i] for i in g), reverse=True)
+        assert len(g) * steps[g[0]] <= (1 + slack) * sum(steps[i] for i in g) + 1e-9
+    if steps and len(set(steps)) == 1 and steps[0] > 0 and len(steps) >= min_size and max_size >= min_size:
+        parts = -(-len(steps) // max_size)
+        if len(steps) // parts >= min_size:
+            assert sorted(flat) == list(range(len(steps)))
+
+
+def test_uneven_clients_train_in_cohorts_of_like_length(tmp_path, monkeypatch):
+    """On a Dirichlet split the clients of a round take very different numbers of steps: they
+    are grouped so that no cohort pads more than a quarter of its steps, and the results still
+    equal one by one."""
+    from fedhetero.core import cohort
+
+    padded = []
+    real = cohort.Cohort.train
+
+    def spy(self, *a, **k):
+        steps = [len(s) for s in self._schedules()]
+        padded.append(len(steps) * max(steps) / sum(steps))
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(cohort.Cohort, "train", spy)
+    over = {"data.num_clients": 24, "data.alpha": 0.3, "train.rounds": 1, "engine.min_cohort": 2}
+    Engine(_fedavg_like("fedavg", **over, **{"engine.vectorize": False}), tmp_path / "one", progress=False).run()
+    Engine(_fedavg_like("fedavg", **over), tmp_path / "all", progress=False).run()
+    assert len(padded) >= 2 and max(padded) <= 1.25
+    _close_states(_final(tmp_path / "one"), _final(tmp_path / "all"))
+
+
+def test_cohorts_split_to_the_memory_budget(tmp_path, monkeypatch):
+    from fedhetero.core.cohort import client_bytes
+
+    sizes = _spied(monkeypatch)
+    cfg = _fedavg_like("fedavg", **{"train.local_steps": 3, "engine.vectorize": True, "train.rounds": 1})
+    from fedhetero.core.context import client_context
+
+    ctx = client_context(cfg)
+    per = client_bytes(ctx, ctx.build_model())
+    assert per > 0
+    budget = 2.5 * per / 2**20  # room for two clients
+    Engine(_fedavg_like("fedavg", **{"train.local_steps": 3, "engine.vectorize": True, "train.rounds": 1,
+                                     "engine.cohort_memory_mb": budget}), tmp_path / "r", progress=False).run()
+    assert sizes and max(sizes) <= 2 and sum(sizes) == 6
+
+
+def test_process_back_end_batches_each_executors_share(tmp_path, monkeypatch):
+    """With the process back end each executor trains its share of the round as a cohort (the
+    server's own share is seen here); the model equals the local one-by-one run's up to the order
+    of sums."""
+    sizes = _spied(monkeypatch)
+    over = {"data.num_clients": 8, "train.local_steps": 4}
+    Engine(_fedavg_like("fedavg", **over, **{"engine.vectorize": False}), tmp_path / "one", progress=False).run()
+    sizes.clear()
+    Engine(_fedavg_like("fedavg", **over, **{"engine.vectorize": True, "engine.backend": "process", "engine.workers": 2}),
+           tmp_path / "proc", progress=False).run()
+    assert sizes == [4, 4]  # two rounds, the server's half each time
+    _close_states(_final(tmp_path / "one"), _final(tmp_path / "proc"))

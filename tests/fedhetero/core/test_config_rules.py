@@ -316,8 +316,14 @@ def _reference_hash(cfg, unhashed=C.RESUMABLE) -> str:
         data["data"].pop("group_overlap", None)
     if cfg.data.val_fraction == 0.0:
         data["data"].pop("val_fraction", None)
-    if not cfg.engine.vectorize:
+    # engine.vectorize: its default became null (auto); false, the old default, is hashed now
+    # (config_hashes also accepts the hash without it, see test_vectorize_false_resumes_old_runs)
+    if cfg.engine.vectorize is None:
         data["engine"].pop("vectorize", None)
+    if cfg.engine.min_cohort == 4:
+        data["engine"].pop("min_cohort", None)
+    if cfg.engine.cohort_memory_mb == 2048.0:
+        data["engine"].pop("cohort_memory_mb", None)
     if cfg.model.weights is None:
         data["model"].pop("weights", None)
     if not cfg.model.weights_partial:
@@ -363,7 +369,7 @@ def _random_config(rng: random.Random) -> dict[str, Any]:
             "workers": pick([None, 2]),
             "client_timeout_s": pick([None, 30.0]),
             "min_clients": pick([1, 2]),
-            "vectorize": pick([False, False, True]),
+            "vectorize": pick([None, None, False, True]),
             "inject_faults": {"rate": pick([0.0, 0.5]), "kinds": pick([["raise"], ["raise", "nan"]])},
         },
         "sessions": {"count": count, "rounds": s_rounds, "transition_window": pick([1, 10]),
@@ -380,7 +386,11 @@ def test_config_hash_is_the_hash_the_special_cases_gave():
     for _ in range(400):
         cfg = from_dict(_random_config(rng))
         assert config_hash(cfg) == _reference_hash(cfg)
-        assert config_hashes(cfg) == {_reference_hash(cfg), _reference_hash(cfg, _UNHASHED_BEFORE)}
+        accepted = {_reference_hash(cfg), _reference_hash(cfg, _UNHASHED_BEFORE)}
+        if cfg.engine.vectorize is False:  # and the hashes from when false was the default
+            accepted |= {_reference_hash(dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, vectorize=None)), u)
+                         for u in (C.RESUMABLE, _UNHASHED_BEFORE)}
+        assert config_hashes(cfg) == accepted
         seen.add(config_hash(cfg))
     assert len(seen) > 390  # the configs differ
 
@@ -402,3 +412,25 @@ def test_config_hash_of_configs_made_in_code():
 
 def test_the_default_config_keeps_the_hash_its_run_directories_recorded():
     assert config_hash(from_dict({})) == "74188c554e6e08cfab2ad6caadc748a2434cf7cdf1c5fa20f091e6049f44e97d"
+
+
+def test_vectorize_false_resumes_old_runs():
+    """Run directories made while ``engine.vectorize: false`` was the default (and so left out of
+    the hash) still resume with it set to false."""
+    import hashlib
+    import json
+
+    cfg = dataclasses.replace(C.RunConfig(), engine=dataclasses.replace(C.RunConfig().engine, vectorize=False))
+    data = C.to_dict(cfg)
+    data.pop("loggers", None)
+    data.pop("sessions", None)
+    for key in (*C.RESUMABLE["engine"], "vectorize", "min_cohort", "cohort_memory_mb"):
+        data["engine"].pop(key, None)
+    for key in ("group_overlap", "val_fraction"):
+        data["data"].pop(key, None)
+    for key in ("weights", "weights_partial"):
+        data["model"].pop(key, None)
+    old = hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
+    assert old != C.config_hash(cfg)
+    assert old in C.config_hashes(cfg)
+    assert old == C.config_hash(C.RunConfig())  # what the old default hashed to

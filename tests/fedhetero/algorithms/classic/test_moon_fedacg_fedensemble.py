@@ -23,10 +23,10 @@ from fedhetero.algorithms.classic.fedacg import FedACG, FedACGOptions, lookahead
 from fedhetero.algorithms.classic.fedensemble import EnsembleModel
 from fedhetero.algorithms.classic.moon import moon_contrastive_loss
 from fedhetero.core.objective import move_consts
-from fedhetero.core.config import ConfigError, from_dict
+from fedhetero.core.config import ConfigError
 from fedhetero.core.engine import Engine
 from fedhetero.core.registry import build_algorithm
-from _util import SharedRuns, equal_states, strip_wall
+from _util import SharedRuns, equal_states, fedavg_cfg, strip_wall
 
 
 METHODS = ["moon", "fedacg", "fedensemble"]
@@ -39,17 +39,7 @@ OFF = {  # the options that switch each method's extra term off
 }
 
 
-def _cfg(name: str, backend: str = "local", rounds: int = 3, options: dict | None = None, **engine):
-    return from_dict(
-        {
-            "seed": 1,
-            "threads": 1,
-            "data": {"num_clients": 10},
-            "train": {"rounds": rounds, "sample_rate": 0.4, "local_epochs": 1, "checkpoint_every": 1},
-            "algorithm": {"name": name, "options": dict(options or {})},
-            "engine": {"backend": backend, **engine},
-        }
-    )
+_cfg = fedavg_cfg
 
 
 def _state(eng: Engine) -> dict[str, torch.Tensor]:

@@ -207,7 +207,8 @@ def _cfg(options=None, train=None, name="dynacomm", rounds=2, **top):
                 **(train or {}),
             },
             "algorithm": {"name": name, "options": options or {}},
-            **top,
+            # one by one: DynaComm's client half is its own, and its FedAvg equivalences are bit for bit
+            **{"engine": {"vectorize": False}, **top},
         }
     )
 
