@@ -220,13 +220,13 @@ class Algorithm:
         groups: dict[Any, list[tuple[int, nn.Module, dict[str, torch.Tensor], LocalSGD, LocalObjective | None]]] = {}
         for i, (task, state) in enumerate(zip(tasks, states)):
             with ctx.client_scope(task):
+                model = self.client_model(ctx, task, state)
                 sgd = self.local_optimizer(ctx, task)
                 if sgd is None:
                     continue
-                model = self.client_model(ctx, task, state)
                 initial = {k: v.detach().clone() for k, v in model.state_dict().items()}
                 objective = self.local_objective(ctx, task, state)
-            key = (structure_key(model), sgd, task.round, task.prelude, rules_key(objective))
+            key = (structure_key(model), sgd.shared(), task.round, task.prelude, rules_key(objective))
             groups.setdefault(key, []).append((i, model, initial, sgd, objective))
         e = ctx.cfg.engine
         smallest = 2 if e.vectorize or ctx.device.type != "cpu" else e.min_cohort
@@ -238,8 +238,8 @@ class Algorithm:
                 chosen = [members[k] for k in plan]
                 sub = [tasks[i] for i, *_ in chosen]
                 with ctx.client_scope(sub[0]):
-                    done = train_cohort(ctx, model, sub, [m[4] for m in chosen], [m[2] for m in chosen], chosen[0][3],
-                                        [buffers[i] for i, *_ in chosen])
+                    done = train_cohort(ctx, model, sub, [m[4] for m in chosen], [m[2] for m in chosen],
+                                        [m[3] for m in chosen], [buffers[i] for i, *_ in chosen])
                 if done is None:
                     continue
                 co, reports = done
@@ -260,18 +260,16 @@ class Algorithm:
 
     def local_optimizer(self, ctx: "ClientContext", task: ClientTask) -> LocalSGD | None:
         """The plain SGD this method's :meth:`local_train` runs for ``task``, or None when it
-        trains otherwise; called in the task's client scope. A cohort of clients
+        trains otherwise; called in the task's client scope, right after :meth:`client_model`
+        built the task's model. A cohort of clients
         (:meth:`client_update_many`) runs what it returns in place of :meth:`local_train`, so a
         method that overrides :meth:`local_train` with plain SGD at other settings (another
         learning rate, no momentum) says so here, and stays exact (the tests compare both
-        paths). Default: the configured local SGD (:meth:`ClientContext.make_optimizer`) when
+        paths). Default: the configured local SGD (:meth:`ClientContext.configured_sgd`) when
         :meth:`local_train` is not overridden, else None."""
         if type(self).local_train is not Algorithm.local_train:
             return None
-        t = ctx.cfg.train
-        momentum = ctx.local_momentum()
-        return LocalSGD(lr=ctx.lr_at(), momentum=momentum, weight_decay=t.weight_decay, nesterov=t.nesterov,
-                        clip=t.clip_grad_norm, persistent=t.optimizer_state == "persistent" and momentum > 0)
+        return ctx.configured_sgd()
 
     def default_client_half(self) -> bool:
         """Whether the client half is the default :meth:`client_update` (through

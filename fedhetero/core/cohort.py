@@ -110,12 +110,24 @@ def client_generator(ctx: "ClientContext", task: "ClientTask") -> torch.Generato
     return gen
 
 
+def _hook_key(hook: Callable[..., Any]) -> Any:
+    """A forward hook as part of a cache key: its code and the plain values it closes over (a
+    HeteroFL scaler's rate), so the same hook made for another client finds the same entry."""
+    code = getattr(hook, "__code__", None)
+    cells = tuple(c.cell_contents for c in (getattr(hook, "__closure__", None) or ()))
+    if code is None or not all(isinstance(v, (int, float, str, bool, type(None))) for v in cells):
+        return id(hook)
+    return code, cells
+
+
 def _stacked_for(ctx: "ClientContext", model: nn.Module, clients: int) -> nn.Module | None:
     """The stacked copy of ``model`` for ``clients`` clients (see :mod:`fedhetero.core.stacking`),
     built and checked once per architecture and cohort size in this process; None when the model
     cannot be stacked."""
     key = ("stacked", type(model).__name__, clients, str(ctx.dtype), str(ctx.device),
-           tuple((k, tuple(v.shape)) for k, v in model.state_dict().items()))
+           tuple((k, tuple(v.shape)) for k, v in model.state_dict().items()),
+           tuple((name, tuple(_hook_key(h) for h in m._forward_hooks.values()))
+                 for name, m in model.named_modules() if m._forward_hooks))
     if key not in ctx.cache:
         state = torch.get_rng_state()
         try:
@@ -198,6 +210,8 @@ class Cohort:
                 raise ValueError("a model with floating buffers needs a stacked copy")
             if any(isinstance(m, nn.modules.dropout._DropoutNd) for m in model.modules()):
                 raise ValueError("a model with dropout needs a stacked copy (each client's own masks)")
+            if any(isinstance(m, nn.modules.batchnorm._NormBase) for m in model.modules()):
+                raise ValueError("a model with batch statistics needs a stacked copy (padded rows stay out of them)")
             self.params = {n: v.clone().requires_grad_(True) for n, v in self.start.items()}
 
     @classmethod
@@ -288,14 +302,16 @@ class Cohort:
     # ------------------------------------------------------------------ training
     def train(self, sgd: LocalSGD, objective: LocalObjective | None = None,
               consts: dict[str, Any] | None = None,
-              momentum_buffers: Sequence[Mapping[str, torch.Tensor] | None] | None = None) -> list[dict[str, Any]]:
+              momentum_buffers: Sequence[Mapping[str, torch.Tensor] | None] | None = None,
+              classes: Sequence[Sequence[int] | None] | None = None) -> list[dict[str, Any]]:
         """Local SGD as ``sgd`` states it for every client, with the method's ``objective`` (its
         rules applied to the stacked parameters, ``consts`` the clients' constants stacked by
         :func:`~fedhetero.core.objective.stack_consts`). ``momentum_buffers``: each client's
         buffers from its last round (``sgd.persistent``; a parameter without one, or whose shape
         changed, starts a new buffer, as :class:`torch.optim.SGD` does); the buffers to keep are
-        left in :attr:`momentum_out`. Returns each client's report (``loss`` of its last epoch,
-        ``steps``)."""
+        left in :attr:`momentum_out`. ``classes``: each client's classes the cross-entropy sees
+        (the others' logits set to ``sgd.class_fill``; None: all). Returns each client's report
+        (``loss`` of its last epoch, ``steps``)."""
         grad_rule = objective.grad if objective is not None else None
         loss_rule = objective.loss if objective is not None else None
         c_all = consts or {}
@@ -316,6 +332,13 @@ class Cohort:
                                        else torch.zeros(shape, device=dev, dtype=dt) for k in kept])
         losses: list[list[tuple[float, int]]] = [[] for _ in range(c)]
         images, labels = ctx.data.train.images, ctx.data.train.labels
+        seen_logits = None
+        if classes is not None:  # (C, 1, K): the logits each client's loss sees
+            seen_logits = torch.ones((c, 1, ctx.num_classes), dtype=torch.bool, device=dev)
+            for i, own in enumerate(classes):
+                if own is not None:
+                    seen_logits[i, 0] = False
+                    seen_logits[i, 0, torch.as_tensor(list(own), dtype=torch.long, device=dev)] = True
         drops = stacked_dropouts(self.stacked) if self.stacked is not None else []
         if drops:  # each client's masks from the stream its own model would draw them from
             gens = [client_generator(ctx, task) for task in self.tasks]
@@ -347,7 +370,8 @@ class Cohort:
                     for drop in drops:
                         drop.rows = real
             out = self.forward(self.params, x)
-            ce = F.cross_entropy(out.reshape(c * size, -1), y.reshape(-1), reduction="none").reshape(c, size)
+            logits = out if seen_logits is None else out.masked_fill(~seen_logits, float(sgd.class_fill))
+            ce = F.cross_entropy(logits.reshape(c * size, -1), y.reshape(-1), reduction="none").reshape(c, size)
             per = (ce * mask).sum(1) / counts
             if loss_rule is not None:
 
@@ -532,11 +556,11 @@ def train_cohort(
     tasks: "Sequence[ClientTask]",
     objectives: "Sequence[LocalObjective | None]",
     initial: Sequence[Mapping[str, torch.Tensor]],
-    sgd: LocalSGD,
+    sgds: Sequence[LocalSGD],
     momentum_buffers: Sequence[Mapping[str, torch.Tensor] | None] | None = None,
 ) -> tuple[Cohort, list[dict[str, Any]]] | None:
-    """Train the clients of ``tasks`` together, each from its ``initial`` state, with ``sgd`` and
-    their objectives' shared rules; None when :func:`cohort_supported` says no or the objectives
+    """Train the clients of ``tasks`` together, each from its ``initial`` state, with its SGD
+    (``sgds``: alike but for each client's ``classes``) and their objectives' shared rules; None when :func:`cohort_supported` says no or the objectives
     cannot share a cohort. Runs in the client scope of the first task (the round and the data
     stream of the exchange)."""
     if not cohort_supported(ctx, model, tasks):
@@ -555,5 +579,8 @@ def train_cohort(
     consts = None
     if objective is not None and objective.consts:
         consts = stack_consts([o.consts for o in co.objectives], co.names, ctx.device, ctx.dtype)
-    reports = co.train(sgd, objective, consts, momentum_buffers)
+    if any(s.shared() != sgds[0].shared() for s in sgds):
+        return None
+    classes = [s.classes for s in sgds] if any(s.classes is not None for s in sgds) else None
+    reports = co.train(sgds[0].shared(), objective, consts, momentum_buffers, classes)
     return co, reports

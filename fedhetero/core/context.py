@@ -40,6 +40,7 @@ from fedhetero.models import build_model
 
 if TYPE_CHECKING:  # pragma: no cover
     from fedhetero.core.algorithm import Algorithm
+    from fedhetero.core.objective import LocalSGD
     from fedhetero.core.store import ClientStateStore
     from fedhetero.core.types import ClientInfo, ClientResult, ClientTask
 
@@ -456,6 +457,10 @@ class ClientContext(RunContext):
     def make_optimizer(self, model: nn.Module, lr: float | None = None) -> torch.optim.Optimizer:
         """:meth:`LocalTrainer.make_optimizer <fedhetero.core.trainer.LocalTrainer.make_optimizer>`."""
         return self.trainer.make_optimizer(model, lr)
+
+    def configured_sgd(self) -> "LocalSGD":
+        """:meth:`LocalTrainer.configured_sgd <fedhetero.core.trainer.LocalTrainer.configured_sgd>`."""
+        return self.trainer.configured_sgd()
 
     def optimizer_state(self) -> dict[str, torch.Tensor] | None:
         """:meth:`LocalTrainer.optimizer_state <fedhetero.core.trainer.LocalTrainer.optimizer_state>`."""

@@ -27,7 +27,7 @@ live in the objective, never on the algorithm instance.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Callable, Literal, Mapping, Sequence
 
 import torch
@@ -53,7 +53,9 @@ class LocalSGD:
     :class:`torch.optim.SGD` gets (``lr``, ``momentum``, ``weight_decay``, ``nesterov``; no
     dampening), the gradient-norm ``clip`` applied before each step, and ``persistent``: the
     client's momentum buffers are loaded from its last round and kept for its next
-    (``train.optimizer_state: persistent``)."""
+    (``train.optimizer_state: persistent``). ``classes``: the cross-entropy sees only these
+    classes' logits, the others replaced by ``class_fill`` (HeteroFL's masked loss; per client,
+    so clients with different sets still share a cohort)."""
 
     lr: float
     momentum: float = 0.0
@@ -61,6 +63,12 @@ class LocalSGD:
     nesterov: bool = False
     clip: float | None = None
     persistent: bool = False
+    classes: tuple[int, ...] | None = None
+    class_fill: float = 0.0
+
+    def shared(self) -> "LocalSGD":
+        """What clients of one cohort must share (everything but their own ``classes``)."""
+        return replace(self, classes=None) if self.classes is not None else self
 
 
 @dataclass

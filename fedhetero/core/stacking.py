@@ -18,7 +18,8 @@ client's channels in its own block:
 * dropout draws each client's mask from that client's own generator, shaped like its own
   batch (:class:`StackedDropout`): the masks one client's model would draw from torch's default
   generator seeded alike, bit for bit;
-* activations, pooling, flattening and additions act elementwise or per channel, and stay.
+* activations, pooling, flattening and additions act elementwise or per channel, and stay, as do
+  forward hooks on a layer (they must act elementwise too: the check below tells);
 
 Each stacked parameter is the clients' parameters stacked and reshaped, so ``p.view(C, *shape)``
 is client ``c``'s parameter at row ``c``: the cohort trainer reads and updates the clients through
@@ -78,8 +79,10 @@ class StackedLinear(nn.Module):
 
 class StackedBatchNorm2d(nn.Module):
     """``C`` copies of a :class:`~torch.nn.BatchNorm2d`, each with its own batch and running
-    statistics. :attr:`mask` (``(B, C)``, 1 for a real row) is set by the trainer before a step
-    whose batches are padded; None means every row of every client is real."""
+    statistics (or batch statistics only, in train and eval mode alike, for a BatchNorm that
+    tracks none, as HeteroFL's clients train). :attr:`mask` (``(B, C)``, 1 for a real row) is set
+    by the trainer before a step whose batches are padded; None means every row of every client
+    is real."""
 
     def __init__(self, bn: nn.BatchNorm2d, clients: int) -> None:
         super().__init__()
@@ -87,21 +90,26 @@ class StackedBatchNorm2d(nn.Module):
         self.eps, self.momentum = bn.eps, float(bn.momentum if bn.momentum is not None else 0.1)
         self.weight = nn.Parameter(bn.weight.detach().repeat(clients))
         self.bias = nn.Parameter(bn.bias.detach().repeat(clients))
-        assert bn.running_mean is not None and bn.running_var is not None and bn.num_batches_tracked is not None
-        self.running_mean: torch.Tensor
-        self.running_var: torch.Tensor
-        self.num_batches_tracked: torch.Tensor
-        self.register_buffer("running_mean", bn.running_mean.detach().repeat(clients))
-        self.register_buffer("running_var", bn.running_var.detach().repeat(clients))
-        self.register_buffer("num_batches_tracked", bn.num_batches_tracked.detach().repeat(clients))
+        self.tracks = bn.track_running_stats
+        self.running_mean: torch.Tensor | None
+        self.running_var: torch.Tensor | None
+        self.num_batches_tracked: torch.Tensor | None
+        if self.tracks:
+            assert bn.running_mean is not None and bn.running_var is not None and bn.num_batches_tracked is not None
+            self.register_buffer("running_mean", bn.running_mean.detach().repeat(clients))
+            self.register_buffer("running_var", bn.running_var.detach().repeat(clients))
+            self.register_buffer("num_batches_tracked", bn.num_batches_tracked.detach().repeat(clients))
+        else:
+            self.running_mean = self.running_var = self.num_batches_tracked = None
         self.mask: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rm, rv, w, b = self.running_mean, self.running_var, self.weight, self.bias
-        if not self.training:
+        if not self.training and self.tracks:
             return F.batch_norm(x, rm, rv, w, b, False, 0.0, self.eps)
-        if self.mask is None:
-            self.num_batches_tracked.add_(1)
+        if self.mask is None or not self.training:
+            if self.training and self.num_batches_tracked is not None:
+                self.num_batches_tracked.add_(1)
             return F.batch_norm(x, rm, rv, w, b, True, self.momentum, self.eps)
         c, ch = self.clients, self.channels
         bsz, hw = x.shape[0], x.shape[2] * x.shape[3]
@@ -114,6 +122,8 @@ class StackedBatchNorm2d(nn.Module):
         var = (centred.square() * m).sum((0, 3, 4)) / safe
         y = centred * torch.rsqrt(var + self.eps).view(1, c, ch, 1, 1)
         y = y * w.view(1, c, ch, 1, 1) + b.view(1, c, ch, 1, 1)
+        if rm is None or rv is None or self.num_batches_tracked is None:
+            return y.flatten(1, 2)
         with torch.no_grad():
             active = (n > 0).view(c, 1)
             unbiased = var * (n / (n - 1.0).clamp_min(1.0)).view(c, 1)
@@ -178,7 +188,7 @@ def _stacked(module: nn.Module, clients: int) -> nn.Module | None:
         return StackedConv2d(module, clients)
     if type(module) is nn.Linear:
         return StackedLinear(module, clients)
-    if type(module) is nn.BatchNorm2d and module.track_running_stats and module.affine and module.momentum is not None:
+    if type(module) is nn.BatchNorm2d and module.affine and (module.momentum is not None or not module.track_running_stats):
         return StackedBatchNorm2d(module, clients)
     if type(module) is nn.GroupNorm and module.affine:
         return StackedGroupNorm(module, clients)
@@ -199,6 +209,8 @@ def _replace(module: nn.Module, clients: int) -> bool:
     for name, child in module.named_children():
         new = _stacked(child, clients)
         if new is not None:
+            # forward hooks stay (a scaler's elementwise factor); the forward check catches others
+            new._forward_hooks.update(child._forward_hooks)
             setattr(module, name, new)
             continue
         if any(True for _ in child.parameters(recurse=False)) or any(True for _ in child.buffers(recurse=False)):

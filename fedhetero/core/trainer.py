@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fedhetero.core.features import FeatureTap, has_hidden_layers, penultimate
-from fedhetero.core.objective import Batch, LocalObjective, frozen_reference, move_consts
+from fedhetero.core.objective import Batch, LocalObjective, LocalSGD, frozen_reference, move_consts
 from fedhetero.data import iterate_batches, num_batches
 from fedhetero.data.batches import epoch_order
 
@@ -55,16 +55,16 @@ class LocalTrainer:
         weight decay. With ``train.optimizer_state: persistent`` the momentum buffers the client
         kept from its last round are loaded (matched by parameter name and shape; a parameter
         whose shape changed starts a new buffer), and :meth:`train` keeps them again."""
-        t = self.ctx.cfg.train
-        momentum = self.ctx.local_momentum()
+        sgd = self.configured_sgd()
+        momentum = sgd.momentum
         opt = torch.optim.SGD(
             [p for p in model.parameters() if p.requires_grad],
-            lr=self.ctx.lr_at() if lr is None else lr,
+            lr=sgd.lr if lr is None else lr,
             momentum=momentum,
-            weight_decay=t.weight_decay,
-            nesterov=t.nesterov,
+            weight_decay=sgd.weight_decay,
+            nesterov=sgd.nesterov,
         )
-        if t.optimizer_state == "persistent" and momentum > 0:
+        if sgd.persistent:
             source = self._momentum if self._live is None else self._buffers(*self._live)
             self._tracked_optimizers.add(opt)
             for name, p in model.named_parameters():
@@ -72,6 +72,14 @@ class LocalTrainer:
                 if p.requires_grad and isinstance(buf, torch.Tensor) and buf.shape == p.shape:
                     opt.state[p]["momentum_buffer"] = buf.detach().to(device=p.device, dtype=p.dtype).clone()
         return opt
+
+    def configured_sgd(self) -> LocalSGD:
+        """The configured local SGD of this round (what :meth:`make_optimizer` builds and
+        :meth:`train` clips by), as a cohort of clients runs it too."""
+        t = self.ctx.cfg.train
+        momentum = self.ctx.local_momentum()
+        return LocalSGD(lr=self.ctx.lr_at(), momentum=momentum, weight_decay=t.weight_decay, nesterov=t.nesterov,
+                        clip=t.clip_grad_norm, persistent=t.optimizer_state == "persistent" and momentum > 0)
 
     @staticmethod
     def _buffers(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:

@@ -65,6 +65,7 @@ __all__ = [
     "FELL_BACK",
     "SAMPLES",
     "TEST_IMAGES",
+    "batched_share",
     "cohort_status",
     "count_cohort_calls",
     "duration_note",
@@ -138,6 +139,13 @@ def cohort_status(calls: Sequence[tuple[int, int]], rounds: Sequence[int], clien
     if not any(per_round.get(r, 0) for r in rounds):
         return FELL_BACK, 0
     return "partly", full
+
+
+def batched_share(calls: Sequence[tuple[int, int]], rounds: Sequence[int], clients: int) -> str:
+    """The share of the timed rounds' client tasks that trained in cohorts, as a percentage
+    (clients of very different lengths go to different cohorts, and a lone one runs by itself)."""
+    done = sum(n for rnd, n in calls if rnd in set(rounds))
+    return f"{100.0 * done / max(1, clients * len(rounds)):.0f} %"
 
 
 # ------------------------------------------------------------------------------------------- peak
@@ -463,7 +471,8 @@ def run_benchmark(
             speed = batched["clients_per_s"] / serial["clients_per_s"]
             out["speedup"][key] = None if status == FELL_BACK else speed
             out["cohort"][key] = (status if status != "partly"
-                                  else f"partly: a cohort in {full} of {len(timed_rounds)} timed rounds")
+                                  else f"partly: {batched_share(calls, timed_rounds, c)} of clients in cohorts, "
+                                       "the rest one by one")
             per_client = sorted({int(n) for n in meta.get("client_samples", [])})
             out["images_per_client"][key] = per_client[0] if len(per_client) == 1 else per_client
             fl: dict[str, Any] | None = None

@@ -223,7 +223,7 @@ def sgd_epochs(
         total, seen = 0.0, 0
         gen = ctx.torch_generator(concern, *keys, e)
         for x, y in iterate_batches(ds, indices, bs, generator=gen, shuffle=True, augment=aug):
-            x = x.to(ctx.device, non_blocking=True)
+            x = x.to(ctx.device, ctx.dtype, non_blocking=True)
             y = y.to(ctx.device, non_blocking=True)
             optimizer.zero_grad(set_to_none=True)
             loss = F.cross_entropy(model(x), y)

@@ -143,7 +143,7 @@ def _hessian_batch(ctx: "Context", indices: np.ndarray, size: int, key: int) -> 
     if len(idx) > size:
         idx = np.sort(rng.choice(idx, size=size, replace=False))
     t = torch.as_tensor(idx, device=ctx.data.train.images.device)
-    return ctx.data.train.images[t].to(ctx.device), ctx.data.train.labels[t].to(ctx.device)
+    return ctx.data.train.images[t].to(ctx.device, ctx.dtype), ctx.data.train.labels[t].to(ctx.device)
 
 
 def estimate_global_rate(

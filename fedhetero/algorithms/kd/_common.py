@@ -85,7 +85,7 @@ def public_batches(
     """Endless stream of ``(x, position)`` batches over the public indices.
 
     ``position`` indexes ``indices`` (so callers can look up per-sample targets); epochs are
-    reshuffled with ``generator``. Images are moved to ``ctx.device``.
+    reshuffled with ``generator``. Images are moved to ``ctx.device`` in the run's dtype.
     """
     idx = torch.as_tensor(np.asarray(indices, dtype=np.int64))
     n = int(idx.numel())
@@ -97,7 +97,7 @@ def public_batches(
         for start in range(0, n, batch_size):
             pos = perm[start : start + batch_size]
             x = images[idx[pos].to(images.device)]
-            yield x.to(ctx.device, non_blocking=True), pos
+            yield x.to(ctx.device, ctx.dtype, non_blocking=True), pos
 
 
 def kd_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
@@ -199,7 +199,7 @@ class ModelFamily:
         """A fresh member at ``width`` on ``ctx.device``."""
         if self._builder is None:
             return ctx.build_model(width=width)
-        return self._builder(width).to(ctx.device)
+        return self._builder(width).to(ctx.device, ctx.dtype)
 
     @property
     def server(self) -> FamilyMember:

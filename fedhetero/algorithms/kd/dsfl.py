@@ -138,7 +138,7 @@ class DSFL(Algorithm):
         out = []
         bs = ctx.cfg.train.eval_batch_size
         for start in range(0, len(indices), bs):
-            x = images[indices[start : start + bs].to(images.device)].to(ctx.device)
+            x = images[indices[start : start + bs].to(images.device)].to(ctx.device, ctx.dtype)
             out.append(F.softmax(model(x), dim=1).to(torch.float32).cpu())
         model.train()
         return torch.cat(out)

@@ -185,7 +185,7 @@ class FedDF(Algorithm):
         bs = ctx.cfg.train.eval_batch_size
         chunks = []
         for start in range(0, len(idx), bs):
-            x = images[idx[start : start + bs].to(images.device)].to(ctx.device)
+            x = images[idx[start : start + bs].to(images.device)].to(ctx.device, ctx.dtype)
             acc = torch.zeros((x.shape[0], ctx.num_classes), dtype=torch.float64, device=ctx.device)
             for t in teachers:
                 acc += logits_on(t, x).to(torch.float64)

@@ -98,10 +98,11 @@ def with_shared_head(model: nn.Module, dim: int, num_classes: int) -> SharedHead
     path = linears[0]
     old = model.get_submodule(path)
     assert isinstance(old, nn.Linear)
-    proj = nn.Sequential(nn.Linear(old.in_features, dim), nn.ReLU())
+    dt, dev = old.weight.dtype, old.weight.device  # the new layers in the model's dtype
+    proj = nn.Sequential(nn.Linear(old.in_features, dim, dtype=dt, device=dev), nn.ReLU())
     parent_path, _, child = path.rpartition(".")
     setattr(model.get_submodule(parent_path) if parent_path else model, child, proj)
-    return SharedHeadModel(model, nn.Linear(dim, num_classes))
+    return SharedHeadModel(model, nn.Linear(dim, num_classes, dtype=dt, device=dev))
 
 
 @torch.no_grad()

@@ -50,7 +50,7 @@ sub-model it returns (no BN buffers under sBN; the label set it reports is not c
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Callable, Literal
 
 import numpy as np
@@ -61,6 +61,7 @@ from torch import nn
 from fedhetero.core import budget as budget_mod
 from fedhetero.core.algorithm import Algorithm
 from fedhetero.core.config import MethodOptions, option
+from fedhetero.core.objective import LocalSGD
 from fedhetero.core.submodel import (
     SubmodelAggregator,
     SubmodelSpec,
@@ -198,7 +199,7 @@ def static_bn_model(
         model.train()
         bs = batch_size or ctx.cfg.train.batch_size
         for x, _ in iterate_batches(ctx.data.train, pooled, bs, shuffle=False):
-            model(x.to(ctx.device))
+            model(x.to(ctx.device, ctx.dtype))
     return model.eval()
 
 
@@ -217,6 +218,9 @@ class HeteroFLOptions(MethodOptions):
 
 
 # ---------------------------------------------------------------------------------------- algorithm
+_CHANGE_AT = 2  # under a decreasing budget, the budget changes from local epoch 3 on
+
+
 def width_model(ctx: "RunContext", width: float, track_running_stats: bool) -> nn.Module:
     """A fresh copy of the configured architecture at ``width`` (from a per-process template; the
     client's sub-model and the server's reference for its channel groups)."""
@@ -347,7 +351,26 @@ class WidthSlicedAlgorithm(Algorithm):
             "macs": ctx.macs(model),
             "over_budget": bool(p["over_budget"]),
         }
+        if self.options.mask_classifier:
+            self._client["labels"] = torch.as_tensor(ctx.data.client_label_set(task.cid), dtype=torch.long)
+        self._client["hooks"] = self._scale(model, width)  # the Scaler is on while the model trains
         return model
+
+    def local_optimizer(self, ctx: "ClientContext", task: ClientTask) -> LocalSGD | None:
+        """The configured SGD with the method's clipping and masked loss, when the client trains
+        one model all round (no budget drop that prunes it mid-way) and the method's clipping is
+        the only one (both clip one by one)."""
+        if type(self).local_train is not WidthSlicedAlgorithm.local_train:
+            return None
+        info, opts, sgd = self._client, self.options, ctx.configured_sgd()
+        after = task.budget_after_change
+        if not (after is None or ctx.cfg.train.local_epochs <= _CHANGE_AT or info["macs"] <= after * (1 + 1e-9)):
+            return None
+        if opts.clip_grad is not None and sgd.clip is not None:
+            return None
+        labels = tuple(int(v) for v in info["labels"]) if "labels" in info else None
+        return replace(sgd, clip=opts.clip_grad if opts.clip_grad is not None else sgd.clip, classes=labels,
+                       class_fill=float(opts.mask_fill))
 
     def _scale(self, model: nn.Module, width: float) -> list[Any]:
         return attach_scaler(model, width / self._client["global_width"]) if self.options.scaler else []
@@ -357,9 +380,7 @@ class WidthSlicedAlgorithm(Algorithm):
         opts = self.options
         loss_fn = None
         if opts.mask_classifier:
-            labels = torch.as_tensor(ctx.data.client_label_set(client.cid), dtype=torch.long)
-            info["labels"] = labels
-            loss_fn = masked_cross_entropy(labels, ctx.num_classes, opts.mask_fill)
+            loss_fn = masked_cross_entropy(info["labels"], ctx.num_classes, opts.mask_fill)
         clip = opts.clip_grad
 
         def after_backward(m: nn.Module) -> None:
@@ -367,8 +388,8 @@ class WidthSlicedAlgorithm(Algorithm):
                 torch.nn.utils.clip_grad_norm_(m.parameters(), clip)
 
         epochs = ctx.cfg.train.local_epochs
-        hooks = self._scale(model, info["width"])
-        change_at = 2  # the budget changes from local epoch 3 on
+        hooks = info.pop("hooks")  # attached by client_model
+        change_at = _CHANGE_AT
         after = client.budget_after_change
         if after is None or epochs <= change_at or info["macs"] <= after * (1 + 1e-9):
             res = ctx.train(model, client, epochs, after_backward=after_backward, loss_fn=loss_fn)
@@ -404,7 +425,7 @@ class WidthSlicedAlgorithm(Algorithm):
         self, ctx: "ClientContext", client: ClientTask, model: nn.Module, result: dict[str, Any]
     ) -> ClientResult:
         info = self._client
-        trained = info["model"]
+        trained = info.get("model", model)  # a cohort trained the model it hands in
         state = {k: v.detach().clone() for k, v in trained.state_dict().items()}
         metrics: dict[str, Any] = dict(result)
         metrics["width"] = info["width"]

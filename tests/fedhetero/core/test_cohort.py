@@ -279,6 +279,10 @@ def _spied(monkeypatch) -> list[int]:
         # FedAP: after pruning at round 1, every client trains the pruned structure
         ("fedap", {"algorithm.options": {"prune_round": 1, "prune_rate_mode": "fixed", "fixed_prune_rate": 0.4},
                    "data.server_fraction": 0.1, "train.rounds": 3}),
+        # width methods, grouped by width: the Scaler, the masked loss over each client's own
+        # classes, clipping, BatchNorm without running statistics (static BN)
+        ("heterofl", {"train.local_steps": 4, "data.num_clients": 9}),
+        ("fedrolex", {"train.local_steps": 4, "data.num_clients": 9, "train.rounds": 3}),
     ],
 )
 def test_more_methods_and_models_train_as_cohorts(tmp_path, monkeypatch, name, over):
@@ -299,19 +303,33 @@ def test_more_methods_and_models_train_as_cohorts(tmp_path, monkeypatch, name, o
         assert {k for k in ca if k != "seconds"} == {k for k in cb if k != "seconds"}
 
 
-def test_pruned_structures_group_apart(tmp_path, monkeypatch):
-    """Clients whose models differ in structure never share a cohort: FedAP before and after
-    pruning trains two structures, each round's cohorts one structure each."""
+@pytest.mark.parametrize(
+    "name, over, structures",
+    [
+        # FedAP before and after pruning: two structures, one per round
+        ("fedap", {"algorithm.options": {"prune_round": 1, "prune_rate_mode": "fixed", "fixed_prune_rate": 0.4},
+                   "data.server_fraction": 0.1, "train.rounds": 2}, 2),
+        # HeteroFL's three tiers: three widths in every round
+        ("heterofl", {"train.local_steps": 4, "data.num_clients": 9, "train.rounds": 1}, 3),
+    ],
+)
+def test_structures_group_apart(tmp_path, monkeypatch, name, over, structures):
+    """Clients whose models differ in structure never share a cohort: each cohort holds one
+    structure (a pruned model, a width)."""
     from fedhetero.core import cohort
 
     seen = []
     real = cohort.Cohort.train
-    monkeypatch.setattr(cohort.Cohort, "train",
-                        lambda self, *a, **k: seen.append(cohort.structure_key(self.model)) or real(self, *a, **k))
-    over = {"algorithm.options": {"prune_round": 1, "prune_rate_mode": "fixed", "fixed_prune_rate": 0.4},
-            "data.server_fraction": 0.1, "train.rounds": 2, "engine.vectorize": True, "dtype": "float32"}
-    Engine(_fedavg_like("fedap", **over), tmp_path / "r", progress=False).run()
-    assert len(set(seen)) == 2
+
+    def spy(self, *a, **k):
+        seen.append(cohort.structure_key(self.model))
+        assert all(cohort.structure_key(self.model) == seen[-1] for _ in self.tasks)
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(cohort.Cohort, "train", spy)
+    Engine(_fedavg_like(name, **over, **{"engine.vectorize": True, "dtype": "float32"}), tmp_path / "r",
+           progress=False).run()
+    assert len(set(seen)) == structures
 
 
 def test_methods_that_train_otherwise_run_one_by_one(tmp_path, monkeypatch):

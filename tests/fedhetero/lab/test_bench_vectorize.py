@@ -125,6 +125,7 @@ def test_cohort_status_counts_the_timed_rounds_only():
     assert bv.cohort_status([(2, 5), (3, 5)], [2, 3], 5) == ("cohort", 2)
     assert bv.cohort_status([(2, 3), (2, 2), (3, 5)], [2, 3], 5) == ("cohort", 2)  # two cohorts in round 2
     assert bv.cohort_status([(2, 5)], [2, 3], 5) == ("partly", 1)
+    assert bv.batched_share([(2, 5), (3, 2), (3, 1), (1, 5)], [2, 3], 5) == "80 %"
 
 
 def test_the_wrapper_is_removed_after_the_block():

@@ -308,6 +308,7 @@ def test_static_bn_equals_cumulative_average():
     ds = ArrayDataset(images=train_x, labels=torch.zeros(50, dtype=torch.long), num_classes=10, name="t", split="train")
     ctx = SimpleNamespace(
         device=torch.device("cpu"),
+        dtype=torch.float32,
         cfg=SimpleNamespace(train=SimpleNamespace(batch_size=16)),
         data=SimpleNamespace(train=ds, client_indices=[np.arange(0, 20), np.arange(20, 50)]),
         build_model=lambda width, **kw: build_model("lenet5", num_classes=10, in_channels=3, width=width, **kw),
