@@ -35,8 +35,9 @@ family's at the server's rate) offers its tasks; they are grouped by model struc
 objective rules, then by their number of steps (:func:`plan_cohorts`: a cohort steps until its
 longest client is done, so clients of very different lengths go to different cohorts), each
 cohort capped by ``engine.cohort_memory_mb`` (:func:`client_bytes`). With ``engine.vectorize``
-null (the default) a CPU batches cohorts of ``engine.min_cohort`` clients or more (fewer are no
-faster than one by one), a GPU of two or more. Every other task — augmentation, a client half of
+null (the default) a CPU batches cohorts of ``engine.min_cohort`` clients or more, each of
+:data:`~fedhetero.core.algorithm.AUTO_MIN_STEPS` local steps or more (fewer clients, or shorter
+ones, were no faster than one by one), a GPU of two or more. Every other task — augmentation, a client half of
 the method's own, a model the cohort cannot run, too few clients of a kind — runs one by one.
 """
 

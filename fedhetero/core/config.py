@@ -428,8 +428,9 @@ class EngineConfig:
     inject_faults: FaultConfig = field(default_factory=FaultConfig)
     # train a round's clients in batched cohorts where the method and model allow it
     # (fedhetero.core.cohort), on each executor of the local and process back ends; same numbers
-    # as one by one up to the order of float sums. null (auto): cohorts of engine.min_cohort
-    # clients or more on a CPU, of 2 or more on a GPU; true: of 2 or more; false: never
+    # as one by one up to the order of float sums. null (auto): on a CPU, cohorts of engine.min_cohort
+    # clients or more of 10 local steps or more (where measured faster); on a GPU, of 2 or more;
+    # true: of 2 or more; false: never
     vectorize: bool | None = option(None, added_later=True)
     min_cohort: int = option(4, ge=2, added_later=True, note="with vectorize: null, on a CPU")
     # a cohort holds as many clients as fit in this much memory (estimated per client)

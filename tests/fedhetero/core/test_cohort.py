@@ -128,11 +128,13 @@ def test_cohort_is_used_and_falls_back(tmp_path, monkeypatch):
     Engine(_cfg(**{"engine.vectorize": False, "train.rounds": 3, "sessions.count": 3, "sessions.rounds": 1}),
            tmp_path / "off", progress=False).run()
     assert calls == []
-    # by default (auto), on a CPU: cohorts of engine.min_cohort clients or more
-    Engine(_cfg(**{"train.rounds": 3, "sessions.count": 3, "sessions.rounds": 1, "engine.min_cohort": 11}),
-           tmp_path / "auto-few", progress=False).run()
+    # by default (auto), on a CPU: cohorts of engine.min_cohort clients or more, of 10 steps or more
+    auto = {"train.rounds": 3, "sessions.count": 3, "sessions.rounds": 1, "train.local_steps": 10}
+    Engine(_cfg(**auto, **{"engine.min_cohort": 11}), tmp_path / "auto-few", progress=False).run()
     assert calls == []
-    Engine(_cfg(**{"train.rounds": 3, "sessions.count": 3, "sessions.rounds": 1}), tmp_path / "auto", progress=False).run()
+    Engine(_cfg(**{**auto, "train.local_steps": 9}), tmp_path / "auto-short", progress=False).run()
+    assert calls == []
+    Engine(_cfg(**auto), tmp_path / "auto", progress=False).run()
     assert calls and set(calls) == {10}
 
 
@@ -385,9 +387,9 @@ def test_uneven_clients_train_in_cohorts_of_like_length(tmp_path, monkeypatch):
         return real(self, *a, **k)
 
     monkeypatch.setattr(cohort.Cohort, "train", spy)
-    over = {"data.num_clients": 24, "data.alpha": 0.3, "train.rounds": 1, "engine.min_cohort": 2}
+    over = {"data.num_clients": 24, "data.alpha": 0.3, "train.rounds": 1}
     Engine(_fedavg_like("fedavg", **over, **{"engine.vectorize": False}), tmp_path / "one", progress=False).run()
-    Engine(_fedavg_like("fedavg", **over), tmp_path / "all", progress=False).run()
+    Engine(_fedavg_like("fedavg", **over, **{"engine.vectorize": True}), tmp_path / "all", progress=False).run()
     assert len(padded) >= 2 and max(padded) <= 1.25
     _close_states(_final(tmp_path / "one"), _final(tmp_path / "all"))
 
