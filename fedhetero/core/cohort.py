@@ -123,16 +123,20 @@ def _hook_key(hook: Callable[..., Any]) -> Any:
 
 def _stacked_for(ctx: "ClientContext", model: nn.Module, clients: int) -> nn.Module | None:
     """The stacked copy of ``model`` for ``clients`` clients (see :mod:`fedhetero.core.stacking`),
-    built and checked once per architecture and cohort size in this process; None when the model
-    cannot be stacked."""
-    key = ("stacked", type(model).__name__, clients, str(ctx.dtype), str(ctx.device),
-           tuple((k, tuple(v.shape)) for k, v in model.state_dict().items()),
-           tuple((name, tuple(_hook_key(h) for h in m._forward_hooks.values()))
-                 for name, m in model.named_modules() if m._forward_hooks))
+    built once per architecture and cohort size in this process and checked against the clients'
+    own models once per architecture (at three clients); None when the model cannot be stacked."""
+    arch = (type(model).__name__, str(ctx.dtype), str(ctx.device),
+            tuple((k, tuple(v.shape)) for k, v in model.state_dict().items()),
+            tuple((name, tuple(_hook_key(h) for h in m._forward_hooks.values()))
+                  for name, m in model.named_modules() if m._forward_hooks))
+    key = ("stacked", clients, *arch)
     if key not in ctx.cache:
+        checked = ("stacking-checked", *arch)
         state = torch.get_rng_state()
         try:
-            stacked = stack_model(model, clients, tuple(ctx.input_shape))
+            if checked not in ctx.cache:
+                ctx.cache[checked] = stack_model(model, 3, tuple(ctx.input_shape)) is not None
+            stacked = stack_model(model, clients, tuple(ctx.input_shape), check=False) if ctx.cache[checked] else None
         finally:
             torch.set_rng_state(state)
         if stacked is not None:

@@ -25,7 +25,13 @@ _OPTIONS = {
 }
 
 
-@pytest.mark.parametrize("name", [n for n in list_algorithms() if n != "dyninit"])
+#: the default run covers one method of each code path that fed float32 inputs before; the slow
+#: set (python -m pytest -m slow) runs every built-in method
+_DEFAULT = {"fedavg", "fedap", "feddu", "heterofl", "feddf", "fedet", "dsfl", "imc"}
+
+
+@pytest.mark.parametrize("name", [n if n in _DEFAULT else pytest.param(n, marks=pytest.mark.slow)
+                                  for n in list_algorithms() if n != "dyninit"])
 def test_method_runs_in_float64(tmp_path, name):
     cls = get_algorithm(name)
     data = {"server_fraction": 0.1 if cls.server_data != "unused" else 0.0, "public_fraction": 0.1 if cls.public_data != "unused" else 0.0}
