@@ -222,9 +222,19 @@ class Algorithm:
         out: list[ClientResult | None] = [None] * len(tasks)
         if not self.default_client_half() or len(tasks) < 2:
             return out
+        e = ctx.cfg.engine
+        auto_cpu = e.vectorize is None and ctx.device.type == "cpu"
+        smallest = e.min_cohort if auto_cpu else 2
+        steps_of = [client_steps(ctx, t.cid) for t in tasks]
+        if auto_cpu:  # a cohort's own cost is repaid over a client's steps: short clients one by one
+            steps_of = [n if n >= AUTO_MIN_STEPS else 0 for n in steps_of]
+        if sum(n > 0 for n in steps_of) < smallest:
+            return out
         buffers = optimizer_states or [None] * len(tasks)
         groups: dict[Any, list[tuple[int, nn.Module, dict[str, torch.Tensor], LocalSGD, LocalObjective | None]]] = {}
         for i, (task, state) in enumerate(zip(tasks, states)):
+            if steps_of[i] == 0:
+                continue
             with ctx.client_scope(task):
                 model = self.client_model(ctx, task, state)
                 sgd = self.local_optimizer(ctx, task)
@@ -234,16 +244,10 @@ class Algorithm:
                 objective = self.local_objective(ctx, task, state)
             key = (structure_key(model), sgd.shared(), task.round, task.prelude, rules_key(objective))
             groups.setdefault(key, []).append((i, model, initial, sgd, objective))
-        e = ctx.cfg.engine
-        auto_cpu = e.vectorize is None and ctx.device.type == "cpu"
-        smallest = e.min_cohort if auto_cpu else 2
         for members in groups.values():
             model = members[0][1]
             cap = max(1, int(e.cohort_memory_mb * 2**20 // max(1, client_bytes(ctx, model))))
-            steps = [client_steps(ctx, tasks[i].cid) for i, *_ in members]
-            if auto_cpu:  # a cohort's own cost is repaid over a client's steps: short clients one by one
-                steps = [n if n >= AUTO_MIN_STEPS else 0 for n in steps]
-            for plan in plan_cohorts(steps, min_size=smallest, max_size=cap):
+            for plan in plan_cohorts([steps_of[i] for i, *_ in members], min_size=smallest, max_size=cap):
                 chosen = [members[k] for k in plan]
                 sub = [tasks[i] for i, *_ in chosen]
                 with ctx.client_scope(sub[0]):
