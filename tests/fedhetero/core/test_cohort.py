@@ -193,11 +193,7 @@ def test_stacked_cohort_equals_one_by_one(tmp_path, monkeypatch, name, over):
             assert torch.allclose(v, sb[k], rtol=1e-9, atol=1e-9 * float(v.abs().max())), k
         else:
             assert torch.equal(v, sb[k]), k
-    rows_a = [c for r in a.metrics for c in r["clients"]]
-    rows_b = [c for r in b.metrics for c in r["clients"]]
-    assert [c["steps"] for c in rows_a] == [c["steps"] for c in rows_b]
-    for ca, cb in zip(rows_a, rows_b):
-        assert cb["loss"] == pytest.approx(ca["loss"], rel=1e-9)
+    _same_client_rows(a, b)  # the same clients, steps and losses
 
 
 def test_stacking_refuses_what_it_cannot_stack():
@@ -258,6 +254,18 @@ def _close_states(sa, sb, rel=1e-9):
             assert torch.equal(v, sb[k]), k
 
 
+def _same_client_rows(a, b, same_fields: bool = False) -> None:
+    """Two runs' per-client rows: the same clients and steps, losses within float64 rounding (and,
+    with ``same_fields``, the same fields reported)."""
+    rows_a = [c for r in a.metrics for c in r["clients"]]
+    rows_b = [c for r in b.metrics for c in r["clients"]]
+    assert [(c["cid"], c["steps"]) for c in rows_a] == [(c["cid"], c["steps"]) for c in rows_b]
+    for ca, cb in zip(rows_a, rows_b):
+        assert cb["loss"] == pytest.approx(ca["loss"], rel=1e-9)
+        if same_fields:
+            assert {k for k in ca if k != "seconds"} == {k for k in cb if k != "seconds"}
+
+
 def _spied(monkeypatch) -> list[int]:
     from fedhetero.core import cohort
 
@@ -297,12 +305,7 @@ def test_more_methods_and_models_train_as_cohorts(tmp_path, monkeypatch, name, o
     b = Engine(_fedavg_like(name, **over, **{"engine.vectorize": True}), tmp_path / "all", progress=False).run()
     assert sizes and sum(sizes) >= 2 * len(b.metrics)
     _close_states(_final(tmp_path / "one"), _final(tmp_path / "all"))
-    rows_a = [c for r in a.metrics for c in r["clients"]]
-    rows_b = [c for r in b.metrics for c in r["clients"]]
-    assert [(c["cid"], c["steps"]) for c in rows_a] == [(c["cid"], c["steps"]) for c in rows_b]
-    for ca, cb in zip(rows_a, rows_b):
-        assert cb["loss"] == pytest.approx(ca["loss"], rel=1e-9)
-        assert {k for k in ca if k != "seconds"} == {k for k in cb if k != "seconds"}
+    _same_client_rows(a, b, same_fields=True)
 
 
 @pytest.mark.parametrize(
@@ -450,11 +453,7 @@ def test_cohort_equals_one_by_one_over_random_setups(tmp_path_factory, model, me
     a = Engine(_fedavg_like(name, **over, **{"engine.vectorize": False}), tmp / "one", progress=False).run()
     b = Engine(_fedavg_like(name, **over, **{"engine.vectorize": True}), tmp / "all", progress=False).run()
     _close_states(_final(tmp / "one"), _final(tmp / "all"))
-    rows_a = [c for r in a.metrics for c in r["clients"]]
-    rows_b = [c for r in b.metrics for c in r["clients"]]
-    assert [(c["cid"], c["steps"]) for c in rows_a] == [(c["cid"], c["steps"]) for c in rows_b]
-    for ca, cb in zip(rows_a, rows_b):
-        assert cb["loss"] == pytest.approx(ca["loss"], rel=1e-9)
+    _same_client_rows(a, b)
 
 
 def test_a_resumed_cohort_run_equals_the_uninterrupted_one_bit_for_bit(tmp_path):
