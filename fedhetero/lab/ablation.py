@@ -47,6 +47,8 @@ CHOICES: dict[str, tuple[str, list[str]]] = {
     "branches-1x1_kxk": ("branch set: 1x1_kxk only", ["algorithm.options.branches=[1x1_kxk]"]),
     "grow-block": ("no nested growth (branches of the host convs only)", ["algorithm.options.grow_mode=block"]),
     "no-fill": ("no budget fill", ["algorithm.options.fill_budget=false"]),
+    "tiers-1x": ("every tier at 1× (the control: what re-parameterisation adds over FedAvg)",
+                 ["budget.tiers=[{name: small, ratio: 1.0, share: 1.0}]"]),
 }
 
 FEDAP = ["model.name=cnn", "model.norm=none", "budget.tiers=[{name: all, ratio: 1.0, share: 1.0}]"]

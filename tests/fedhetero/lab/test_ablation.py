@@ -87,3 +87,18 @@ def test_grid_reuses_a_run_finished_meanwhile_and_leaves_a_locked_one_alone(tmp_
     assert (tmp_path / "busy" / "metrics.jsonl").read_text() == '{"round": 1}\n'
 
     assert any("done: finished meanwhile" in line for line in lines)
+
+
+def test_the_tiers_1x_control_trains_every_client_at_the_plain_budget():
+    """The control that isolates re-parameterisation: DynamicFL with one tier at 1× (no branch can grow)."""
+    from fedhetero.core.config import load_config
+
+    runs = plan([0.5], [0], [0.5], ["tiers-1x"], fedap=False)
+    (name, (group, facts, overrides)), = [(n, r) for n, r in runs.items() if r[0] == "choices"]
+    assert name == "choices/beta0.5/tiers-1x/s0" and facts["choice"] == "tiers-1x"
+    cfg = load_config("examples/configs/fmnist_dynamicfl_paper.yaml", overrides=overrides)
+    assert cfg.algorithm.name == "dynamicfl"
+    assert [(t.ratio, t.share) for t in cfg.budget.tiers] == [(1.0, 1.0)]
+    # the paper's protocol: 90 devices, 10 % a round, 200 rounds of 3 local epochs at lr 0.01
+    assert (cfg.data.num_clients, cfg.train.sample_rate, cfg.train.rounds, cfg.train.local_epochs, cfg.train.lr) == (
+        90, 0.1, 200, 3, 0.01)
