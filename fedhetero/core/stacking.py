@@ -250,9 +250,10 @@ def load_clients(stacked: nn.Module, states: list[dict[str, torch.Tensor]]) -> N
 
 
 def _agrees(model: nn.Module, stacked: nn.Module, clients: int, in_shape: tuple[int, ...]) -> bool:
+    # on the CPU whatever the model's device: the check's random tensors come from CPU generators
     gen = torch.Generator().manual_seed(0)
-    ref = copy.deepcopy(model).double()
-    probe = copy.deepcopy(stacked).double()
+    ref = copy.deepcopy(model).to("cpu", torch.float64)
+    probe = copy.deepcopy(stacked).to("cpu", torch.float64)
     states = []
     for _ in range(clients):
         s = {k: (v + 0.1 * torch.randn(v.shape, generator=gen, dtype=torch.float64)) if v.is_floating_point() else v

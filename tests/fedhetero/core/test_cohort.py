@@ -196,6 +196,23 @@ def test_stacked_cohort_equals_one_by_one(tmp_path, monkeypatch, name, over):
     _same_client_rows(a, b)  # the same clients, steps and losses
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (the CPU runs are the tests above)")
+def test_stacked_cohort_on_cuda_equals_one_by_one(tmp_path, monkeypatch):
+    """On a GPU the round runs as one stacked cohort with each client's numbers. The stacking check
+    once drew its random states on the CPU and added them to the model's CUDA tensors, so every
+    cohort on a GPU fell back to one client after another; the check now runs on CPU copies."""
+    from fedhetero.core import cohort
+
+    used = []
+    real = cohort.Cohort.train
+    monkeypatch.setattr(cohort.Cohort, "train", lambda self, *a, **k: used.append(self.stacked is not None) or real(self, *a, **k))
+    Engine(_fedavg_like("fedavg", device="cuda", **{"engine.vectorize": False}), tmp_path / "one", progress=False).run()
+    assert used == []
+    Engine(_fedavg_like("fedavg", device="cuda", **{"engine.vectorize": True}), tmp_path / "all", progress=False).run()
+    assert used and all(used)
+    _close_states(_final(tmp_path / "one"), _final(tmp_path / "all"))
+
+
 def test_stacking_refuses_what_it_cannot_stack():
     from fedhetero.core.stacking import stack_model
 
