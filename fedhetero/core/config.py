@@ -357,9 +357,11 @@ class TrainConfig:
     nesterov: bool = False
     # max global gradient norm per step; null = no clipping
     clip_grad_norm: float | None = option(None, gt=0, note="null: no clipping")
-    lr_schedule: Literal["constant", "cosine", "polynomial"] = "constant"  # over rounds
+    lr_schedule: Literal["constant", "cosine", "polynomial", "exponential"] = "constant"  # over rounds
     lr_min: float = option(0.0, ge=0)  # the rate cosine / polynomial decay towards (reached after train.rounds)
     lr_power: float = option(0.9, gt=0)  # exponent of the polynomial schedule
+    # factor per round of the exponential schedule (0.99: the FedDU family's device decay)
+    lr_decay: float = option(0.99, gt=0, le=1, added_later=True)
     # steps per local round instead of local_epochs passes
     local_steps: int | None = option(None, ge=1, le=10**7, note="null: train.local_epochs passes")
     # persistent: SGD momentum buffers kept in the client's private state between rounds;

@@ -365,7 +365,8 @@ class RunContext:
         * ``constant``: ``train.lr``;
         * ``cosine``: ``lr_min + (lr − lr_min)·(1 + cos(π·(t−1)/T))/2`` (cosine annealing with
           ``T = train.rounds``, stepped once per round);
-        * ``polynomial``: ``lr_min + (lr − lr_min)·(1 − (t−1)/T)^lr_power``.
+        * ``polynomial``: ``lr_min + (lr − lr_min)·(1 − (t−1)/T)^lr_power``;
+        * ``exponential``: ``lr·lr_decay^(t−1)`` (the FedDU family's per-round device decay).
 
         With sessions, ``t`` counts the rounds of the current session and ``T`` is
         ``sessions.rounds`` (the schedule restarts at every session). A rate the server sent with
@@ -386,6 +387,8 @@ class RunContext:
         if self.schedule is not None:  # the schedule restarts at every session
             k, total = self.schedule.round_in_session(k), self.schedule.rounds
         k = min(k, total) - 1
+        if t.lr_schedule == "exponential":
+            return t.lr * t.lr_decay ** k
         frac = k / total
         if t.lr_schedule == "cosine":
             return t.lr_min + (t.lr - t.lr_min) * 0.5 * (1.0 + math.cos(math.pi * frac))

@@ -191,6 +191,9 @@ def test_learning_rate_schedules():
     assert poly.lr_at(1) == pytest.approx(0.03)
     assert poly.lr_at(2) == pytest.approx(0.027 + 0.003 * (2 / 3) ** 0.9)
     assert poly.lr_at(3) == pytest.approx(0.027 + 0.003 * (1 / 3) ** 0.9)
+    # the FedDU family's device decay, η_t = η_0·0.99^(t−1), for any method
+    expo = _digits_ctx(lr=0.05, lr_schedule="exponential", lr_decay=0.99)
+    assert [expo.lr_at(r) for r in (1, 2, 3)] == pytest.approx([0.05, 0.05 * 0.99, 0.05 * 0.99**2], rel=1e-15)
     # torch's CosineAnnealingLR stepped once per round gives the same values
     w = nn.Parameter(torch.zeros(1))
     opt = torch.optim.SGD([w], lr=0.1)
