@@ -56,7 +56,7 @@ DEFAULT_BRANCHES: tuple[str, ...] = default_kinds()
 DEPTHWISE_BRANCHES: tuple[str, ...] = default_kinds(depthwise=True)
 ANCHOR_NORMS: tuple[str, ...] = ("frozen_identity", "calibrated", "batchnorm")
 INITS: tuple[str, ...] = ("zero_gamma", "random_resolve")
-ANCHOR_STATS: tuple[str, ...] = ("keep", "adopt", "identity")
+ANCHOR_STATS: tuple[str, ...] = ("keep", "rescale", "adopt", "identity")
 
 
 _WS_ANCHOR = (
@@ -850,6 +850,8 @@ class DiverseBranchBlock(nn.Module):
                         write(bn.bias, beta)
                     if isinstance(stats, BNStats) and conv_bias_t is not None and not isinstance(conv, DiverseBranchBlock) and conv.bias is not None:
                         write(conv.bias, conv_bias_t)
+            if stats == "rescale":
+                self._rescale_anchor_gamma(conv, bn, k_t, write)
             # gamma guard: the inverse below divides by γ; keep |γ| >= gamma_floor
             gamma_t = getattr(bn, "weight", None)
             if gamma_t is not None and not isinstance(bn, FrozenIdentityBN):
@@ -875,7 +877,7 @@ class DiverseBranchBlock(nn.Module):
             elif nested or conv.bias is not None:
                 c = mu + (sigma / gamma) * (b_t - beta)
                 if nested:
-                    change = conv.load_plain(w, c, anchor_stats="keep")
+                    change = conv.load_plain(w, c, anchor_stats="rescale" if stats == "rescale" else "keep")
                     for p in change.overwritten:
                         if not any(p is q for q in overwritten):
                             overwritten.append(p)
@@ -887,6 +889,36 @@ class DiverseBranchBlock(nn.Module):
                 bn.running_mean.copy_((-(sigma / gamma) * (b_t - beta)).to(bn.running_mean.dtype))
                 write(conv.weight, w)
         return overwritten
+
+    @staticmethod
+    def _rescale_anchor_gamma(conv: Any, bn: Any, k_t: Tensor, write: Any) -> None:
+        """``anchor_stats="rescale"``: set the anchor BN's ``γ`` so that the anchor solve keeps the
+        norm of each of the anchor conv's filters; the running statistics stay.
+
+        The anchor's eval kernel is ``(γ/σ)·W``; a target ``A`` is met by ``W = A·σ/γ``. Keeping
+        ``γ`` puts every change of scale into ``W``, and the BN's running variance then follows
+        ``W`` in training, so a target larger than the trained ``γ`` multiplies the conv's scale
+        round after round. Here ``γ_c = sign(γ_c)·σ_c·‖A_c‖/‖W_c‖`` (per output channel ``c``), so
+        ``W_c = A_c·‖W_c‖/‖A_c‖``: the filter keeps its norm, the running statistics stay
+        consistent with it, and ``γ`` carries the target's scale as it does in training. Channels
+        with a zero filter or a zero target keep their ``γ``."""
+        gamma_t = getattr(bn, "weight", None)
+        if gamma_t is None or isinstance(bn, FrozenIdentityBN):
+            return
+        f64 = torch.float64
+        if isinstance(conv, DiverseBranchBlock):
+            w_old = conv._merged_pair(f64)[0]
+        else:
+            w_old = conv.weight.detach().to(f64)
+        n_old = w_old.flatten(1).norm(dim=1).to(k_t.device)
+        n_new = k_t.to(f64).flatten(1).norm(dim=1)
+        s = bn_stats(bn)
+        sigma = torch.sqrt(s.var.detach().to(f64) + s.eps).to(k_t.device)
+        g_old = gamma_t.detach().to(f64).to(k_t.device)
+        sign = torch.where(g_old < 0, -torch.ones_like(g_old), torch.ones_like(g_old))
+        g_new = sign * sigma * n_new / n_old.clamp_min(torch.finfo(f64).tiny)
+        ok = (n_old > 0) & (n_new > 0) & torch.isfinite(g_new) & (g_new != 0)
+        write(gamma_t, torch.where(ok, g_new, g_old))
 
     def _pairs_except(self, names: Sequence[str], dtype: torch.dtype) -> tuple[Tensor, Tensor] | None:
         rest = [n for n in self._order if n not in names]
@@ -1025,7 +1057,9 @@ class DiverseBranchBlock(nn.Module):
 
         Args:
             weight, bias: the target conv's parameters (main geometry shape; ``bias`` may be None).
-            anchor_stats: ``"keep"`` (anchor BN keeps γ, μ, v and conv bias), ``"adopt"`` (anchor BN
+            anchor_stats: ``"keep"`` (anchor BN keeps γ, μ, v and conv bias), ``"rescale"`` (anchor
+                BN keeps μ and v; each anchor conv filter keeps its norm and γ takes the target's
+                scale, so repeated re-solves cannot grow the conv weights), ``"adopt"`` (anchor BN
                 takes ``target_bn``'s statistics and the anchor conv the target bias) or
                 ``"identity"`` (anchor BN reset to γ=1, β=0, μ=0, v=1−eps).
             target_bn: BatchNorm (module or :class:`BNStats`) following the target conv, if any.

@@ -14,6 +14,9 @@ verification run, and the property tests run them after every step of random ope
    in eval mode.
 4. :func:`check_same_function` (at upload) — the merged upload computes the trained client model's
    function in eval mode.
+5. :func:`check_anchor_scale` (after a REP with ``anchor_stats="rescale"``) — no anchor conv filter
+   grew: the re-solve put the global kernel's scale into the anchor BN's ``γ``, so the conv's scale
+   (and with it the running variance) cannot compound from round to round.
 
 Tolerances of the function checks are relative to the output scale and follow the dtype
 (:func:`reparam.testing.default_rtol`: 1e-10 in float64).
@@ -22,7 +25,7 @@ Tolerances of the function checks are relative to the output scale and follow th
 from __future__ import annotations
 
 import copy
-from typing import Any, Iterable
+from typing import Any, Iterable, cast
 
 import torch
 from torch import Tensor, nn
@@ -37,6 +40,8 @@ __all__ = [
     "check_gradients",
     "function_error",
     "check_same_function",
+    "anchor_filter_norms",
+    "check_anchor_scale",
 ]
 
 
@@ -149,3 +154,48 @@ def check_same_function(
         at = f" {where}" if where else ""
         raise InvariantError(f"functions differ{at}: relative error {err:.3g} > {tol:.3g} ({dtype})")
     return err
+
+
+def anchor_filter_norms(model: nn.Module) -> dict[str, Tensor]:
+    """Per-output-channel norms (float64) of the anchor conv kernel of every block of ``model``
+    (nested ones included) whose anchor has a BatchNorm with a ``γ``, by module path. A nested
+    anchor contributes its merged kernel."""
+    from .block import DiverseBranchBlock, FrozenIdentityBN
+
+    out = {}
+    for path, m in model.named_modules():
+        if not isinstance(m, DiverseBranchBlock) or m.is_merged:
+            continue
+        bn, conv = m.anchor.bn, m.anchor.conv
+        if isinstance(bn, FrozenIdentityBN) or getattr(bn, "weight", None) is None:
+            continue
+        with torch.no_grad():
+            if isinstance(conv, DiverseBranchBlock):
+                k = conv._merged_pair(torch.float64)[0]
+            else:
+                k = cast(Tensor, conv.weight).to(torch.float64)
+            out[path] = k.flatten(1).norm(dim=1)
+    return out
+
+
+def check_anchor_scale(before: dict[str, Tensor], model: nn.Module, *, rtol: float = 1e-6, where: str = "") -> None:
+    """Invariant 5: no anchor filter of ``model`` is longer than in ``before``
+    (:func:`anchor_filter_norms` taken before a REP with ``anchor_stats="rescale"``), to ``rtol``;
+    filters that were exactly zero are not compared.
+
+    Raises:
+        InvariantError: naming the blocks whose anchor filters grew, and by how much.
+    """
+    grew = []
+    for path, norms in anchor_filter_norms(model).items():
+        old = before.get(path)
+        if old is None or old.shape != norms.shape:
+            continue
+        # a filter that was exactly zero has no norm to keep (its channel keeps its γ)
+        over = (norms > old * (1 + rtol)) & (old > 0)
+        if bool(over.any()):
+            ratio = float((norms[over] / old[over]).max())
+            grew.append(f"{path or '<model>'} (x{ratio:.3g})")
+    if grew:
+        at = f" {where}" if where else ""
+        raise InvariantError(f"anchor conv filters grew{at}: {_summary(grew)}")

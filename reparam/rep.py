@@ -41,6 +41,12 @@ def rep_to_local(
     the local model is copied from the global state; a local conv+BN pair whose global counterpart
     is a folded (deploy) conv is solved into the local pair keeping the local BN statistics.
 
+    ``anchor_stats="rescale"`` keeps each anchor BN's running statistics and each anchor conv
+    filter's norm, and moves the target's scale into the BN's ``γ`` (see
+    :meth:`DiverseBranchBlock.load_plain`). Use it when REP runs every round on a model that trains
+    in between: with ``"keep"`` the conv weights absorb every change of scale, the running
+    variance follows them in training, and the scale can grow geometrically over rounds.
+
     Returns:
         StructureChange listing every overwritten parameter (no parameter is added or removed).
 
@@ -120,7 +126,7 @@ def rep_to_local(
         w_t, b_t = target(c, gsd[f"{c}.weight"].to(torch.float64), gsd.get(f"{c}.bias"))
         b_t = torch.zeros(w_t.shape[0], dtype=torch.float64) if b_t is None else b_t.to(torch.float64)
         tmp = DiverseBranchBlock.from_conv(conv, bn, [])  # type: ignore[arg-type]
-        change.extend(tmp.load_plain(w_t, b_t, anchor_stats="keep"))
+        change.extend(tmp.load_plain(w_t, b_t, anchor_stats="rescale" if anchor_stats == "rescale" else "keep"))
         used.update({f"{c}.weight", f"{c}.bias"})
         for k, _ in conv.named_parameters():
             handled_local.add(f"{c}.{k}")

@@ -49,6 +49,10 @@ CHOICES: dict[str, tuple[str, list[str]]] = {
     "no-fill": ("no budget fill", ["algorithm.options.fill_budget=false"]),
     "tiers-1x": ("every tier at 1× (the control: what re-parameterisation adds over FedAvg)",
                  ["budget.tiers=[{name: small, ratio: 1.0, share: 1.0}]"]),
+    "global-bn": ("the global model keeps its BatchNorm (host form; at 1× this is FedAvg)",
+                  ["algorithm.options.global_form=host"]),
+    "rep-weights": ("REP puts the global kernel's scale into the anchor conv weights (γ kept; the old REP)",
+                    ["algorithm.options.rep_scale=weights"]),
 }
 
 FEDAP = ["model.name=cnn", "model.norm=none", "budget.tiers=[{name: all, ratio: 1.0, share: 1.0}]"]

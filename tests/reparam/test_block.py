@@ -616,7 +616,7 @@ def _plain_target(conv: nn.Conv2d, gen) -> tuple[torch.Tensor, torch.Tensor]:
     return w, b
 
 
-@pytest.mark.parametrize("anchor_stats", ["keep", "identity", "adopt"])
+@pytest.mark.parametrize("anchor_stats", ["keep", "rescale", "identity", "adopt"])
 @pytest.mark.parametrize("case", [GEOMS[0], GEOMS[6], GEOMS[7], GEOMS[19]], ids=lambda c: c[0])
 def test_load_plain_resolves_anchor_only(case, anchor_stats, gen) -> None:
     conv, bn, x = make_layer(case, gen)
@@ -685,6 +685,92 @@ def test_gamma_guard_clamps_tiny_anchor_gamma(gen) -> None:
     block.remove_branch("1x1")
     with torch.no_grad():
         assert rel_err(block(x), y) <= 1e-10
+
+
+def _anchor_kernel(block: DiverseBranchBlock) -> torch.Tensor:
+    """The anchor conv's kernel before its BN: the conv's weight, or a nested block's merged kernel."""
+    conv = block.branches["kxk"].conv
+    return conv._merged_pair(F64)[0] if isinstance(conv, DiverseBranchBlock) else conv.weight.detach().clone()
+
+
+def _filter_norms(k: torch.Tensor) -> torch.Tensor:
+    return k.flatten(1).norm(dim=1)
+
+
+@pytest.mark.parametrize("nested", [False, True], ids=["flat", "nested"])
+@pytest.mark.parametrize("case", [GEOMS[0], GEOMS[1], GEOMS[5], GEOMS[10]], ids=lambda c: c[0])
+def test_load_plain_rescale_keeps_each_anchor_filter_norm_and_the_running_statistics(case, nested, gen) -> None:
+    conv, bn, x = make_layer(case, gen)
+    block = DiverseBranchBlock.from_conv(conv, bn, "all")
+    if nested:
+        block.grow_nested("kxk")
+    block = perturb_(block, gen).eval()
+    anchor_bn = block.branches["kxk"].bn
+    norms, gamma = _filter_norms(_anchor_kernel(block)), anchor_bn.weight.detach().clone()
+    mean, var = anchor_bn.running_mean.clone(), anchor_bn.running_var.clone()
+    w, b = _plain_target(conv, gen)
+    w = w * torch.logspace(-2, 2, w.shape[0], dtype=F64).reshape(-1, 1, 1, 1)  # targets far from the kept scale
+    change = block.load_plain(w, b, anchor_stats="rescale")
+    with torch.no_grad():
+        assert rel_err(block(x), F.conv2d(x, w, b, conv.stride, conv.padding, conv.dilation, conv.groups)
+                       if conv.padding_mode == "zeros" else block.merge()(x)) <= 1e-10
+    assert torch.allclose(_filter_norms(_anchor_kernel(block)), norms, rtol=1e-10, atol=0)
+    assert torch.equal(anchor_bn.running_mean, mean) and torch.equal(anchor_bn.running_var, var)
+    assert torch.equal(torch.sign(anchor_bn.weight.detach()), torch.sign(gamma))
+    assert not torch.equal(anchor_bn.weight.detach(), gamma)  # γ carries the target's scale
+    assert any(p is anchor_bn.weight for p in change.overwritten)
+
+
+def test_load_plain_rescale_keeps_gamma_where_the_target_filter_is_zero(gen) -> None:
+    conv, bn, x = make_layer(GEOMS[0], gen)
+    block = perturb_(DiverseBranchBlock.from_conv(conv, bn, "all"), gen).eval()
+    gamma = block.branches["kxk"].bn.weight.detach().clone()
+    rest, rest_b = block._pairs_except(["kxk"], F64)
+    w, b = _plain_target(conv, gen)
+    w[2] = rest[2]  # the anchor's own part of filter 2 is exactly zero
+    block.load_plain(w, b, anchor_stats="rescale")
+    assert block.branches["kxk"].bn.weight[2] == gamma[2]
+    assert torch.all(torch.isfinite(block.branches["kxk"].conv.weight))
+    with torch.no_grad():
+        assert rel_err(block(x), F.conv2d(x, w, b, padding=1)) <= 1e-10
+
+
+@pytest.mark.parametrize("nested", [False, True], ids=["flat", "nested"])
+def test_repeated_rep_and_training_statistics_keep_the_anchor_scale_with_rescale_and_grow_it_with_keep(nested, gen) -> None:
+    """DynamicFL's cycle, reduced to one block: REP to a global kernel somewhat larger than the
+    client's own, then the BN running statistics follow the new weights (as training makes them).
+    With ``keep`` the conv absorbs each change of scale and the running variance follows it, so the
+    scale compounds round after round (the divergence of a 200-round run); with ``rescale`` the
+    anchor filters keep their norms and the statistics stay where they were."""
+    conv, bn, x = make_layer(GEOMS[0], gen)
+    x = torch.randn(64, 8, 9, 9, generator=gen, dtype=F64)
+    base = DiverseBranchBlock.from_conv(conv, bn, "all")
+    if nested:
+        base.grow_nested("kxk")
+    base = perturb_(base, gen)
+    grown = {}
+    for stats in ("keep", "rescale"):
+        block, g = copy.deepcopy(base), torch.Generator().manual_seed(7)
+        start = float(_anchor_kernel(block).norm())
+        for _ in range(12):
+            block.eval()
+            k, b = block._merged_pair(F64)
+            target = 1.3 * k + 0.05 * torch.randn(k.shape, generator=g, dtype=F64)
+            block.load_plain(target, b, anchor_stats=stats)
+            with torch.no_grad():
+                assert rel_err(block(x), F.conv2d(x, target, b, padding=1)) <= 1e-9
+                for m in block.modules():  # statistics of the current weights, as training leaves them
+                    if isinstance(m, nn.BatchNorm2d) and not isinstance(m, FrozenIdentityBN):
+                        m.reset_running_stats()
+                        m.momentum = None
+                block.train()(x)
+        grown[stats] = float(_anchor_kernel(block).norm()) / start
+        assert torch.all(torch.isfinite(block.branches["kxk"].bn.running_var))
+    if nested:  # the nested block's own branch statistics move its merged kernel a little
+        assert 0.5 < grown["rescale"] < 2.0
+    else:
+        assert grown["rescale"] == pytest.approx(1.0, rel=1e-9)
+    assert grown["keep"] > 1e3
 
 
 def test_nested_growth_is_exact_and_merges(gen) -> None:

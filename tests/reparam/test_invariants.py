@@ -1,7 +1,7 @@
 """Unit tests of reparam.invariants: each check passes on a consistent model/optimizer and fires,
 naming what broke, on a constructed violation (a missing parameter, a stale one, one held twice,
 optimizer state of a parameter the optimizer no longer holds, a trainable parameter without a
-gradient, two different functions)."""
+gradient, two different functions, a REP that grew an anchor conv)."""
 
 from __future__ import annotations
 
@@ -206,3 +206,26 @@ def test_invariant_error_is_a_reparam_error() -> None:
     assert issubclass(InvariantError, reparam.ReparamError)
     assert issubclass(InvariantError, ValueError)
     assert reparam.InvariantError is InvariantError
+
+
+def test_check_anchor_scale_passes_on_a_rescale_rep_and_names_a_block_whose_anchor_grew() -> None:
+    from reparam.invariants import anchor_filter_norms, check_anchor_scale
+
+    torch.manual_seed(0)
+    host = nn.Sequential(nn.Conv2d(2, 4, 3, padding=1, bias=False), nn.BatchNorm2d(4), nn.ReLU(),
+                         nn.Conv2d(4, 4, 3, padding=1, bias=False), nn.BatchNorm2d(4)).double()
+    model = reparam.expand(host, branches="default").eval()
+    reparam.testing.randomize_bn_(model, torch.Generator().manual_seed(1))
+    model[3].grow_nested("kxk")  # a nested anchor counts by its merged kernel
+    plain = reparam.merge(copy.deepcopy(model), target="deploy")
+    with torch.no_grad():
+        for p in plain.parameters():
+            p.mul_(3.0)  # a global model far larger than the client's own
+    before = anchor_filter_norms(model)
+    assert set(before) == {"0", "3"} and all(v.shape == (4,) for v in before.values())
+    grown = copy.deepcopy(model)
+    reparam.rep_to_local(plain, model, anchor_stats="rescale")
+    check_anchor_scale(before, model, where="after REP")
+    reparam.rep_to_local(plain, grown, anchor_stats="keep")
+    with pytest.raises(InvariantError, match=r"anchor conv filters grew after REP: 0 \(x[0-9.]+\), 3 \(x"):
+        check_anchor_scale(before, grown, where="after REP")

@@ -26,7 +26,8 @@ invariant 4 (the deploy merge of a copy equals the model; so does the tensor-onl
 into a fresh host model); invariant 2 via one training step (every trainable parameter gets a
 gradient; after ``opt.step`` momentum state is held only for parameters the optimizer holds, with
 their shapes); and after each REP invariant 3 (the client model equals the global model, and
-keeps its structure). Blocks get ``max_depth`` 1, 2 or 3 (no nesting, one level, two levels).
+keeps its structure) and, for ``anchor_stats="rescale"``, invariant 5 (no anchor conv filter
+grew). Blocks get ``max_depth`` 1, 2 or 3 (no nesting, one level, two levels).
 Training steps, ``perturb_`` and ``randomize_bn_`` keep the function checks from being vacuous
 (zero-γ branches become non-zero, BN statistics are random).
 
@@ -51,7 +52,14 @@ from reparam.changes import StructureChange, apply_to_optimizer
 from reparam.dymm import dymm, shrink_to_budget
 from reparam.flops import model_macs
 from reparam.geometry import ConvGeometry
-from reparam.invariants import check_gradients, check_optimizer, check_same_function, function_error
+from reparam.invariants import (
+    anchor_filter_norms,
+    check_anchor_scale,
+    check_gradients,
+    check_optimizer,
+    check_same_function,
+    function_error,
+)
 from reparam.kinds import get_kind, kind_names
 from reparam.planning import fill_to_budget, first_plan, grow_to_budget
 from reparam.testing import perturb_, randomize_bn_
@@ -520,16 +528,20 @@ def do_rep(run: Run, draw: Any) -> None:
     """REP(global, local) from a random plain global model; invariant 3."""
     seed = draw(st.integers(0, 2**16), label="global seed")
     form = "deploy" if run.form == "deploy" else draw(st.sampled_from(["host", "deploy"]), label="global form")
-    stats = draw(st.sampled_from(["keep", "identity", "adopt"]), label="anchor_stats")
+    stats = draw(st.sampled_from(["keep", "rescale", "identity", "adopt"]), label="anchor_stats")
     g = make_global(run.arch, form, seed)
     note(f"rep_to_local global form={form} seed={seed} anchor_stats={stats}")
     run.model.eval()
     assert function_error(run.model, g, run.x) > 1e-6  # the check below is not vacuous
     spec = reparam.structure(run.model)
     snap = run.snapshot()
+    norms = anchor_filter_norms(run.model)
     change = reparam.rep_to_local(g, run.model, anchor_stats=stats)
     assert not change.added and not change.removed
     assert reparam.structure(run.model) == spec  # REP keeps the local structure
+    if stats == "rescale":  # invariant 5: no anchor filter grows, so REP cannot compound their scale
+        assert set(anchor_filter_norms(run.model)) == set(norms)
+        check_anchor_scale(norms, run.model, rtol=1e-9, where=f"by REP (step {run.steps + 1})")
     run.apply(change, snap, "rep")
     check_same_function(run.model, g, run.x, dtype=F64, where=f"after REP (step {run.steps + 1})")  # invariant 3
     run.check_step("rep", None)

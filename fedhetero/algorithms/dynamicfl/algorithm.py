@@ -11,13 +11,18 @@ merged plain weights:
 2. budget below the stored structure's cost: ζ ← REP(ω_g, S_l) — fold the lowest-S_l branches
    until it fits (Eq. 9), re-solve to equal ω_g; train E epochs;
 3. otherwise ε ← REP(ω_g, ζ) — keep the stored structure and branch statistics, re-solve each
-   block's main branch so the block equals ω_g's conv exactly (Eq. 4); train one epoch recording
+   block's main branch so the block equals ω_g's conv exactly (Eq. 4; each main-branch filter keeps
+   its norm and its BN's γ takes the global kernel's scale, ``rep_scale``); train one epoch recording
    S_g; ζ ← DYMM(ε; S_g, S_l) within the budget (Eqs. 12–16); train E−1 epochs recording S_l;
 4. merge ζ into the plain structure (Eq. 10) and upload; the server averages plain tensors (Eq. 11).
 
 Dynamic budgets: when the engine announces a changed budget (after the second local epoch), the
 client adapts on the spot — folding the lowest-saliency branches to shrink, adding branches to
 grow — both function-preserving in eval mode.
+
+With ``global_form: host`` the global model keeps the model's BatchNorms instead: main branches
+adopt the global BN, uploads are merged back into the host layout, and the server averages convs
+and BNs (DynamicFL at 1× is then FedAvg).
 
 Budget planning (the first-round plan and the knapsack fills) lives in :mod:`reparam.planning`.
 With ``grow_mode: nested`` the planners and DYMM may also grow branches inside a branch's K×K conv
@@ -48,7 +53,7 @@ from fedhetero.core.submodel import SubmodelAggregator, SubmodelSpec, submodel_f
 from fedhetero.core.types import ClientResult, ClientTask, state_bytes
 from reparam.changes import StructureChange, apply_to_optimizer
 from reparam.dymm import dymm, shrink_to_budget
-from reparam.invariants import check_gradients, check_optimizer, check_same_function
+from reparam.invariants import anchor_filter_norms, check_anchor_scale, check_gradients, check_optimizer, check_same_function
 from reparam.kinds import get_kind, kind_names
 from reparam.planning import expandable_convs, fill_to_budget, first_plan, grow_to_budget
 from reparam.saliency import SaliencyMeter
@@ -71,6 +76,18 @@ class DynamicFLOptions(MethodOptions):
     # in its private state and re-solves the anchor conv around them; "reset" starts the anchor BN
     # from γ=1, β=0, μ=0, v=1−ε every round (as on a client's first round)
     bn_stats: Literal["private", "reset"] = "private"
+    # with ``bn_stats: private``, where REP puts a change of the global kernel's scale: "gamma" into
+    # the anchor BN's γ (each anchor conv filter keeps its norm, consistent with the kept running
+    # variance); "weights" into the anchor conv's weights (γ kept). "weights" compounds: the running
+    # variance follows the weights in training, so the conv's scale can grow from round to round;
+    # at 200 rounds of 3 epochs (Fashion-MNIST, LeNet-5) it overflowed float32 at round 176
+    rep_scale: Literal["gamma", "weights"] = "gamma"
+    # the global model's form: "plain" (Algorithm 1: every conv+BN folded into one biased conv; a
+    # client re-inserts a BN of its own) or "host" (the model as built, BatchNorms kept: a client's
+    # main branch adopts the global BN's γ, β and statistics, the client uploads its model merged
+    # back into the host layout, and the server averages convs and BNs as FedAvg does; at 1× this
+    # is FedAvg). With "host", bn_stats and rep_scale do not apply
+    global_form: Literal["plain", "host"] = "plain"
     # "random": scores drawn at random (seeded per round and client): the structure without saliency
     saliency: Literal["synflow", "snip", "grad_norm", "random"] = "synflow"
     saliency_params: Literal["all", "conv_weights"] = "all"
@@ -92,7 +109,8 @@ class DynamicFLOptions(MethodOptions):
     # error) when one fails: after every structural change the optimizer holds exactly the model's
     # trainable parameters, the first step after it gives each of them a gradient, the client model
     # starts equal to the global model and uploads what it trained (eval mode, to the dtype's
-    # tolerance); the two function errors are recorded per client (costs two forwards and a copy)
+    # tolerance), and REP grows no anchor conv filter (``rep_scale: gamma``); the two function
+    # errors are recorded per client (costs two forwards and a copy)
     verify: bool = False
 
     def __post_init__(self) -> None:
@@ -135,16 +153,16 @@ def _unskey(key: str) -> tuple[str, str]:
     return path, name
 
 
-def _plain_architecture(ctx) -> nn.Module:
-    """A copy of the plain (merged) architecture of the configured model, from a per-process
-    template: every conv+BN folded into one biased conv."""
+def _global_architecture(ctx, form: str = "plain") -> nn.Module:
+    """A copy of the global model's architecture, from a per-process template: ``"plain"`` (every
+    conv+BN folded into one biased conv) or ``"host"`` (the configured model as built)."""
 
     def make() -> nn.Module:
         model = ctx.build_model()
         model.eval()
-        return reparam.merge(model, target="deploy")
+        return model if form == "host" else reparam.merge(model, target="deploy")
 
-    return ctx.template("dynamicfl-plain", make)
+    return ctx.template(f"dynamicfl-{form}", make)
 
 
 def _input_sizes(ctx, plain: nn.Module) -> dict:
@@ -198,7 +216,7 @@ class DynamicFL(Algorithm):
 
     # ------------------------------------------------------------------ server
     def setup(self, ctx: Context) -> None:
-        self.global_model = _plain_architecture(ctx)
+        self.global_model = _global_architecture(ctx, self.options.global_form)
 
     # ------------------------------------------------------------------ client
     # One task's working state lives in a :class:`_Task` made by :meth:`client_update` and passed
@@ -207,7 +225,7 @@ class DynamicFL(Algorithm):
     # client context, once per process.
     def client_update(self, ctx: ClientContext, task: ClientTask, state: dict[str, Any] | None) -> ClientResult:
         """REP (or a pruned sub-model), Algorithm 1's local epochs, then the merged upload."""
-        run = _Task(ctx, task, _plain_architecture(ctx))
+        run = _Task(ctx, task, _global_architecture(ctx, self.options.global_form))
         run.plain.load_state_dict(task.payload["state"])
         model = self._client_model(run, state)
         return self._upload(run, self._local_train(run, model))
@@ -215,7 +233,7 @@ class DynamicFL(Algorithm):
     def client_model(self, ctx: ClientContext, task: ClientTask, state: dict[str, Any] | None = None) -> nn.Module:
         """The model this client would train on ``task`` from its private ``state`` (what
         :meth:`client_update` starts local training from)."""
-        run = _Task(ctx, task, _plain_architecture(ctx))
+        run = _Task(ctx, task, _global_architecture(ctx, self.options.global_form))
         run.plain.load_state_dict(task.payload["state"])
         return self._client_model(run, state)
 
@@ -300,13 +318,30 @@ class DynamicFL(Algorithm):
                     shrink_to_budget(model, run.s_local, budget, ctx.input_shape)
             else:
                 run.mode = "dymm"
+            stats = self._rep_anchor_stats()
+            norms = anchor_filter_norms(model) if self.options.verify and stats == "rescale" else None
             with ctx.timer("rep"):
                 model.eval()
-                reparam.rep_to_local(run.plain, model, anchor_stats="keep" if self.options.bn_stats == "private" else "identity")
+                reparam.rep_to_local(run.plain, model, anchor_stats=stats)
+            if norms is not None:  # invariant 5: REP did not grow the anchor convs
+                check_anchor_scale(norms, model, where=f"by REP ({run.mode})")
         model.train()
         if self.options.verify:
             run.verify_in = self._check(run, model, run.plain, f"after REP ({run.mode}): client model vs global model")
         return model
+
+    def _merge_target(self) -> str:
+        """The layout a client merges its model into for the upload (the global model's form)."""
+        return "host" if self.options.global_form == "host" else "deploy"
+
+    def _rep_anchor_stats(self) -> str:
+        """What REP does with a returning client's anchor BatchNorm (``global_form``, ``bn_stats``,
+        ``rep_scale``): with a host-form global model the anchor adopts the global BN."""
+        if self.options.global_form == "host":
+            return "adopt"
+        if self.options.bn_stats == "reset":
+            return "identity"
+        return "rescale" if self.options.rep_scale == "gamma" else "keep"
 
     def _check(self, run: _Task, a: nn.Module, b: nn.Module, where: str) -> float:
         """Invariants 3 and 4: ``a`` computes ``b``'s function in eval mode on a batch of the
@@ -338,7 +373,7 @@ class DynamicFL(Algorithm):
         with BN again. The spec stays relative to the global model (composed with an earlier one)."""
         ctx = run.ctx
         model.eval()
-        plain = reparam.merge(model, target="deploy")
+        plain = reparam.merge(model, target=self._merge_target())
         with ctx.timer("prune"):
             spec = plan_for_budget(plain, ctx.input_shape, budget, criterion="magnitude")
             sub = submodel_from(plain, spec)
@@ -495,7 +530,7 @@ class DynamicFL(Algorithm):
             }
         # the trained model is not needed after its upload: merge in place unless verifying
         with ctx.timer("merge"):
-            plain = reparam.merge(model, target="deploy", inplace=not self.options.verify)
+            plain = reparam.merge(model, target=self._merge_target(), inplace=not self.options.verify)
         if self.options.verify:
             if run.verify_in is not None:
                 metrics["lossless_in"] = run.verify_in

@@ -6,6 +6,7 @@ that is not the trained model), and to stay silent on the real code."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 import reparam
 from fedhetero.core.config import from_dict
@@ -70,3 +71,66 @@ def test_without_verify_the_checks_do_not_run(tmp_path, monkeypatch, lenient):
     monkeypatch.setattr("fedhetero.algorithms.dynamicfl.algorithm.apply_to_optimizer", lambda opt, change: None)
     res = Engine(_cfg(verify=False), tmp_path / "run", progress=False).run()
     assert res.summary["dropped_clients"] == 0
+
+
+def test_a_rep_that_grows_the_anchor_convs_stops_the_task(tmp_path, monkeypatch):
+    """Invariant 5: REP with ``rep_scale: gamma`` keeps each anchor filter's norm; a REP that puts
+    the global kernel's scale into the conv weights instead (``anchor_stats="keep"``, the code that
+    diverged over 200 rounds) is caught on a returning client."""
+    real = reparam.rep_to_local
+
+    def keep_scale_in_weights(g, model, anchor_stats="keep", **k):
+        change = real(g, model, anchor_stats="keep", **k)
+        with torch.no_grad():  # a global kernel larger than the client's own: the conv grows
+            for m in model.modules():
+                if isinstance(m, reparam.DiverseBranchBlock) and not m.is_merged:
+                    bn = m.anchor.bn
+                    if isinstance(bn, torch.nn.BatchNorm2d) and not isinstance(bn, reparam.FrozenIdentityBN):
+                        k_t, b_t = m._merged_pair(torch.float64)
+                        m.load_plain(1.5 * k_t, b_t, anchor_stats="keep")
+        return change
+
+    monkeypatch.setattr(reparam, "rep_to_local", keep_scale_in_weights)
+    with pytest.raises(RunError, match=r"InvariantError: anchor conv filters grew by REP \(dymm\)"):
+        Engine(_cfg(), tmp_path / "run", progress=False).run()
+
+
+@pytest.mark.parametrize("bn_stats, rep_scale, expected", [
+    ("private", "gamma", "rescale"), ("private", "weights", "keep"), ("reset", "gamma", "identity"),
+])
+def test_rep_scale_chooses_what_rep_does_with_the_anchor_bn(bn_stats, rep_scale, expected):
+    from fedhetero.algorithms.dynamicfl.algorithm import DynamicFL, DynamicFLOptions
+
+    assert DynamicFL(DynamicFLOptions(bn_stats=bn_stats, rep_scale=rep_scale))._rep_anchor_stats() == expected
+
+
+def _anchor_running_var_max(run_dir) -> float:
+    """The largest running variance of any main-branch BatchNorm in the clients' stored models."""
+    import glob
+
+    top = 0.0
+    for f in glob.glob(str(run_dir / "client_state" / "*" / "*.pt")):
+        state = torch.load(f, weights_only=False)["state"]
+        top = max([top] + [float(v.max()) for k, v in state.items() if k.endswith("kxk.bn.running_var")])
+    return top
+
+
+@pytest.mark.slow
+def test_over_rounds_rep_keeps_the_anchor_scale_and_the_old_rep_compounds_it(tmp_path):
+    """The divergence of the paper-length run, in 12 rounds on digits: clients at 3× returning every
+    round. REP that puts the global kernel's scale into the conv weights (``rep_scale: weights``)
+    lets the main branch's running variance grow round after round; the default keeps it where
+    training puts it."""
+    tops = {}
+    for scale in ("gamma", "weights"):
+        cfg = from_dict({
+            "seed": 0, "threads": 1, "data": {"num_clients": 4},
+            "train": {"rounds": 12, "sample_rate": 1.0, "local_epochs": 3, "eval_every": 12},
+            "budget": {"tiers": [{"name": "large", "ratio": 3.0, "share": 1.0}]},
+            "algorithm": {"name": "dynamicfl", "options": {"rep_scale": scale}},
+        })
+        res = Engine(cfg, tmp_path / scale, progress=False).run()
+        assert res.summary["dropped_clients"] == 0
+        tops[scale] = _anchor_running_var_max(tmp_path / scale)
+    assert tops["gamma"] < 50  # measured 8.1 (7.4 after 5 rounds)
+    assert tops["weights"] > 20 * tops["gamma"]  # measured 2.6e3 (5.2e1 after 5 rounds, 2.3e6 after 20)
