@@ -69,6 +69,27 @@ def _is_bn(m: nn.Module) -> bool:
     return isinstance(m, nn.modules.batchnorm._BatchNorm)
 
 
+def _channel_moments(fn: Any, batches: Sequence[Any], channels: int, device: Any, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """Per-channel mean and biased variance (float64) of ``fn``'s output over ``batches`` (pooled
+    over samples and positions, as BatchNorm's training statistics are)."""
+    count = 0
+    mean = torch.zeros(channels, dtype=torch.float64, device=device)
+    m2 = torch.zeros_like(mean)
+    for x in batches:
+        if not isinstance(x, Tensor):
+            raise ReparamError(f"calibration input must hold tensors, got {type(x).__name__}")
+        z = fn(x.to(device=device, dtype=dtype)).double()
+        n_b = z.numel() // channels
+        bm = z.mean(dim=(0, 2, 3))
+        bm2 = ((z - bm.view(1, -1, 1, 1)) ** 2).sum(dim=(0, 2, 3))
+        delta = bm - mean
+        total = count + n_b
+        mean = mean + delta * (n_b / total)
+        m2 = m2 + bm2 + delta**2 * (count * n_b / total)
+        count = total
+    return mean, m2 / count
+
+
 def _writable_beta(bn: nn.Module) -> bool:
     return not isinstance(bn, FrozenIdentityBN) and getattr(bn, "bias", None) is not None
 
@@ -412,23 +433,8 @@ class DiverseBranchBlock(nn.Module):
         batches = [calibration_input] if isinstance(calibration_input, Tensor) else list(calibration_input)
         if not batches:
             raise ReparamError("calibration_input is empty")
-        count = 0
-        mean = torch.zeros(o, dtype=torch.float64, device=conv.weight.device)
-        m2 = torch.zeros_like(mean)
         with torch.no_grad():
-            for x in batches:
-                if not isinstance(x, Tensor):
-                    raise ReparamError(f"calibration_input must hold tensors, got {type(x).__name__}")
-                z = conv(x.to(device=conv.weight.device, dtype=conv.weight.dtype)).double()
-                n_b = z.numel() // o
-                bm = z.mean(dim=(0, 2, 3))
-                bm2 = ((z - bm.view(1, -1, 1, 1)) ** 2).sum(dim=(0, 2, 3))
-                delta = bm - mean
-                total = count + n_b
-                mean = mean + delta * (n_b / total)
-                m2 = m2 + bm2 + delta**2 * (count * n_b / total)
-                count = total
-            var = m2 / count
+            mean, var = _channel_moments(conv, batches, o, conv.weight.device, conv.weight.dtype)
             ok = var > eps
             rm = torch.where(ok, mean, torch.zeros_like(mean)).to(running_mean.dtype)
             rv = torch.where(ok, var - eps, torch.full_like(var, 1.0 - eps)).to(running_var.dtype)
@@ -870,7 +876,16 @@ class DiverseBranchBlock(nn.Module):
             beta = s.beta.to(f64) if s.beta is not None else torch.zeros(n, dtype=f64, device=dev)
             w = k_t * (sigma / gamma).reshape(-1, 1, 1, 1)
             nested = isinstance(conv, DiverseBranchBlock)
-            if _writable_beta(bn) and not nested:
+            if _writable_beta(bn) and nested:
+                # β takes the bias; the nested block keeps its own (its output's mean, which the
+                # anchor BN's running mean describes, does not move)
+                c = conv._merged_pair(f64)[1].to(dev)
+                write(bn.bias, b_t - (gamma / sigma) * (c - mu))
+                change = conv.load_plain(w, c, anchor_stats="rescale" if stats == "rescale" else "keep")
+                for p in change.overwritten:
+                    if not any(p is q for q in overwritten):
+                        overwritten.append(p)
+            elif _writable_beta(bn):
                 c = conv.bias.to(f64) if conv.bias is not None else torch.zeros_like(mu)
                 write(bn.bias, b_t - (gamma / sigma) * (c - mu))
                 write(conv.weight, w)
@@ -919,6 +934,41 @@ class DiverseBranchBlock(nn.Module):
         g_new = sign * sigma * n_new / n_old.clamp_min(torch.finfo(f64).tiny)
         ok = (n_old > 0) & (n_new > 0) & torch.isfinite(g_new) & (g_new != 0)
         write(gamma_t, torch.where(ok, g_new, g_old))
+
+    def calibrate_anchor(self, inputs: Tensor | Iterable[Tensor]) -> StructureChange:
+        """Measure the anchor BN's running statistics on ``inputs`` (batches of this block's input)
+        and re-solve the anchor so that the block's eval function is unchanged (eval-exact up to
+        rounding).
+
+        The statistics are those of the anchor conv's output in training mode (a nested block's
+        branches normalised by their batch statistics), as the anchor BN sees it when training
+        starts; each anchor filter keeps its norm and ``γ`` takes the scale (``"rescale"``). After
+        a re-solve from another model's weights (REP), training mode on such data then starts from
+        the eval function instead of from the stale statistics' scale. Channels whose variance is
+        not above the BN's ``eps`` keep their statistics. A no-op for an anchor without a
+        BatchNorm of its own (``FrozenIdentityBN``) and for a deployed block.
+        """
+        if self.reparam_conv is not None:
+            return StructureChange(paths=self._path_list())
+        anchor = self.anchor
+        bn: Any = anchor.bn
+        if isinstance(bn, FrozenIdentityBN) or not isinstance(getattr(bn, "running_var", None), Tensor):
+            return StructureChange(paths=self._path_list())
+        self._require_writable_anchor("calibrating the anchor")
+        batches = [inputs] if isinstance(inputs, Tensor) else list(inputs)
+        if not batches:
+            raise ReparamError("calibrate_anchor: no input batches")
+        with torch.no_grad():
+            target = self._merged_pair(torch.float64)
+            probe = copy.deepcopy(anchor.conv).train()
+            factory = self._factory()
+            mean, var = _channel_moments(probe, batches, self.geometry.out_channels, factory["device"], factory["dtype"])
+            # the batch's biased variance: training normalises by sqrt(var + eps), and so does eval
+            ok = var > float(bn.eps)
+            bn.running_mean.copy_(torch.where(ok, mean, bn.running_mean.to(mean.dtype)).to(bn.running_mean.dtype))
+            bn.running_var.copy_(torch.where(ok, var, bn.running_var.to(var.dtype)).to(bn.running_var.dtype))
+        overwritten = self._solve_for_total(*target, stats="rescale")
+        return StructureChange(overwritten=overwritten, paths=self._path_list())
 
     def _pairs_except(self, names: Sequence[str], dtype: torch.dtype) -> tuple[Tensor, Tensor] | None:
         rest = [n for n in self._order if n not in names]

@@ -6,7 +6,7 @@ global model's conv at the same path, keeping the local branches and their stati
 
 from __future__ import annotations
 
-from typing import Mapping, cast
+from typing import Iterable, Mapping, cast
 
 import torch
 from torch import Tensor, nn
@@ -18,7 +18,7 @@ from .errors import ReparamError
 from .spec import _identity_pair, detect_form, strip_prefixes
 from .transforms import BNStats, bn_stats
 
-__all__ = ["rep_to_local"]
+__all__ = ["rep_to_local", "calibrate_anchors"]
 
 # ---------------------------------------------------------------------------------------------
 # REP(global, local)
@@ -181,4 +181,42 @@ def rep_to_local(
         unused = [k for k in gsd if k not in used]
         if unused:
             raise ReparamError(f"global keys with no place in the local model: {unused[:8]}{' ...' if len(unused) > 8 else ''}")
+    return change
+
+
+def calibrate_anchors(model: nn.Module, inputs: Tensor | Iterable[Tensor]) -> StructureChange:
+    """Measure every outermost block's anchor BatchNorm statistics on ``inputs`` (batches of the
+    model's input) and re-solve each anchor so that the model's eval function is unchanged
+    (:meth:`DiverseBranchBlock.calibrate_anchor`).
+
+    Each block's input is taken from one eval-mode forward of the model; calibrating a block keeps
+    its eval function, so the inputs of the blocks after it do not change. After
+    :func:`rep_to_local`, this makes training mode start from the global model's function on the
+    client's own data: kept statistics of an earlier round would scale each block's training-mode
+    output by the ratio of the old and new statistics, and that ratio compounds over rounds.
+
+    Returns:
+        StructureChange listing the overwritten parameters (none added or removed).
+    """
+    batches = [inputs] if isinstance(inputs, Tensor) else list(inputs)
+    blocks = list(iter_blocks(model))
+    seen: dict[str, list[Tensor]] = {path: [] for path, _ in blocks}
+    hooks = [
+        blk.register_forward_pre_hook(lambda _m, args, path=path: seen[path].append(args[0].detach()))
+        for path, blk in blocks
+    ]
+    was = model.training
+    try:
+        model.eval()
+        with torch.no_grad():
+            for x in batches:
+                model(x)
+    finally:
+        for h in hooks:
+            h.remove()
+        model.train(was)
+    change = StructureChange()
+    for path, blk in blocks:
+        if seen[path]:
+            change.extend(blk.calibrate_anchor(seen[path]))
     return change

@@ -14,7 +14,8 @@ __all__ = ["CHOICES", "add_parser", "run"]
 #: the variants of :data:`fedhetero.lab.ablation.CHOICES`, named here so that the parser does not
 #: import the lab (numpy) at start-up; a test keeps the two equal
 CHOICES = ("default", "bn-reset", "anchor-calibrated", "anchor-frozen", "saliency-random", "branches-1x1_kxk",
-           "grow-block", "no-fill", "tiers-1x", "global-bn", "rep-weights")
+           "grow-block", "no-fill", "tiers-1x", "global-bn", "rep-weights",
+           "rep-calibrated")
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:

@@ -53,6 +53,8 @@ CHOICES: dict[str, tuple[str, list[str]]] = {
                   ["algorithm.options.global_form=host"]),
     "rep-weights": ("REP puts the global kernel's scale into the anchor conv weights (γ kept; the old REP)",
                     ["algorithm.options.rep_scale=weights"]),
+    "rep-calibrated": ("after REP the anchor BN statistics are measured on the client's own batches",
+                       ["algorithm.options.rep_scale=calibrated"]),
 }
 
 FEDAP = ["model.name=cnn", "model.norm=none", "budget.tiers=[{name: all, ratio: 1.0, share: 1.0}]"]

@@ -773,6 +773,55 @@ def test_repeated_rep_and_training_statistics_keep_the_anchor_scale_with_rescale
     assert grown["keep"] > 1e3
 
 
+@pytest.mark.parametrize("nested", [False, True], ids=["flat", "nested"])
+def test_calibrate_anchor_measures_the_statistics_and_keeps_the_eval_function(nested, gen) -> None:
+    conv, bn, _ = make_layer(GEOMS[0], gen)
+    block = DiverseBranchBlock.from_conv(conv, bn, "all")
+    if nested:
+        block.grow_nested("kxk")
+    block = perturb_(block, gen).eval()
+    x = torch.randn(16, 8, 9, 9, generator=gen, dtype=F64)
+    with torch.no_grad():
+        y = block(x)
+    block.load_plain(*block._merged_pair(F64), anchor_stats="rescale")  # as after REP
+    norms = _filter_norms(_anchor_kernel(block))
+    change = block.calibrate_anchor([x[:8], x[8:]])
+    anchor_bn = block.branches["kxk"].bn
+    with torch.no_grad():
+        assert rel_err(block(x), y) <= 1e-10  # eval-exact
+        z = copy.deepcopy(block.branches["kxk"].conv).train()(x)  # what the anchor BN sees in training
+        # a nested block's own re-solve moves its training-mode output a little (its branches'
+        # statistics are its own); a flat anchor's output is exactly what was measured
+        tol = 1e-2 if nested else 1e-9
+        assert torch.allclose(anchor_bn.running_mean, z.mean((0, 2, 3)), rtol=tol, atol=1e-12)
+        assert torch.allclose(anchor_bn.running_var, z.var((0, 2, 3), unbiased=False), rtol=tol)
+    assert torch.allclose(_filter_norms(_anchor_kernel(block)), norms, rtol=1e-10)
+    assert any(p is anchor_bn.weight for p in change.overwritten)
+
+
+def test_after_calibrate_anchor_training_mode_starts_from_the_eval_function(gen) -> None:
+    """An anchor-only block whose statistics are stale: training mode on a batch is the eval
+    function scaled per channel by the ratio of the stale statistics to the batch's. Calibrated on
+    that batch, training mode and eval mode agree on it."""
+    conv, bn, _ = make_layer(GEOMS[0], gen)
+    block = DiverseBranchBlock.from_conv(conv, bn, [])
+    x = torch.randn(16, 8, 9, 9, generator=gen, dtype=F64)
+    with torch.no_grad():
+        block.branches["kxk"].bn.running_var.mul_(9.0)  # stale: three times the batch's scale
+        assert rel_err(copy.deepcopy(block).train()(x), block.eval()(x)) > 0.1
+    block.calibrate_anchor(x)
+    with torch.no_grad():
+        assert rel_err(copy.deepcopy(block).train()(x), block.eval()(x)) <= 1e-10
+
+
+def test_calibrate_anchor_leaves_an_anchor_without_batchnorm_alone(gen) -> None:
+    conv, _, x = make_layer(GEOMS[0], gen, bias=True, with_bn=False)
+    block = DiverseBranchBlock.from_conv(conv, None, "all", anchor_norm="frozen_identity")
+    state = copy.deepcopy(block.state_dict())
+    assert block.calibrate_anchor(x).overwritten == []
+    assert all(torch.equal(v, state[k]) for k, v in block.state_dict().items())
+
+
 def test_nested_growth_is_exact_and_merges(gen) -> None:
     conv, bn, x = make_layer(GEOMS[0], gen)
     block = assert_bit_exact_expansion(conv, bn, x, None)

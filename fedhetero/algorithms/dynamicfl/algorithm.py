@@ -78,10 +78,14 @@ class DynamicFLOptions(MethodOptions):
     bn_stats: Literal["private", "reset"] = "private"
     # with ``bn_stats: private``, where REP puts a change of the global kernel's scale: "gamma" into
     # the anchor BN's γ (each anchor conv filter keeps its norm, consistent with the kept running
-    # variance); "weights" into the anchor conv's weights (γ kept). "weights" compounds: the running
-    # variance follows the weights in training, so the conv's scale can grow from round to round;
-    # at 200 rounds of 3 epochs (Fashion-MNIST, LeNet-5) it overflowed float32 at round 176
-    rep_scale: Literal["gamma", "weights"] = "gamma"
+    # variance); "weights" into the anchor conv's weights (γ kept); "calibrated": as "gamma", then
+    # the anchor BN's running statistics are measured on ``calibration_batches`` of the client's
+    # data and the anchor re-solved (eval-exact), so training mode starts from the global function.
+    # With kept statistics a client's training-mode output is the global one scaled by the ratio of
+    # its old statistics to those of the new weights, and that ratio compounds over rounds:
+    # "weights" overflowed float32 at round 176 of 200 (Fashion-MNIST, LeNet-5, 3 epochs), "gamma"
+    # grew conv2's γ from ~1 to ~14 between rounds 120 and 150 of the same run
+    rep_scale: Literal["gamma", "weights", "calibrated"] = "gamma"
     # the global model's form: "plain" (Algorithm 1: every conv+BN folded into one biased conv; a
     # client re-inserts a BN of its own) or "host" (the model as built, BatchNorms kept: a client's
     # main branch adopts the global BN's γ, β and statistics, the client uploads its model merged
@@ -242,6 +246,10 @@ class DynamicFL(Algorithm):
         ``calibration_batches`` batches of the client's data); None otherwise."""
         if self.options.anchor_norm != "calibrated":
             return None
+        return self._own_batches(run)
+
+    def _own_batches(self, run: _Task) -> torch.Tensor:
+        """``calibration_batches`` batches of the client's own data, as one tensor."""
         xs = []
         for x, _ in run.ctx.client_batches(run.task.cid, epoch=10_000):
             xs.append(x)
@@ -325,6 +333,9 @@ class DynamicFL(Algorithm):
                 reparam.rep_to_local(run.plain, model, anchor_stats=stats)
             if norms is not None:  # invariant 5: REP did not grow the anchor convs
                 check_anchor_scale(norms, model, where=f"by REP ({run.mode})")
+            if self.options.global_form == "plain" and self.options.bn_stats == "private" and self.options.rep_scale == "calibrated":
+                with ctx.timer("rep"):
+                    reparam.calibrate_anchors(model, self._own_batches(run))
         model.train()
         if self.options.verify:
             run.verify_in = self._check(run, model, run.plain, f"after REP ({run.mode}): client model vs global model")
@@ -341,7 +352,7 @@ class DynamicFL(Algorithm):
             return "adopt"
         if self.options.bn_stats == "reset":
             return "identity"
-        return "rescale" if self.options.rep_scale == "gamma" else "keep"
+        return "keep" if self.options.rep_scale == "weights" else "rescale"
 
     def _check(self, run: _Task, a: nn.Module, b: nn.Module, where: str) -> float:
         """Invariants 3 and 4: ``a`` computes ``b``'s function in eval mode on a batch of the

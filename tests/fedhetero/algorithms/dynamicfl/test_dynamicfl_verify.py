@@ -5,6 +5,8 @@ that is not the trained model), and to stay silent on the real code."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -96,7 +98,8 @@ def test_a_rep_that_grows_the_anchor_convs_stops_the_task(tmp_path, monkeypatch)
 
 
 @pytest.mark.parametrize("bn_stats, rep_scale, expected", [
-    ("private", "gamma", "rescale"), ("private", "weights", "keep"), ("reset", "gamma", "identity"),
+    ("private", "gamma", "rescale"), ("private", "weights", "keep"), ("private", "calibrated", "rescale"),
+    ("reset", "gamma", "identity"),
 ])
 def test_rep_scale_chooses_what_rep_does_with_the_anchor_bn(bn_stats, rep_scale, expected):
     from fedhetero.algorithms.dynamicfl.algorithm import DynamicFL, DynamicFLOptions
@@ -134,3 +137,34 @@ def test_over_rounds_rep_keeps_the_anchor_scale_and_the_old_rep_compounds_it(tmp
         tops[scale] = _anchor_running_var_max(tmp_path / scale)
     assert tops["gamma"] < 50  # measured 8.1 (7.4 after 5 rounds)
     assert tops["weights"] > 20 * tops["gamma"]  # measured 2.6e3 (5.2e1 after 5 rounds, 2.3e6 after 20)
+
+
+def test_calibrated_rep_passes_verify_and_starts_training_from_the_global_function(tmp_path):
+    """``rep_scale: calibrated``: after REP each anchor BN's statistics are measured on the client's
+    own batches and the anchor re-solved, exactly (verify's function checks pass)."""
+    res = Engine(_cfg(rep_scale="calibrated"), tmp_path / "run", progress=False).run()
+    clients = [c for r in res.metrics for c in r["clients"]]
+    assert res.summary["dropped_clients"] == 0 and res.summary["internal_errors"] == 0
+    returning = [c for c in clients if c["mode"] == "dymm"]
+    assert returning and all(0 <= c["lossless_in"] <= 1e-5 for c in returning)
+    assert all(0 <= c["lossless_out"] <= 1e-5 for c in clients)
+
+
+def test_calibrate_anchors_makes_training_mode_equal_eval_mode_on_the_batch():
+    """A model whose blocks hold only their anchors, with stale statistics: after
+    ``reparam.calibrate_anchors`` on a batch, the whole model's training-mode output on that batch
+    is its eval-mode output, which did not change."""
+    from fedhetero.models import build_model
+
+    torch.manual_seed(0)
+    model = reparam.expand(build_model("lenet5", num_classes=10, in_channels=1).double(), branches=[]).eval()
+    reparam.randomize_bn_(model, torch.Generator().manual_seed(1))
+    x = torch.randn(32, 1, 32, 32, dtype=torch.float64)
+    with torch.no_grad():
+        before = model(x)
+        assert reparam.testing.rel_err(copy.deepcopy(model).train()(x), before) > 1e-2
+    change = reparam.calibrate_anchors(model, [x[:16], x[16:]])
+    assert change.overwritten and not change.added and not change.removed
+    with torch.no_grad():
+        assert reparam.testing.rel_err(model.eval()(x), before) <= 1e-10
+        assert reparam.testing.rel_err(copy.deepcopy(model).train()(x), before) <= 1e-10
