@@ -5,6 +5,7 @@ FedAvg; with branches and sub-models every client still runs, exactly re-solved 
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from fedhetero.core.config import from_dict
@@ -43,6 +44,7 @@ def test_dynamicfl_at_1x_with_a_host_form_global_model_is_fedavg_bit_for_bit(tmp
     assert dyn.summary["final_accuracy"] == fedavg.summary["final_accuracy"]
 
 
+@pytest.mark.slow
 def test_a_host_form_global_model_keeps_the_batchnorm_through_every_kind_of_client(tmp_path):
     tiers = [{"name": "s", "ratio": 0.5, "share": 0.34}, {"name": "m", "ratio": 1.0, "share": 0.33},
              {"name": "l", "ratio": 3.0, "share": 0.33}]
@@ -60,6 +62,7 @@ def test_a_host_form_global_model_keeps_the_batchnorm_through_every_kind_of_clie
     assert all(c["fits_budget"] for c in clients)
 
 
+@pytest.mark.slow
 def test_a_host_form_global_model_follows_budgets_that_change_mid_round(tmp_path):
     """Budgets falling by 60 % after the second epoch: clients fold branches or switch to a pruned
     sub-model on the spot, and their uploads still go back into the host layout."""
