@@ -69,6 +69,14 @@ def _is_bn(m: nn.Module) -> bool:
     return isinstance(m, nn.modules.batchnorm._BatchNorm)
 
 
+def _as_batches(inputs: Any, what: str) -> list[Any]:
+    """``inputs`` (a tensor or an iterable of tensors) as a non-empty list of batches."""
+    batches = [inputs] if isinstance(inputs, Tensor) else list(inputs)
+    if not batches:
+        raise ReparamError(f"{what} is empty")
+    return batches
+
+
 def _channel_moments(fn: Any, batches: Sequence[Any], channels: int, device: Any, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     """Per-channel mean and biased variance (float64) of ``fn``'s output over ``batches`` (pooled
     over samples and positions, as BatchNorm's training statistics are)."""
@@ -88,6 +96,12 @@ def _channel_moments(fn: Any, batches: Sequence[Any], channels: int, device: Any
         m2 = m2 + bm2 + delta**2 * (count * n_b / total)
         count = total
     return mean, m2 / count
+
+
+def _inner_stats(stats: Any) -> str:
+    """What a nested anchor's (or a conv+BN pair's) own re-solve does with its BN: ``"rescale"``
+    passes down; every other mode keeps the inner statistics."""
+    return "rescale" if stats == "rescale" else "keep"
 
 
 def _writable_beta(bn: nn.Module) -> bool:
@@ -430,9 +444,7 @@ class DiverseBranchBlock(nn.Module):
             return bn
         if calibration_input is None:
             raise ReparamError("anchor_norm='calibrated' needs calibration_input (input batches of the conv)")
-        batches = [calibration_input] if isinstance(calibration_input, Tensor) else list(calibration_input)
-        if not batches:
-            raise ReparamError("calibration_input is empty")
+        batches = _as_batches(calibration_input, "calibration_input")
         with torch.no_grad():
             mean, var = _channel_moments(conv, batches, o, conv.weight.device, conv.weight.dtype)
             ok = var > eps
@@ -856,8 +868,10 @@ class DiverseBranchBlock(nn.Module):
                         write(bn.bias, beta)
                     if isinstance(stats, BNStats) and conv_bias_t is not None and not isinstance(conv, DiverseBranchBlock) and conv.bias is not None:
                         write(conv.bias, conv_bias_t)
+            nested = isinstance(conv, DiverseBranchBlock)
+            inner = conv._merged_pair(f64) if nested else None  # a nested anchor's eval pair, once
             if stats == "rescale":
-                self._rescale_anchor_gamma(conv, bn, k_t, write)
+                self._rescale_anchor_gamma(inner[0] if inner is not None else conv.weight.detach().to(f64), bn, k_t, write)
             # gamma guard: the inverse below divides by γ; keep |γ| >= gamma_floor
             gamma_t = getattr(bn, "weight", None)
             if gamma_t is not None and not isinstance(bn, FrozenIdentityBN):
@@ -875,30 +889,25 @@ class DiverseBranchBlock(nn.Module):
             gamma = s.gamma.to(f64) if s.gamma is not None else torch.ones(n, dtype=f64, device=dev)
             beta = s.beta.to(f64) if s.beta is not None else torch.zeros(n, dtype=f64, device=dev)
             w = k_t * (sigma / gamma).reshape(-1, 1, 1, 1)
-            nested = isinstance(conv, DiverseBranchBlock)
-            if _writable_beta(bn) and nested:
-                # β takes the bias; the nested block keeps its own (its output's mean, which the
-                # anchor BN's running mean describes, does not move)
-                c = conv._merged_pair(f64)[1].to(dev)
-                write(bn.bias, b_t - (gamma / sigma) * (c - mu))
-                change = conv.load_plain(w, c, anchor_stats="rescale" if stats == "rescale" else "keep")
-                for p in change.overwritten:
+            if nested:
+                assert inner is not None
+                if _writable_beta(bn):
+                    # β takes the bias; the nested block keeps its own (its output's mean, which the
+                    # anchor BN's running mean describes, does not move)
+                    c = inner[1].to(dev)
+                    write(bn.bias, b_t - (gamma / sigma) * (c - mu))
+                else:
+                    c = mu + (sigma / gamma) * (b_t - beta)
+                for p in conv.load_plain(w, c, anchor_stats=_inner_stats(stats)).overwritten:
                     if not any(p is q for q in overwritten):
                         overwritten.append(p)
             elif _writable_beta(bn):
                 c = conv.bias.to(f64) if conv.bias is not None else torch.zeros_like(mu)
                 write(bn.bias, b_t - (gamma / sigma) * (c - mu))
                 write(conv.weight, w)
-            elif nested or conv.bias is not None:
-                c = mu + (sigma / gamma) * (b_t - beta)
-                if nested:
-                    change = conv.load_plain(w, c, anchor_stats="rescale" if stats == "rescale" else "keep")
-                    for p in change.overwritten:
-                        if not any(p is q for q in overwritten):
-                            overwritten.append(p)
-                else:
-                    write(conv.bias, c)
-                    write(conv.weight, w)
+            elif conv.bias is not None:
+                write(conv.bias, mu + (sigma / gamma) * (b_t - beta))
+                write(conv.weight, w)
             else:
                 # BN without affine parameters and conv without bias: move the running mean
                 bn.running_mean.copy_((-(sigma / gamma) * (b_t - beta)).to(bn.running_mean.dtype))
@@ -906,7 +915,7 @@ class DiverseBranchBlock(nn.Module):
         return overwritten
 
     @staticmethod
-    def _rescale_anchor_gamma(conv: Any, bn: Any, k_t: Tensor, write: Any) -> None:
+    def _rescale_anchor_gamma(w_old: Tensor, bn: Any, k_t: Tensor, write: Any) -> None:
         """``anchor_stats="rescale"``: set the anchor BN's ``γ`` so that the anchor solve keeps the
         norm of each of the anchor conv's filters; the running statistics stay.
 
@@ -916,15 +925,12 @@ class DiverseBranchBlock(nn.Module):
         round after round. Here ``γ_c = sign(γ_c)·σ_c·‖A_c‖/‖W_c‖`` (per output channel ``c``), so
         ``W_c = A_c·‖W_c‖/‖A_c‖``: the filter keeps its norm, the running statistics stay
         consistent with it, and ``γ`` carries the target's scale as it does in training. Channels
-        with a zero filter or a zero target keep their ``γ``."""
+        with a zero filter or a zero target keep their ``γ``. ``w_old``: the anchor conv's kernel
+        before the solve (:meth:`_anchor_kernel`)."""
         gamma_t = getattr(bn, "weight", None)
         if gamma_t is None or isinstance(bn, FrozenIdentityBN):
             return
         f64 = torch.float64
-        if isinstance(conv, DiverseBranchBlock):
-            w_old = conv._merged_pair(f64)[0]
-        else:
-            w_old = conv.weight.detach().to(f64)
         n_old = w_old.flatten(1).norm(dim=1).to(k_t.device)
         n_new = k_t.to(f64).flatten(1).norm(dim=1)
         s = bn_stats(bn)
@@ -934,6 +940,13 @@ class DiverseBranchBlock(nn.Module):
         g_new = sign * sigma * n_new / n_old.clamp_min(torch.finfo(f64).tiny)
         ok = (n_old > 0) & (n_new > 0) & torch.isfinite(g_new) & (g_new != 0)
         write(gamma_t, torch.where(ok, g_new, g_old))
+
+    def _anchor_kernel(self, dtype: torch.dtype = torch.float64) -> Tensor:
+        """The anchor conv's kernel before its BN (a nested anchor: its merged kernel), detached."""
+        conv = self.anchor.conv
+        if isinstance(conv, DiverseBranchBlock):
+            return conv._merged_pair(dtype)[0]
+        return cast(nn.Conv2d, conv).weight.detach().to(dtype, copy=True)
 
     def calibrate_anchor(self, inputs: Tensor | Iterable[Tensor]) -> StructureChange:
         """Measure the anchor BN's running statistics on ``inputs`` (batches of this block's input)
@@ -955,9 +968,7 @@ class DiverseBranchBlock(nn.Module):
         if isinstance(bn, FrozenIdentityBN) or not isinstance(getattr(bn, "running_var", None), Tensor):
             return StructureChange(paths=self._path_list())
         self._require_writable_anchor("calibrating the anchor")
-        batches = [inputs] if isinstance(inputs, Tensor) else list(inputs)
-        if not batches:
-            raise ReparamError("calibrate_anchor: no input batches")
+        batches = _as_batches(inputs, "calibrate_anchor: inputs")
         with torch.no_grad():
             target = self._merged_pair(torch.float64)
             probe = copy.deepcopy(anchor.conv).train()

@@ -25,7 +25,7 @@ Tolerances of the function checks are relative to the output scale and follow th
 from __future__ import annotations
 
 import copy
-from typing import Any, Iterable, cast
+from typing import Any, Iterable
 
 import torch
 from torch import Tensor, nn
@@ -166,15 +166,11 @@ def anchor_filter_norms(model: nn.Module) -> dict[str, Tensor]:
     for path, m in model.named_modules():
         if not isinstance(m, DiverseBranchBlock) or m.is_merged:
             continue
-        bn, conv = m.anchor.bn, m.anchor.conv
+        bn = m.anchor.bn
         if isinstance(bn, FrozenIdentityBN) or getattr(bn, "weight", None) is None:
             continue
         with torch.no_grad():
-            if isinstance(conv, DiverseBranchBlock):
-                k = conv._merged_pair(torch.float64)[0]
-            else:
-                k = cast(Tensor, conv.weight).to(torch.float64)
-            out[path] = k.flatten(1).norm(dim=1)
+            out[path] = m._anchor_kernel().flatten(1).norm(dim=1)
     return out
 
 

@@ -12,7 +12,7 @@ import torch
 from torch import Tensor, nn
 
 from ._tree import _info, _is_bn_like, _is_plain_conv, iter_blocks
-from .block import DiverseBranchBlock
+from .block import DiverseBranchBlock, _inner_stats
 from .changes import StructureChange
 from .errors import ReparamError
 from .spec import _identity_pair, detect_form, strip_prefixes
@@ -126,7 +126,7 @@ def rep_to_local(
         w_t, b_t = target(c, gsd[f"{c}.weight"].to(torch.float64), gsd.get(f"{c}.bias"))
         b_t = torch.zeros(w_t.shape[0], dtype=torch.float64) if b_t is None else b_t.to(torch.float64)
         tmp = DiverseBranchBlock.from_conv(conv, bn, [])  # type: ignore[arg-type]
-        change.extend(tmp.load_plain(w_t, b_t, anchor_stats="rescale" if anchor_stats == "rescale" else "keep"))
+        change.extend(tmp.load_plain(w_t, b_t, anchor_stats=_inner_stats(anchor_stats)))
         used.update({f"{c}.weight", f"{c}.bias"})
         for k, _ in conv.named_parameters():
             handled_local.add(f"{c}.{k}")

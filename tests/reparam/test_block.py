@@ -687,12 +687,6 @@ def test_gamma_guard_clamps_tiny_anchor_gamma(gen) -> None:
         assert rel_err(block(x), y) <= 1e-10
 
 
-def _anchor_kernel(block: DiverseBranchBlock) -> torch.Tensor:
-    """The anchor conv's kernel before its BN: the conv's weight, or a nested block's merged kernel."""
-    conv = block.branches["kxk"].conv
-    return conv._merged_pair(F64)[0] if isinstance(conv, DiverseBranchBlock) else conv.weight.detach().clone()
-
-
 def _filter_norms(k: torch.Tensor) -> torch.Tensor:
     return k.flatten(1).norm(dim=1)
 
@@ -706,7 +700,7 @@ def test_load_plain_rescale_keeps_each_anchor_filter_norm_and_the_running_statis
         block.grow_nested("kxk")
     block = perturb_(block, gen).eval()
     anchor_bn = block.branches["kxk"].bn
-    norms, gamma = _filter_norms(_anchor_kernel(block)), anchor_bn.weight.detach().clone()
+    norms, gamma = _filter_norms(block._anchor_kernel()), anchor_bn.weight.detach().clone()
     mean, var = anchor_bn.running_mean.clone(), anchor_bn.running_var.clone()
     w, b = _plain_target(conv, gen)
     w = w * torch.logspace(-2, 2, w.shape[0], dtype=F64).reshape(-1, 1, 1, 1)  # targets far from the kept scale
@@ -714,7 +708,7 @@ def test_load_plain_rescale_keeps_each_anchor_filter_norm_and_the_running_statis
     with torch.no_grad():
         assert rel_err(block(x), F.conv2d(x, w, b, conv.stride, conv.padding, conv.dilation, conv.groups)
                        if conv.padding_mode == "zeros" else block.merge()(x)) <= 1e-10
-    assert torch.allclose(_filter_norms(_anchor_kernel(block)), norms, rtol=1e-10, atol=0)
+    assert torch.allclose(_filter_norms(block._anchor_kernel()), norms, rtol=1e-10, atol=0)
     assert torch.equal(anchor_bn.running_mean, mean) and torch.equal(anchor_bn.running_var, var)
     assert torch.equal(torch.sign(anchor_bn.weight.detach()), torch.sign(gamma))
     assert not torch.equal(anchor_bn.weight.detach(), gamma)  # γ carries the target's scale
@@ -751,7 +745,7 @@ def test_repeated_rep_and_training_statistics_keep_the_anchor_scale_with_rescale
     grown = {}
     for stats in ("keep", "rescale"):
         block, g = copy.deepcopy(base), torch.Generator().manual_seed(7)
-        start = float(_anchor_kernel(block).norm())
+        start = float(block._anchor_kernel().norm())
         for _ in range(12):
             block.eval()
             k, b = block._merged_pair(F64)
@@ -764,7 +758,7 @@ def test_repeated_rep_and_training_statistics_keep_the_anchor_scale_with_rescale
                         m.reset_running_stats()
                         m.momentum = None
                 block.train()(x)
-        grown[stats] = float(_anchor_kernel(block).norm()) / start
+        grown[stats] = float(block._anchor_kernel().norm()) / start
         assert torch.all(torch.isfinite(block.branches["kxk"].bn.running_var))
     if nested:  # the nested block's own branch statistics move its merged kernel a little
         assert 0.5 < grown["rescale"] < 2.0
@@ -784,7 +778,7 @@ def test_calibrate_anchor_measures_the_statistics_and_keeps_the_eval_function(ne
     with torch.no_grad():
         y = block(x)
     block.load_plain(*block._merged_pair(F64), anchor_stats="rescale")  # as after REP
-    norms = _filter_norms(_anchor_kernel(block))
+    norms = _filter_norms(block._anchor_kernel())
     change = block.calibrate_anchor([x[:8], x[8:]])
     anchor_bn = block.branches["kxk"].bn
     with torch.no_grad():
@@ -795,7 +789,7 @@ def test_calibrate_anchor_measures_the_statistics_and_keeps_the_eval_function(ne
         tol = 1e-2 if nested else 1e-9
         assert torch.allclose(anchor_bn.running_mean, z.mean((0, 2, 3)), rtol=tol, atol=1e-12)
         assert torch.allclose(anchor_bn.running_var, z.var((0, 2, 3), unbiased=False), rtol=tol)
-    assert torch.allclose(_filter_norms(_anchor_kernel(block)), norms, rtol=1e-10)
+    assert torch.allclose(_filter_norms(block._anchor_kernel()), norms, rtol=1e-10)
     assert any(p is anchor_bn.weight for p in change.overwritten)
 
 

@@ -229,17 +229,20 @@ class DynamicFL(Algorithm):
     # client context, once per process.
     def client_update(self, ctx: ClientContext, task: ClientTask, state: dict[str, Any] | None) -> ClientResult:
         """REP (or a pruned sub-model), Algorithm 1's local epochs, then the merged upload."""
-        run = _Task(ctx, task, _global_architecture(ctx, self.options.global_form))
-        run.plain.load_state_dict(task.payload["state"])
+        run = self._task(ctx, task)
         model = self._client_model(run, state)
         return self._upload(run, self._local_train(run, model))
 
     def client_model(self, ctx: ClientContext, task: ClientTask, state: dict[str, Any] | None = None) -> nn.Module:
         """The model this client would train on ``task`` from its private ``state`` (what
         :meth:`client_update` starts local training from)."""
+        return self._client_model(self._task(ctx, task), state)
+
+    def _task(self, ctx: ClientContext, task: ClientTask) -> _Task:
+        """A task's working state, holding the global model the server sent (in its form)."""
         run = _Task(ctx, task, _global_architecture(ctx, self.options.global_form))
         run.plain.load_state_dict(task.payload["state"])
-        return self._client_model(run, state)
+        return run
 
     def _calibration(self, run: _Task) -> torch.Tensor | None:
         """The input a new anchor BN takes its statistics from (``anchor_norm: calibrated`` only:
@@ -333,7 +336,7 @@ class DynamicFL(Algorithm):
                 reparam.rep_to_local(run.plain, model, anchor_stats=stats)
             if norms is not None:  # invariant 5: REP did not grow the anchor convs
                 check_anchor_scale(norms, model, where=f"by REP ({run.mode})")
-            if self.options.global_form == "plain" and self.options.bn_stats == "private" and self.options.rep_scale == "calibrated":
+            if stats == "rescale" and self.options.rep_scale == "calibrated":
                 with ctx.timer("rep"):
                     reparam.calibrate_anchors(model, self._own_batches(run))
         model.train()
