@@ -40,7 +40,7 @@ from .changes import StructureChange, apply_to_optimizer
 from ._tree import iter_blocks
 from .expand_merge import FoldedIdentity, expand, merge
 from .pairs import ConvScan, find_conv_bn_pairs, find_identity_branches
-from .rep import calibrate_anchors, rep_to_local
+from .rep import calibrate_anchors, match_filter_norms, rep_to_local
 from .spec import build, detect_form, merge_state_dict, strip_prefixes, structure
 from .errors import AlignmentError, NotMergeableError, ReparamError, ReparamModeError
 from .invariants import InvariantError
@@ -100,6 +100,7 @@ __all__ = [
     "iter_blocks",
     "rep_to_local",
     "calibrate_anchors",
+    "match_filter_norms",
     # testing
     "testing",
     "assert_equivalent",

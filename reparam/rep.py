@@ -18,7 +18,7 @@ from .errors import ReparamError
 from .spec import _identity_pair, detect_form, strip_prefixes
 from .transforms import BNStats, bn_stats
 
-__all__ = ["rep_to_local", "calibrate_anchors"]
+__all__ = ["rep_to_local", "calibrate_anchors", "match_filter_norms"]
 
 # ---------------------------------------------------------------------------------------------
 # REP(global, local)
@@ -198,12 +198,118 @@ def calibrate_anchors(model: nn.Module, inputs: Tensor | Iterable[Tensor]) -> St
     Returns:
         StructureChange listing the overwritten parameters (none added or removed).
     """
-    batches = [inputs] if isinstance(inputs, Tensor) else list(inputs)
     blocks = list(iter_blocks(model))
-    seen: dict[str, list[Tensor]] = {path: [] for path, _ in blocks}
+    seen = _module_inputs(model, [path for path, _ in blocks], inputs)
+    change = StructureChange()
+    for path, blk in blocks:
+        if seen[path]:
+            change.extend(blk.calibrate_anchor(seen[path]))
+    return change
+
+
+def match_filter_norms(
+    model: nn.Module,
+    reference: nn.Module | Mapping[str, Tensor],
+    pairs: Mapping[str, str | None] | None = None,
+    *,
+    inputs: Tensor | Iterable[Tensor] | None = None,
+) -> dict[str, Tensor]:
+    """In place: scale every conv that a BatchNorm follows so that each of its filters has the norm
+    of the same filter in ``reference``, and scale the BatchNorm's running statistics with it, so
+    that the eval function does not change (rounding only) and neither does the training-mode
+    function (up to the BatchNorm's ``eps``).
+
+    A BatchNorm normalises what its conv computes, so the conv's scale per output channel is free:
+    ``(c·W, c·b, c·μ, c²·(v + eps) − eps)`` computes what ``(W, b, μ, v)`` computes for any
+    ``c > 0``. A model merged into the host layout (``reparam.merge(model, target="host")``) carries
+    its other branches in the anchor conv, ``W ← W + (σ/γ)·K_rest``, in units of that conv's running
+    deviation σ; when such models are averaged and expanded again round after round (DynamicFL with
+    a global model that keeps its BatchNorm), the conv's scale and σ grow together without bound.
+    Pinning each filter's norm to the reference's (the model the round started from) keeps the
+    scale where it was.
+
+    Args:
+        model: the model to scale (host layout: conv followed by its BatchNorm).
+        reference: a model or state dict holding ``<conv path>.weight`` for the convs to scale;
+            convs it does not hold, or holds at another shape, are left alone.
+        pairs: conv path → BN path; default: :func:`~reparam.pairs.find_conv_bn_pairs`.
+        inputs: batches of the model's input. When given, each affine BatchNorm's running
+            statistics are instead *measured* on them (the scaled conv's output, pooled over the
+            batches as in training) and its ``γ``, ``β`` re-solved so that the eval function stays.
+            Training mode on such data then starts from the eval function: without it, a merged
+            channel whose ``γ`` trained small (its branch carried the signal) keeps a large gain
+            in eval mode through a small running variance, which training mode, normalising by
+            the batch's own variance, does not have. Channels whose measured variance is not
+            above ``eps`` keep the scaled statistics.
+
+    A channel whose filter or reference filter has norm zero (or is not finite) keeps its scale. A
+    factor that would make the running variance negative (``c² < eps / (v + eps)``) is raised to
+    the smallest one that does not, which leaves the variance at zero.
+
+    Returns:
+        conv path → the factor applied to each output channel (1 where nothing changed).
+    """
+    from .pairs import find_conv_bn_pairs  # noqa: PLC0415 - pairs imports fx machinery
+
+    ref = reference.state_dict() if isinstance(reference, nn.Module) else strip_prefixes(reference)
+    if pairs is None:
+        pairs = find_conv_bn_pairs(model).convs
+    f64 = torch.float64
+    out: dict[str, Tensor] = {}
+    seen = _module_inputs(model, [p for p, b in pairs.items() if b is not None], inputs) if inputs is not None else {}
+    with torch.no_grad():
+        for conv_path, bn_path in pairs.items():
+            target = ref.get(conv_path + ".weight")
+            if bn_path is None or target is None:
+                continue
+            conv = model.get_submodule(conv_path)
+            bn = model.get_submodule(bn_path)
+            weight = cast(Tensor, conv.weight)
+            if tuple(target.shape) != tuple(weight.shape):
+                continue
+            n_cur = weight.detach().to(f64).flatten(1).norm(dim=1)
+            n_ref = target.detach().to(f64, copy=True).flatten(1).norm(dim=1).to(n_cur.device)
+            c = n_ref / n_cur
+            ok = (n_cur > 0) & (n_ref > 0) & torch.isfinite(c)
+            mean, var = getattr(bn, "running_mean", None), getattr(bn, "running_var", None)
+            stats = isinstance(var, Tensor) and isinstance(mean, Tensor)
+            floored = torch.zeros_like(ok)
+            eps = float(cast(float, getattr(bn, "eps", 0.0)))
+            if stats:
+                floor = torch.sqrt(eps / (cast(Tensor, var).detach().to(f64) + eps))
+                floored = ok & (c < floor)
+                c = torch.where(floored, floor, c)
+            c = torch.where(ok & (c != 1.0), c, torch.ones_like(c))
+            out[conv_path] = c
+            changed = c != 1.0
+            if not bool(changed.any()):
+                if seen.get(conv_path) and stats:
+                    _measure_bn(conv, bn, seen[conv_path])
+                continue
+            shape = (-1,) + (1,) * (weight.dim() - 1)
+            weight.copy_(torch.where(changed.view(shape), weight.to(f64) * c.view(shape), weight.to(f64)).to(weight.dtype))
+            bias = getattr(conv, "bias", None)
+            if isinstance(bias, Tensor):
+                bias.copy_(torch.where(changed, bias.to(f64) * c, bias.to(f64)).to(bias.dtype))
+            if stats:
+                mean, var = cast(Tensor, mean), cast(Tensor, var)
+                v = var.to(f64)
+                scaled = torch.where(floored, torch.zeros_like(v), (c * c * (v + eps) - eps).clamp_min(0.0))
+                mean.copy_(torch.where(changed, mean.to(f64) * c, mean.to(f64)).to(mean.dtype))
+                var.copy_(torch.where(changed, scaled, v).to(var.dtype))
+                if seen.get(conv_path):
+                    _measure_bn(conv, bn, seen[conv_path])
+    return out
+
+
+def _module_inputs(model: nn.Module, paths: list[str], inputs: Tensor | Iterable[Tensor]) -> dict[str, list[Tensor]]:
+    """The input each module at ``paths`` receives in an eval-mode forward of ``model`` on each
+    batch of ``inputs`` (a tensor is one batch)."""
+    batches = [inputs] if isinstance(inputs, Tensor) else list(inputs)
+    seen: dict[str, list[Tensor]] = {p: [] for p in paths}
     hooks = [
-        blk.register_forward_pre_hook(lambda _m, args, path=path: seen[path].append(args[0].detach()))
-        for path, blk in blocks
+        model.get_submodule(p).register_forward_pre_hook(lambda _m, args, p=p: seen[p].append(args[0].detach()))
+        for p in paths
     ]
     was = model.training
     try:
@@ -215,8 +321,31 @@ def calibrate_anchors(model: nn.Module, inputs: Tensor | Iterable[Tensor]) -> St
         for h in hooks:
             h.remove()
         model.train(was)
-    change = StructureChange()
-    for path, blk in blocks:
-        if seen[path]:
-            change.extend(blk.calibrate_anchor(seen[path]))
-    return change
+    return seen
+
+
+def _measure_bn(conv: nn.Module, bn: nn.Module, xs: list[Tensor]) -> None:
+    """Set ``bn``'s running statistics to those of ``conv``'s output on ``xs`` and re-solve its
+    ``γ``, ``β`` so that ``bn(conv(·))`` in eval mode is unchanged (see :func:`match_filter_norms`)."""
+    from .block import _channel_moments  # noqa: PLC0415
+
+    weight, bias = getattr(bn, "weight", None), getattr(bn, "bias", None)
+    if not isinstance(weight, Tensor) or not isinstance(bias, Tensor):
+        return  # without γ and β the eval function could not be kept
+    f64 = torch.float64
+    mean_t, var_t = cast(Tensor, bn.running_mean), cast(Tensor, bn.running_var)
+    eps = float(cast(float, bn.eps))
+    p = cast(Tensor, conv.weight)
+    m, v = _channel_moments(conv, xs, int(mean_t.numel()), p.device, p.dtype)
+    sigma_old = torch.sqrt(var_t.to(f64) + eps)
+    gamma, beta = weight.detach().to(f64), bias.detach().to(f64)
+    gain = gamma / sigma_old  # eval: y = gain·z + shift, z the conv's output
+    shift = beta - gain * mean_t.to(f64)
+    ok = v > eps
+    sigma_new = torch.sqrt(v + eps)
+    gamma_new = torch.where(ok, gain * sigma_new, gamma)
+    beta_new = torch.where(ok, shift + gain * m, beta)
+    mean_t.copy_(torch.where(ok, m, mean_t.to(f64)).to(mean_t.dtype))
+    var_t.copy_(torch.where(ok, v, var_t.to(f64)).to(var_t.dtype))
+    weight.copy_(gamma_new.to(weight.dtype))
+    bias.copy_(beta_new.to(bias.dtype))

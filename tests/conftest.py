@@ -24,6 +24,11 @@ torch.set_num_threads(int(os.environ.get("FEDHETERO_TEST_THREADS", "1")))
 # Tests of the drop accounting itself lift it with the ``lenient`` fixture.
 os.environ["FEDHETERO_STRICT"] = "1"
 
+# pytest-xdist's workers inherit COLUMNS=80 from their start-up; the suite checks what commands
+# print off a terminal (rich's width there is fedhetero's LOG_WIDTH unless COLUMNS says otherwise)
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.pop("COLUMNS", None)
+
 # the package itself, before pytest's tests/ entry on sys.path lets the tests/fedhetero folder
 # stand in for it (a folder without __init__.py is a namespace package there)
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))

@@ -54,7 +54,7 @@ from fedhetero.core.types import ClientResult, ClientTask, state_bytes
 from reparam.changes import StructureChange, apply_to_optimizer
 from reparam.dymm import dymm, shrink_to_budget
 from reparam.invariants import anchor_filter_norms, check_anchor_scale, check_gradients, check_optimizer, check_same_function
-from reparam.kinds import get_kind, kind_names
+from reparam.kinds import anchor_name, get_kind, kind_names
 from reparam.planning import expandable_convs, fill_to_budget, first_plan, grow_to_budget
 from reparam.saliency import SaliencyMeter
 
@@ -92,6 +92,19 @@ class DynamicFLOptions(MethodOptions):
     # back into the host layout, and the server averages convs and BNs as FedAvg does; at 1× this
     # is FedAvg). With "host", bn_stats and rep_scale do not apply
     global_form: Literal["plain", "host"] = "plain"
+    # with ``global_form: host``, what a client uploads for a conv+BN that took other branches in
+    # the merge. "calibrated": each of its filters is scaled to the norm of the global filter it
+    # started from times the factor by which local training's steps changed the client's anchor
+    # filter (as a FedAvg client's filter changes), and the BN's statistics are measured on
+    # ``calibration_batches`` of the client's data with γ, β re-solved (the eval function does not
+    # change; training mode then starts from it). "global": the same scaling, the statistics
+    # scaled along. "merged": the merged layers as they are. The merge writes the other branches
+    # into the conv in units of its running deviation, so with "merged" the conv's scale and that
+    # deviation grow together round after round (overflow at round 178 of 200, Fashion-MNIST,
+    # LeNet-5, 3 epochs). Pinning each filter to the global filter's norm without the training
+    # factor collapsed the same run by round 20: averaging shrinks the norms, nothing grows them,
+    # and behind a BatchNorm a shrinking filter trains at a growing effective learning rate
+    host_scale: Literal["calibrated", "global", "merged"] = "calibrated"
     # "random": scores drawn at random (seeded per round and client): the structure without saliency
     saliency: Literal["synflow", "snip", "grad_norm", "random"] = "synflow"
     saliency_params: Literal["all", "conv_weights"] = "all"
@@ -146,6 +159,10 @@ class _Task:
     model: nn.Module | None = None  # the model being trained (local training may replace it)
     verify_in: float | None = None  # with ``verify``: function error after REP
     meters: int = 0  # saliency meters made so far (each draws its own stream with ``saliency: random``)
+    # host form: by block path, the factor by which local training's steps changed each anchor
+    # filter's norm (the product over the segments between structural changes); None once a block
+    # changed shape (a switch to a pruned sub-model)
+    growth: dict[str, torch.Tensor] | None = None
 
 
 def _skey(key: tuple[str, str]) -> str:
@@ -344,6 +361,27 @@ class DynamicFL(Algorithm):
             run.verify_in = self._check(run, model, run.plain, f"after REP ({run.mode}): client model vs global model")
         return model
 
+    def _anchor_norms(self, model: nn.Module) -> dict[str, torch.Tensor] | None:
+        """Anchor filter norms by block path where the host-form upload scales by them, else None."""
+        if self.options.global_form != "host" or self.options.host_scale == "merged":
+            return None
+        return anchor_filter_norms(model)
+
+    @staticmethod
+    def _record_growth(run: _Task, before: dict[str, torch.Tensor] | None, after: dict[str, torch.Tensor] | None) -> None:
+        """Compose into ``run.growth`` how one training segment changed each anchor filter's norm."""
+        if before is None or after is None:
+            return
+        growth = run.growth if run.growth is not None else {}
+        for path, n0 in before.items():
+            n1 = after.get(path)
+            if n1 is None or n1.shape != n0.shape or (path in growth and growth[path].shape != n0.shape):
+                growth[path] = torch.full_like(n0, float("nan"))  # changed shape: no factor
+                continue
+            g = torch.where(n0 > 0, n1 / n0.clamp_min(torch.finfo(n0.dtype).tiny), torch.ones_like(n0))
+            growth[path] = growth[path] * g if path in growth else g
+        run.growth = growth
+
     def _merge_target(self) -> str:
         """The layout a client merges its model into for the upload (the global model's form)."""
         return "host" if self.options.global_form == "host" else "deploy"
@@ -468,6 +506,7 @@ class DynamicFL(Algorithm):
                 if epoch < E - 1 and epoch < last - 1:
                     meter.reset()
 
+            before = self._anchor_norms(model)
             res = ctx.train(
                 model,
                 client,
@@ -477,6 +516,7 @@ class DynamicFL(Algorithm):
                 on_epoch_end=on_epoch_end,
                 first_epoch=first,
             )
+            self._record_growth(run, before, self._anchor_norms(model))
 
         change_at = 2 if client.budget_after_change is not None and E > 2 else E
         if run.mode == "dymm" and E > 1:
@@ -543,8 +583,24 @@ class DynamicFL(Algorithm):
                 "s_local": {_skey(k): float(v) for k, v in run.s_local.items()},
             }
         # the trained model is not needed after its upload: merge in place unless verifying
+        # the host convs that take other branches in the merge (a block of the anchor alone uploads
+        # what it trained, so that DynamicFL at 1× stays FedAvg)
+        pairs = {blk.host_path or path: blk.bn_path for path, blk in reparam.iter_blocks(model)
+                 if blk.bn_path and (len(blk.branch_names) > 1 or blk.nested_block(anchor_name()) is not None)}
         with ctx.timer("merge"):
             plain = reparam.merge(model, target=self._merge_target(), inplace=not self.options.verify)
+            if self.options.global_form == "host" and self.options.host_scale != "merged" and pairs and run.growth:
+                # each filter gets the norm of the global filter it started from, changed as local
+                # training changed the anchor's (see the option)
+                start = submodel_from(run.plain, run.spec) if run.spec is not None and run.mode == "pruned" else run.plain
+                sd = start.state_dict()
+                ref = {}
+                for path in pairs:
+                    g, w = run.growth.get(path), sd.get(path + ".weight")
+                    if g is not None and w is not None and g.numel() == w.shape[0] and bool(torch.isfinite(g).all()):
+                        ref[path + ".weight"] = w.detach().to(torch.float64) * g.to(w.device).view(-1, *([1] * (w.dim() - 1)))
+                calib = self._own_batches(run) if self.options.host_scale == "calibrated" else None
+                reparam.match_filter_norms(plain, ref, {p: pairs[p] for p in pairs if p + ".weight" in ref}, inputs=calib)
         if self.options.verify:
             if run.verify_in is not None:
                 metrics["lossless_in"] = run.verify_in

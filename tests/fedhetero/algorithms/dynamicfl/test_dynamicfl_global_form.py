@@ -79,3 +79,47 @@ def test_a_host_form_global_model_follows_budgets_that_change_mid_round(tmp_path
     assert any(c["mode"] == "pruned" for c in clients)
     assert all(0 <= c["lossless_out"] <= 1e-5 for c in clients)
     assert res.summary["final_accuracy"] > 0.5
+
+
+def _conv_filter_norms(state):
+    return {k: state[k].double().flatten(1).norm(dim=1) for k in state if k.endswith("conv.weight")}
+
+
+@pytest.mark.parametrize("host_scale", ["calibrated", "global", "merged"])
+def test_host_form_uploads_take_the_global_filter_norms_times_what_training_did(tmp_path, monkeypatch, host_scale):
+    """With branches, the host-layout merge writes them into the main conv in units of its running
+    deviation, so the conv's scale can compound round after round. ``host_scale: calibrated`` and
+    ``global`` give each uploaded filter the norm of the global filter the client started from,
+    times the factor by which local training's steps changed the client's anchor filter (what a
+    FedAvg client's filter goes through), with the BN statistics measured or scaled along; the
+    function stays. ``merged`` uploads the merged convs as they are: their norms are another."""
+    from fedhetero.algorithms.dynamicfl.algorithm import DynamicFL
+
+    seen: list[tuple[dict | None, dict, dict]] = []  # (growth, global state, upload)
+    real_upload = DynamicFL._upload
+
+    def spying(self, run, report):
+        result = real_upload(self, run, report)
+        seen.append((run.growth, {k: v.clone() for k, v in run.plain.state_dict().items()}, result.state))
+        return result
+
+    monkeypatch.setattr(DynamicFL, "_upload", spying)
+    tiers = [{"name": "m", "ratio": 2.0, "share": 0.5}, {"name": "l", "ratio": 3.0, "share": 0.5}]
+    res = Engine(_cfg("dynamicfl", tiers, global_form="host", host_scale=host_scale, verify=True),
+                 tmp_path / "run", progress=False).run()
+    assert res.summary["dropped_clients"] == 0 and res.summary["internal_errors"] == 0
+    clients = [c for r in res.metrics for c in r["clients"]]
+    assert all(0 <= c["lossless_out"] <= 1e-5 for c in clients)  # the scaling kept the function
+    assert len(seen) == 12
+    errors, training = [], []
+    for growth, start, upload in seen:
+        for k, n in _conv_filter_norms(start).items():
+            target = n * (growth[k.removesuffix(".weight")].to(n) if growth is not None else 1.0)
+            errors.append(float(((_conv_filter_norms(upload)[k] - target).abs() / target).max()))
+            if growth is not None:
+                training.append(float((growth[k.removesuffix(".weight")] - 1).abs().max()))
+    if host_scale != "merged":
+        assert max(errors) < 1e-5
+        assert 1e-4 < max(training) < 5.0  # training moved the norms, by a bounded factor
+    else:
+        assert max(errors) > 0.05  # a merged conv leaves the global filter's norm
