@@ -382,6 +382,27 @@ class DynamicFL(Algorithm):
             growth[path] = growth[path] * g if path in growth else g
         run.growth = growth
 
+    def _host_targets(self, run: _Task, model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+        """With ``host_scale`` other than ``merged``: what each host conv that takes other branches
+        in the merge is scaled to (the global filter it started from, times its anchor's training
+        factor ``run.growth``; by ``<conv path>.weight``) and its BN path; a block of the anchor
+        alone uploads what it trained, so that DynamicFL at 1× stays FedAvg."""
+        targets: dict[str, torch.Tensor] = {}
+        pairs: dict[str, str] = {}
+        if self.options.global_form != "host" or self.options.host_scale == "merged" or not run.growth:
+            return targets, pairs
+        start = submodel_from(run.plain, run.spec) if run.spec is not None and run.mode == "pruned" else run.plain
+        sd = start.state_dict()
+        for path, blk in reparam.iter_blocks(model):
+            conv, g = blk.host_path or path, run.growth.get(path)
+            w = sd.get(conv + ".weight")
+            if not blk.bn_path or g is None or w is None or g.numel() != w.shape[0] or not bool(torch.isfinite(g).all()):
+                continue
+            if len(blk.branch_names) > 1 or blk.nested_block(anchor_name()) is not None:
+                targets[conv + ".weight"] = w.detach().to(torch.float64) * g.to(w.device).view(-1, *([1] * (w.dim() - 1)))
+                pairs[conv] = blk.bn_path
+        return targets, pairs
+
     def _merge_target(self) -> str:
         """The layout a client merges its model into for the upload (the global model's form)."""
         return "host" if self.options.global_form == "host" else "deploy"
@@ -582,25 +603,13 @@ class DynamicFL(Algorithm):
                 "state": {k: v.clone() for k, v in model.state_dict().items()},
                 "s_local": {_skey(k): float(v) for k, v in run.s_local.items()},
             }
+        targets, pairs = self._host_targets(run, model)
         # the trained model is not needed after its upload: merge in place unless verifying
-        # the host convs that take other branches in the merge (a block of the anchor alone uploads
-        # what it trained, so that DynamicFL at 1× stays FedAvg)
-        pairs = {blk.host_path or path: blk.bn_path for path, blk in reparam.iter_blocks(model)
-                 if blk.bn_path and (len(blk.branch_names) > 1 or blk.nested_block(anchor_name()) is not None)}
         with ctx.timer("merge"):
             plain = reparam.merge(model, target=self._merge_target(), inplace=not self.options.verify)
-            if self.options.global_form == "host" and self.options.host_scale != "merged" and pairs and run.growth:
-                # each filter gets the norm of the global filter it started from, changed as local
-                # training changed the anchor's (see the option)
-                start = submodel_from(run.plain, run.spec) if run.spec is not None and run.mode == "pruned" else run.plain
-                sd = start.state_dict()
-                ref = {}
-                for path in pairs:
-                    g, w = run.growth.get(path), sd.get(path + ".weight")
-                    if g is not None and w is not None and g.numel() == w.shape[0] and bool(torch.isfinite(g).all()):
-                        ref[path + ".weight"] = w.detach().to(torch.float64) * g.to(w.device).view(-1, *([1] * (w.dim() - 1)))
+            if pairs:
                 calib = self._own_batches(run) if self.options.host_scale == "calibrated" else None
-                reparam.match_filter_norms(plain, ref, {p: pairs[p] for p in pairs if p + ".weight" in ref}, inputs=calib)
+                reparam.match_filter_norms(plain, targets, pairs, inputs=calib)
         if self.options.verify:
             if run.verify_in is not None:
                 metrics["lossless_in"] = run.verify_in
