@@ -71,7 +71,8 @@ def simulate(
     cpus = max(1, min(int(cpus), n))
     backend_config: dict[str, Any] = {
         "client_resources": dict(client_resources or {"num_cpus": 1, "num_gpus": 0.0}),
-        "init_args": {"num_cpus": cpus},
+        # the dashboard serves no purpose in a simulation and adds processes to start
+        "init_args": {"num_cpus": cpus, "include_dashboard": False},
     }
     settings = ServerSettings(
         config=cfg,
