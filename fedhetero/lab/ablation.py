@@ -55,6 +55,8 @@ CHOICES: dict[str, tuple[str, list[str]]] = {
                     ["algorithm.options.rep_scale=weights"]),
     "rep-calibrated": ("after REP the anchor BN statistics are measured on the client's own batches",
                        ["algorithm.options.rep_scale=calibrated"]),
+    "branches-reset": ("a returning client's stored branches restart from a zero output (structure kept)",
+                       ["algorithm.options.stored_branches=reset"]),
 }
 
 FEDAP = ["model.name=cnn", "model.norm=none", "budget.tiers=[{name: all, ratio: 1.0, share: 1.0}]"]

@@ -105,6 +105,11 @@ class DynamicFLOptions(MethodOptions):
     # factor collapsed the same run by round 20: averaging shrinks the norms, nothing grows them,
     # and behind a BatchNorm a shrinking filter trains at a growing effective learning rate
     host_scale: Literal["calibrated", "global", "merged"] = "calibrated"
+    # a returning client's stored branches (besides the anchor): "keep" (Algorithm 1: their trained
+    # parameters and statistics; the anchor is re-solved to make up the difference to ω_g) or
+    # "reset": each restarts from a zero output (its last BN's γ = β = 0, as a newly grown branch)
+    # while the structure and S_l stay, so the anchor carries ω_g alone and nothing cancels it
+    stored_branches: Literal["keep", "reset"] = "keep"
     # "random": scores drawn at random (seeded per round and client): the structure without saliency
     saliency: Literal["synflow", "snip", "grad_norm", "random"] = "synflow"
     saliency_params: Literal["all", "conv_weights"] = "all"
@@ -346,6 +351,8 @@ class DynamicFL(Algorithm):
                     shrink_to_budget(model, run.s_local, budget, ctx.input_shape)
             else:
                 run.mode = "dymm"
+            if self.options.stored_branches == "reset":
+                self._reset_branches(model)
             stats = self._rep_anchor_stats()
             norms = anchor_filter_norms(model) if self.options.verify and stats == "rescale" else None
             with ctx.timer("rep"):
@@ -402,6 +409,20 @@ class DynamicFL(Algorithm):
                 targets[conv + ".weight"] = w.detach().to(torch.float64) * g.to(w.device).view(-1, *([1] * (w.dim() - 1)))
                 pairs[conv] = blk.bn_path
         return targets, pairs
+
+    @staticmethod
+    def _reset_branches(model: nn.Module) -> None:
+        """``stored_branches: reset``: every non-anchor branch of the outermost blocks outputs 0
+        (its last BN's γ = β = 0), in train and eval mode alike; REP then re-solves the anchor."""
+        with torch.no_grad():
+            for path, blk in reparam.iter_blocks(model):
+                if ".branches." in path:
+                    continue
+                for name in blk.branch_names:
+                    if name != anchor_name():
+                        last: Any = blk.branches[name].last_bn
+                        last.weight.zero_()
+                        last.bias.zero_()
 
     def _merge_target(self) -> str:
         """The layout a client merges its model into for the upload (the global model's form)."""

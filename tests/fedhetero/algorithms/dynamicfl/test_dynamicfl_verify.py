@@ -168,3 +168,28 @@ def test_calibrate_anchors_makes_training_mode_equal_eval_mode_on_the_batch():
     with torch.no_grad():
         assert reparam.testing.rel_err(model.eval()(x), before) <= 1e-10
         assert reparam.testing.rel_err(copy.deepcopy(model).train()(x), before) <= 1e-10
+
+
+def test_reset_stored_branches_start_from_zero_and_rep_stays_exact(tmp_path, monkeypatch):
+    """``stored_branches: reset``: a returning client's non-anchor branches output 0 when REP
+    re-solves its anchor (their last BN's γ and β are zero), so the anchor alone carries the global
+    model; `verify` checks the client then equals the global model, and it trains as usual."""
+    from fedhetero.algorithms.dynamicfl.algorithm import DynamicFL
+
+    zeroed: list[bool] = []
+    real = DynamicFL._reset_branches
+
+    def spying(model):
+        real(model)
+        lasts = [blk.branches[n].last_bn for p, blk in reparam.iter_blocks(model) if ".branches." not in p
+                 for n in blk.branch_names if n != "kxk"]
+        zeroed.append((len(lasts), all(float(b.weight.abs().max()) == 0 and float(b.bias.abs().max()) == 0 for b in lasts)))
+
+    monkeypatch.setattr(DynamicFL, "_reset_branches", staticmethod(spying))
+    res = Engine(_cfg(stored_branches="reset"), tmp_path / "run", progress=False).run()
+    clients = [c for r in res.metrics for c in r["clients"]]
+    returning = [c for c in clients if c["mode"] in ("dymm", "shrink")]
+    assert returning and len(zeroed) == len(returning) and all(ok for _, ok in zeroed)
+    assert any(n > 0 for n, _ in zeroed)  # some returning client had branches to reset
+    assert all(0 <= c["lossless_in"] <= 1e-5 for c in returning)
+    assert res.summary["dropped_clients"] == 0 and res.summary["final_accuracy"] > 0.5
