@@ -15,7 +15,7 @@ __all__ = ["CHOICES", "add_parser", "run"]
 #: import the lab (numpy) at start-up; a test keeps the two equal
 CHOICES = ("default", "bn-reset", "anchor-calibrated", "anchor-frozen", "saliency-random", "branches-1x1_kxk",
            "grow-block", "no-fill", "tiers-1x", "global-bn", "rep-weights",
-           "rep-calibrated")
+           "rep-calibrated", "branches-reset")
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
