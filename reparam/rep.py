@@ -12,7 +12,7 @@ import torch
 from torch import Tensor, nn
 
 from ._tree import _info, _is_bn_like, _is_plain_conv, iter_blocks
-from .block import DiverseBranchBlock, _inner_stats
+from .block import DiverseBranchBlock, _as_batches, _inner_stats
 from .changes import StructureChange
 from .errors import ReparamError
 from .spec import _identity_pair, detect_form, strip_prefixes
@@ -240,7 +240,9 @@ def match_filter_norms(
             channel whose ``γ`` trained small (its branch carried the signal) keeps a large gain
             in eval mode through a small running variance, which training mode, normalising by
             the batch's own variance, does not have. Channels whose measured variance is not
-            above ``eps`` keep the scaled statistics.
+            above ``eps`` keep the scaled statistics. (Done by
+            :meth:`DiverseBranchBlock.calibrate_anchor` on the pair as a one-branch block, so
+            ``γ`` keeps the block's floor, ``gamma_floor``.)
 
     A channel whose filter or reference filter has norm zero (or is not finite) keeps its scale. A
     factor that would make the running variance negative (``c² < eps / (v + eps)``) is raised to
@@ -282,30 +284,28 @@ def match_filter_norms(
             c = torch.where(ok & (c != 1.0), c, torch.ones_like(c))
             out[conv_path] = c
             changed = c != 1.0
-            if not bool(changed.any()):
-                if seen.get(conv_path) and stats:
-                    _measure_bn(conv, bn, seen[conv_path])
-                continue
-            shape = (-1,) + (1,) * (weight.dim() - 1)
-            weight.copy_(torch.where(changed.view(shape), weight.to(f64) * c.view(shape), weight.to(f64)).to(weight.dtype))
-            bias = getattr(conv, "bias", None)
-            if isinstance(bias, Tensor):
-                bias.copy_(torch.where(changed, bias.to(f64) * c, bias.to(f64)).to(bias.dtype))
-            if stats:
-                mean, var = cast(Tensor, mean), cast(Tensor, var)
-                v = var.to(f64)
-                scaled = torch.where(floored, torch.zeros_like(v), (c * c * (v + eps) - eps).clamp_min(0.0))
-                mean.copy_(torch.where(changed, mean.to(f64) * c, mean.to(f64)).to(mean.dtype))
-                var.copy_(torch.where(changed, scaled, v).to(var.dtype))
-                if seen.get(conv_path):
-                    _measure_bn(conv, bn, seen[conv_path])
+            if bool(changed.any()):
+                shape = (-1,) + (1,) * (weight.dim() - 1)
+                weight.copy_(torch.where(changed.view(shape), weight.to(f64) * c.view(shape), weight.to(f64)).to(weight.dtype))
+                bias = getattr(conv, "bias", None)
+                if isinstance(bias, Tensor):
+                    bias.copy_(torch.where(changed, bias.to(f64) * c, bias.to(f64)).to(bias.dtype))
+                if stats:
+                    mean, var = cast(Tensor, mean), cast(Tensor, var)
+                    v = var.to(f64)
+                    scaled = torch.where(floored, torch.zeros_like(v), (c * c * (v + eps) - eps).clamp_min(0.0))
+                    mean.copy_(torch.where(changed, mean.to(f64) * c, mean.to(f64)).to(mean.dtype))
+                    var.copy_(torch.where(changed, scaled, v).to(var.dtype))
+            if stats and seen.get(conv_path) and isinstance(getattr(bn, "weight", None), Tensor):
+                # measured statistics, γ and β re-solved: the block calibration of a one-branch block
+                DiverseBranchBlock.from_conv(cast(nn.Conv2d, conv), bn, []).calibrate_anchor(seen[conv_path])
     return out
 
 
 def _module_inputs(model: nn.Module, paths: list[str], inputs: Tensor | Iterable[Tensor]) -> dict[str, list[Tensor]]:
     """The input each module at ``paths`` receives in an eval-mode forward of ``model`` on each
     batch of ``inputs`` (a tensor is one batch)."""
-    batches = [inputs] if isinstance(inputs, Tensor) else list(inputs)
+    batches = _as_batches(inputs, "inputs")
     seen: dict[str, list[Tensor]] = {p: [] for p in paths}
     hooks = [
         model.get_submodule(p).register_forward_pre_hook(lambda _m, args, p=p: seen[p].append(args[0].detach()))
@@ -322,30 +322,3 @@ def _module_inputs(model: nn.Module, paths: list[str], inputs: Tensor | Iterable
             h.remove()
         model.train(was)
     return seen
-
-
-def _measure_bn(conv: nn.Module, bn: nn.Module, xs: list[Tensor]) -> None:
-    """Set ``bn``'s running statistics to those of ``conv``'s output on ``xs`` and re-solve its
-    ``γ``, ``β`` so that ``bn(conv(·))`` in eval mode is unchanged (see :func:`match_filter_norms`)."""
-    from .block import _channel_moments  # noqa: PLC0415
-
-    weight, bias = getattr(bn, "weight", None), getattr(bn, "bias", None)
-    if not isinstance(weight, Tensor) or not isinstance(bias, Tensor):
-        return  # without γ and β the eval function could not be kept
-    f64 = torch.float64
-    mean_t, var_t = cast(Tensor, bn.running_mean), cast(Tensor, bn.running_var)
-    eps = float(cast(float, bn.eps))
-    p = cast(Tensor, conv.weight)
-    m, v = _channel_moments(conv, xs, int(mean_t.numel()), p.device, p.dtype)
-    sigma_old = torch.sqrt(var_t.to(f64) + eps)
-    gamma, beta = weight.detach().to(f64), bias.detach().to(f64)
-    gain = gamma / sigma_old  # eval: y = gain·z + shift, z the conv's output
-    shift = beta - gain * mean_t.to(f64)
-    ok = v > eps
-    sigma_new = torch.sqrt(v + eps)
-    gamma_new = torch.where(ok, gain * sigma_new, gamma)
-    beta_new = torch.where(ok, shift + gain * m, beta)
-    mean_t.copy_(torch.where(ok, m, mean_t.to(f64)).to(mean_t.dtype))
-    var_t.copy_(torch.where(ok, v, var_t.to(f64)).to(var_t.dtype))
-    weight.copy_(gamma_new.to(weight.dtype))
-    bias.copy_(beta_new.to(bias.dtype))

@@ -165,8 +165,8 @@ class _Task:
     verify_in: float | None = None  # with ``verify``: function error after REP
     meters: int = 0  # saliency meters made so far (each draws its own stream with ``saliency: random``)
     # host form: by block path, the factor by which local training's steps changed each anchor
-    # filter's norm (the product over the segments between structural changes); None once a block
-    # changed shape (a switch to a pruned sub-model)
+    # filter's norm (the product over the segments between structural changes); NaN for a block
+    # that changed shape (a switch to a pruned sub-model); None before the first segment
     growth: dict[str, torch.Tensor] | None = None
 
 
@@ -415,9 +415,7 @@ class DynamicFL(Algorithm):
         """``stored_branches: reset``: every non-anchor branch of the outermost blocks outputs 0
         (its last BN's γ = β = 0), in train and eval mode alike; REP then re-solves the anchor."""
         with torch.no_grad():
-            for path, blk in reparam.iter_blocks(model):
-                if ".branches." in path:
-                    continue
+            for _, blk in reparam.iter_blocks(model):  # the outermost blocks
                 for name in blk.branch_names:
                     if name != anchor_name():
                         last: Any = blk.branches[name].last_bn
