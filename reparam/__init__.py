@@ -41,6 +41,7 @@ from ._tree import iter_blocks
 from .expand_merge import FoldedIdentity, expand, merge
 from .pairs import ConvScan, find_conv_bn_pairs, find_identity_branches
 from .rep import calibrate_anchors, match_filter_norms, rep_to_local
+from .steps import branch_step_scales
 from .spec import build, detect_form, merge_state_dict, strip_prefixes, structure
 from .errors import AlignmentError, NotMergeableError, ReparamError, ReparamModeError
 from .invariants import InvariantError
@@ -101,6 +102,7 @@ __all__ = [
     "rep_to_local",
     "calibrate_anchors",
     "match_filter_norms",
+    "branch_step_scales",
     # testing
     "testing",
     "assert_equivalent",

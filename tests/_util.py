@@ -14,6 +14,17 @@ from torch import nn
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def load_example(name: str) -> Any:
+    """The script ``examples/<name>.py`` as a module (examples are not a package)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, ROOT / "examples" / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def strip_wall(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Metrics rows without their wall-clock fields (the rest must match between runs)."""
     out = []

@@ -15,7 +15,8 @@ __all__ = ["CHOICES", "add_parser", "run"]
 #: import the lab (numpy) at start-up; a test keeps the two equal
 CHOICES = ("default", "bn-reset", "anchor-calibrated", "anchor-frozen", "saliency-random", "branches-1x1_kxk",
            "grow-block", "no-fill", "tiers-1x", "global-bn", "rep-weights",
-           "rep-calibrated", "branches-reset")
+           "rep-calibrated", "branches-reset", "block-mean",
+           "block-mean-calibrated")
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:

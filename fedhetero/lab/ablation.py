@@ -57,6 +57,10 @@ CHOICES: dict[str, tuple[str, list[str]]] = {
                        ["algorithm.options.rep_scale=calibrated"]),
     "branches-reset": ("a returning client's stored branches restart from a zero output (structure kept)",
                        ["algorithm.options.stored_branches=reset"]),
+    "block-mean": ("a block's SGD step moves its merged kernel by the mean of its branches' steps, not the sum",
+                   ["algorithm.options.block_step=mean"]),
+    "block-mean-calibrated": ("block-mean and rep-calibrated together (no late dips at the paper's length)",
+                              ["algorithm.options.block_step=mean", "algorithm.options.rep_scale=calibrated"]),
 }
 
 FEDAP = ["model.name=cnn", "model.norm=none", "budget.tiers=[{name: all, ratio: 1.0, share: 1.0}]"]

@@ -3,22 +3,15 @@ built from run directories (here fake ones with hand-made summaries)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
-from _util import ROOT
-
-SCRIPT = ROOT / "examples" / "dynacomm_table3.py"
+from _util import load_example
 
 
 def _load():
-    spec = importlib.util.spec_from_file_location("dynacomm_table3", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_example("dynacomm_table3")
 
 
 def _run(path: Path, best: float, final: float, kappa: float | None = None, size: float | None = None, nbytes: int = 1000) -> None:
