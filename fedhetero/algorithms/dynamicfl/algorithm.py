@@ -113,8 +113,8 @@ class DynamicFLOptions(MethodOptions):
     # how far a block's SGD step moves its merged kernel. "sum" (Algorithm 1; DBB training): every
     # branch takes the full step, so a block of B branches moves its merged kernel by the sum of
     # the branches' steps, about B times the anchor's alone (at the paper's protocol the folded
-    # conv kernels of grown clients moved 0.35-0.42 of their norm in a round, a FedAvg client's
-    # 0.10-0.14). "mean": each parameter's loss gradient inside a block is divided by the block's
+    # conv2 kernels of grown clients moved 0.35-0.56 of their norm in a round, a FedAvg client's
+    # 0.11-0.14). "mean": each parameter's loss gradient inside a block is divided by the block's
     # branch count (times that of any block it is nested in; reparam.branch_step_scales), so the
     # merged kernel moves by the mean of the branches' steps; weight decay is not scaled, and a
     # block of the anchor alone trains as before (1x is unchanged). At the paper's protocol
