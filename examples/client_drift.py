@@ -9,7 +9,8 @@ method with client state, their newest stored state, as they would if sampled ne
 tier it prints the relative change of every weight tensor of the uploads with BatchNorm folded
 into the convs (``|W_client - W_global| / |W_global|``, mean over the tier's clients, so a plain
 global model and a model with BatchNorm compare alike), the uploads' mean test accuracy, and the
-test accuracy of their sample-weighted mean; then the accuracy of the mean of every tier's uploads.
+test accuracy of their mean as the server's default aggregation weighs them (``train.aggregation``);
+then the accuracy of the mean of every tier's uploads.
 """
 
 from __future__ import annotations
@@ -25,15 +26,12 @@ from pathlib import Path
 import torch
 
 import reparam
+from fedhetero.core.aggregation import weighted_average
 from fedhetero.core.config import load_config
 from fedhetero.core.context import client_context
 from fedhetero.core.engine import Engine
 from fedhetero.core.store import ClientStateStore
-
-
-def _mean_state(states: list[tuple[dict[str, torch.Tensor], int]], like: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    total = sum(n for _, n in states)
-    return {k: sum(s[k] * (n / total) for s, n in states) if v.is_floating_point() else v for k, v in like.items()}
+from fedhetero.core.types import ClientResult
 
 
 def drift(run_dir: Path, clients_per_tier: int) -> dict:
@@ -53,12 +51,16 @@ def drift(run_dir: Path, clients_per_tier: int) -> dict:
         raise SystemExit(f"{cfg.algorithm.name}: final_model.pt is not the state of its global model; this script "
                          "compares uploads of the whole global model") from None
     client = client_context(cfg, engine.data)
+    client_half = type(algo)(algo.options)  # as in a worker process: nothing of the server's instance
     store = ClientStateStore(run_dir / "client_state")
+    scratch = copy.deepcopy(algo.global_model)
 
     def model_of(state: dict[str, torch.Tensor]) -> torch.nn.Module:
-        model = copy.deepcopy(algo.global_model)
-        model.load_state_dict(state)
-        return model.eval()
+        scratch.load_state_dict(state)
+        return scratch.eval()
+
+    def mean_of(results: list[ClientResult]) -> dict[str, torch.Tensor]:  # the server's default aggregation
+        return weighted_average([r.state for r in results], engine.ctx.aggregation_weights(results))
 
     def folded(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return {k: v.detach() for k, v in reparam.merge(model_of(state), target="deploy").state_dict().items()}
@@ -73,22 +75,21 @@ def drift(run_dir: Path, clients_per_tier: int) -> dict:
         info = engine.client_info(cid, rnd)
         by_tier.setdefault(info.tier, []).append(info)
     out: dict = {"global_accuracy": accuracy(final), "tiers": {}}
-    every: list[tuple[dict[str, torch.Tensor], int]] = []
+    every: list[ClientResult] = []
     for tier, infos in by_tier.items():
         uploads = []
         for task in algo.configure(engine.ctx, infos[:clients_per_tier]):
             with client.client_scope(task):
-                result = type(algo)(algo.options).client_update(client, task, store.get(task.cid))
-            uploads.append((result.state, result.num_samples))
-        moved = [folded(s) for s, _ in uploads]
+                uploads.append(client_half.client_update(client, task, store.get(task.cid)))
+        moved = [folded(u.state) for u in uploads]
         out["tiers"][tier] = {
             "clients": len(uploads),
             "relative_change": {k: statistics.mean(float((m[k] - ref[k]).norm() / ref[k].norm()) for m in moved) for k in weights},
-            "upload_accuracy": statistics.mean(accuracy(s) for s, _ in uploads),
-            "mean_upload_accuracy": accuracy(_mean_state(uploads, final)),
+            "upload_accuracy": statistics.mean(accuracy(u.state) for u in uploads),
+            "mean_upload_accuracy": accuracy(mean_of(uploads)),
         }
         every += uploads
-    out["all_tiers_mean_accuracy"] = accuracy(_mean_state(every, final))
+    out["all_tiers_mean_accuracy"] = accuracy(mean_of(every))
     return out
 
 
