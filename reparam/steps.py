@@ -27,18 +27,11 @@ def branch_step_scales(model: nn.Module) -> dict[str, float]:
     block's merged kernel by the mean of its branches' own steps instead of their sum (exactly so
     for a step from the loss gradient in eval mode, where each branch kernel depends on its own
     parameters only); a block of the anchor alone steps as before."""
-    counts = [(path, len(block.branch_names)) for path, block in iter_blocks(model, nested=True)]
-    counts = [(path, n) for path, n in counts if n > 1]
     out: dict[str, float] = {}
-    if not counts:
-        return out
-    for name, p in model.named_parameters():
-        if not p.requires_grad:
-            continue
-        scale = 1.0
-        for path, n in counts:
-            if path == "" or name.startswith(path + "."):
-                scale /= n
-        if scale != 1.0:
-            out[name] = scale
+    for path, block in iter_blocks(model, nested=True):
+        n = len(block.branch_names)
+        if n > 1:  # a nested block's parameters are divided again by its own count
+            for name, p in block.named_parameters(prefix=path):
+                if p.requires_grad:
+                    out[name] = out.get(name, 1.0) / n
     return out

@@ -112,17 +112,13 @@ class DynamicFLOptions(MethodOptions):
     stored_branches: Literal["keep", "reset"] = "keep"
     # how far a block's SGD step moves its merged kernel. "sum" (Algorithm 1; DBB training): every
     # branch takes the full step, so a block of B branches moves its merged kernel by the sum of
-    # the branches' steps, about B times the anchor's alone (at the paper's protocol the folded
-    # conv2 kernels of grown clients moved 0.35-0.56 of their norm in a round, a FedAvg client's
-    # 0.11-0.14). "mean": each parameter's loss gradient inside a block is divided by the block's
-    # branch count (times that of any block it is nested in; reparam.branch_step_scales), so the
-    # merged kernel moves by the mean of the branches' steps; weight decay is not scaled, and a
-    # block of the anchor alone trains as before (1x is unchanged). At the paper's protocol
-    # (Fashion-MNIST, beta 0.5, seed 0) "mean" with rep_scale "calibrated" is the first form
-    # without late dips (87.77 % at round 200, validation 88.48; FedAvg 88.34 / 88.88); "mean" with
-    # "gamma" diverged at round 46. On the digits default job (30 rounds) it is 1.5 points lower
-    # over seeds 0-2 (95.3/94.7/93.3 vs 96.7/96.1/95.0 %), so the default stays "sum" until the
-    # Fashion-MNIST grid decides
+    # the branches' steps, about B times the anchor's alone. "mean": each parameter's loss gradient
+    # inside a block is divided by the block's branch count (times that of any block it is nested
+    # in; reparam.branch_step_scales), so the merged kernel moves by the mean of the branches'
+    # steps; weight decay is not scaled, and a block of the anchor alone trains as before (1x is
+    # unchanged). With rep_scale "calibrated" it removes the late dips at the paper's length and is
+    # the better form there on every seed run; on the short digits default job it is lower, so the
+    # default stays "sum" until the grid over beta decides (docs/results.md has the numbers)
     block_step: Literal["sum", "mean"] = "sum"
     # "random": scores drawn at random (seeded per round and client): the structure without saliency
     saliency: Literal["synflow", "snip", "grad_norm", "random"] = "synflow"
