@@ -98,6 +98,9 @@ class Algorithm:
     #: method's protocol (it stops local training, records the client as over budget) rather than
     #: a configuration it cannot run
     trains_below_floor: ClassVar[bool] = False
+    #: what to try when the method's training diverges (the engine's message names it), beside
+    #: a smaller ``train.lr``; e.g. a method's own safeguards
+    divergence_hint: ClassVar[str] = ""
 
     def __init__(self, options: Any | None = None) -> None:
         self.options = options if options is not None else self.Options()

@@ -73,7 +73,7 @@ from fedhetero.core.rundir import (
 from fedhetero.core.sessions import session_summary
 from fedhetero.core.store import ClientStateStore, atomic_save
 from fedhetero.core.timemodel import smoothed_final_accuracy
-from fedhetero.core.types import ClientInfo, ClientResult, ClientTask, Outcome, check_result
+from fedhetero.core.types import ClientInfo, ClientResult, ClientTask, Outcome, all_finite, check_result
 from fedhetero.data import save_partition
 
 #: environment variable that turns internal errors from dropped clients into a stopped run
@@ -83,7 +83,7 @@ STRICT_ENV = "FEDHETERO_STRICT"
 SMOOTHING_WINDOW = 39
 
 
-__all__ = ["Engine", "RunResult", "resume_config", "run"]
+__all__ = ["Engine", "RunResult", "resume_config", "run", "server_tensors"]
 
 @dataclass
 class RunResult:
@@ -295,11 +295,7 @@ class Engine:
             dropped = self._dropped[-len(tasks):]
             reasons = "; ".join(f"client {d['cid']}: {_first_line(d['reason'])}" for d in dropped[:3])
             more = f"; {len(dropped) - 3} more in the same round" if len(dropped) > 3 else ""
-            kept = (
-                f"its checkpoint of round {self._last_checkpoint} is kept"
-                if self._last_checkpoint
-                else "no round was checkpointed yet, so --resume starts it again from round 0"
-            )
+            kept = self._kept()
             err = RunError(
                 f"round {self.ctx.round}: only {len(ok)} of {len(tasks)} clients succeeded, fewer than "
                 f"engine.min_clients={self.cfg.engine.min_clients} ({reasons}{more}). The run stopped; {kept}. "
@@ -309,6 +305,29 @@ class Engine:
             err.detail = next((o.detail for o in outcomes if o.detail), "")  # type: ignore[attr-defined]
             raise err
         return ok
+
+    def _kept(self) -> str:
+        """What a run that stops now leaves to ``--resume``."""
+        if self._last_checkpoint:
+            return f"its checkpoint of round {self._last_checkpoint} is kept"
+        return "no round was checkpointed yet, so --resume starts it again from round 0"
+
+    def _check_server_state(self, rnd: int) -> None:
+        """Invariant: after a round the server's state is finite. A NaN or an infinity in the
+        global model would only show as every client's non-finite upload in the next round, and a
+        checkpoint of it could not be resumed; so the run stops here, before it is evaluated or
+        saved."""
+        tensors = server_tensors(self.algorithm)
+        if all_finite(tensors):
+            return
+        bad = [k for k, v in tensors.items() if not all_finite({k: v})]
+        names = ", ".join(bad[:3]) + (", …" if len(bad) > 3 else "")
+        hint = type(self.algorithm).divergence_hint
+        raise RunError(
+            f"round {rnd}: the server's update left non-finite values in {names}: training diverged. "
+            f"The run stopped; {self._kept()}. Start it again with a smaller train.lr"
+            + (f" or with {hint}" if hint else " (or gradient clipping, train.clip_grad_norm)")
+        )
 
     # ------------------------------------------------------------------ rounds
     def sample_clients(self, rnd: int) -> list[int]:
@@ -520,6 +539,7 @@ class Engine:
                     progress.round_started(rnd, len(clients))
                     self.ctx.on_client_done = progress.client_done
                     updates = self._round(clients)
+                    self._check_server_state(rnd)
                 row["dropped"] = list(self._dropped)
                 row.update(self.algorithm.round_metrics(self.ctx))
                 if not skip and (rnd % self.cfg.train.eval_every == 0 or rnd == rounds):
@@ -566,6 +586,29 @@ def _check_splits(cfg: RunConfig, cls: type[Algorithm], allow_unused: bool = Fal
             )
         if need == "required" and value <= 0:
             raise ConfigError(f"data.{field_name}: {name} needs {what}; set data.{field_name} > 0 (e.g. 0.1)")
+
+
+def server_tensors(algorithm: Algorithm) -> dict[str, torch.Tensor]:
+    """Every tensor of an algorithm's checkpointed fields (``Algorithm.state_fields``: modules,
+    tensors, and dicts or lists of them), by dotted name; references, not copies."""
+    out: dict[str, torch.Tensor] = {}
+
+    def walk(name: str, value: Any) -> None:
+        if isinstance(value, torch.nn.Module):
+            for key, t in value.state_dict().items():
+                out[f"{name}.{key}"] = t
+        elif isinstance(value, torch.Tensor):
+            out[name] = value
+        elif isinstance(value, dict):
+            for key, v in value.items():
+                walk(f"{name}.{key}", v)
+        elif isinstance(value, (list, tuple)):
+            for i, v in enumerate(value):
+                walk(f"{name}.{i}", v)
+
+    for field_name in algorithm.state_fields:
+        walk(field_name, getattr(algorithm, field_name, None))
+    return out
 
 
 def _first_line(text: str) -> str:

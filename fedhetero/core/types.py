@@ -33,6 +33,7 @@ __all__ = [
     "InjectedFault",
     "NoOptions",
     "Outcome",
+    "all_finite",
     "check_result",
     "derive_seed",
     "merge_optimizer_state",
@@ -259,7 +260,7 @@ def _finite(value: Any) -> bool:
     return True
 
 
-def _all_finite(state: dict[str, Any]) -> bool:
+def all_finite(state: dict[str, Any]) -> bool:
     """Whether every floating tensor of a state is finite.
 
     One fused call computes the norm of every tensor (a NaN or an infinity anywhere makes its
@@ -284,7 +285,7 @@ def _all_finite(state: dict[str, Any]) -> bool:
 
 def upload_fault(result: "ClientResult") -> str | None:
     """Why a client's upload cannot be aggregated (a non-finite tensor), or None."""
-    if not _all_finite(result.state):
+    if not all_finite(result.state):
         bad = [k for k, v in result.state.items() if not _finite(v)]
         return f"non-finite upload ({', '.join(bad[:3])}{', …' if len(bad) > 3 else ''})"
     if not _finite(result.payload):

@@ -367,6 +367,7 @@ class ServerDataAlgorithm(Algorithm):
     server_data = "required"
     #: ``initial_test_loss``: the divergence guards' reference (None without them)
     state_fields: ClassVar[tuple[str, ...]] = ("global_model", "initial_test_loss")
+    divergence_hint = "algorithm.options.divergence_guards=true (the authors' guards)"
 
     def __init__(self, options: Any | None = None) -> None:
         super().__init__(options)

@@ -13,6 +13,7 @@ import torch
 from fedhetero.core.config import ConfigError, from_dict
 from fedhetero.core.context import RunError
 from fedhetero.core.engine import Engine
+from fedhetero.core.registry import get_algorithm
 from fedhetero.core.backend import injected_fault
 from _util import fedavg_cfg
 
@@ -103,3 +104,55 @@ def test_upload_check_runs_where_the_task_ran():
     assert check_result(Outcome(None, bad), None) == "non-finite upload (w)"  # type: ignore[arg-type]
     assert check_result(Outcome(None, bad, checked=True), None) is None  # type: ignore[arg-type]
 
+
+
+def test_a_non_finite_server_update_stops_the_run_at_its_round(tmp_path, monkeypatch):
+    """Invariant: after every round the server's state is finite. A server update that leaves a NaN
+    stops the run in that round, naming the entry, before the round is evaluated or checkpointed
+    (not one round later as every client's "non-finite upload"); the last checkpoint resumes."""
+    cfg = _cfg("fedavg", "local", rounds=4)
+    cls = get_algorithm("fedavg")
+    plain = cls.server_update
+
+    def poisoned(self, ctx):
+        plain(self, ctx)
+        if ctx.round == 3:
+            with torch.no_grad():
+                next(self.global_model.parameters()).view(-1)[0] = float("nan")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(cls, "server_update", poisoned)
+        with pytest.raises(RunError) as err:
+            Engine(cfg, tmp_path / "nan", progress=False).run()
+    msg = str(err.value)
+    assert msg.startswith("round 3: the server's update left non-finite values in global_model.")
+    assert "checkpoint of round 2 is kept" in msg and "train.lr" in msg
+    rows = (tmp_path / "nan" / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(r)["round"] for r in rows] == [1, 2]
+    # the kept checkpoint is finite and resumes to the run that never met the NaN
+    resumed = Engine(cfg, tmp_path / "nan", progress=False, resume=True).run()
+    clean = Engine(cfg, tmp_path / "clean", progress=False).run()
+    assert [r["round"] for r in resumed.metrics] == [1, 2, 3, 4]
+    assert resumed.summary["final_accuracy"] == clean.summary["final_accuracy"]
+
+
+def test_server_tensors_walk_every_checkpointed_field():
+    """The finiteness check sees modules, tensors and dicts or lists of them, by dotted name."""
+    from fedhetero.core.algorithm import Algorithm
+    from fedhetero.core.engine import server_tensors
+
+    class Two(Algorithm):
+        state_fields = ("global_model", "c", "tiers", "count")
+
+    alg = Two()
+    alg.global_model = torch.nn.Linear(2, 1)
+    alg.c = {"w": torch.zeros(3), "nested": [torch.ones(1), torch.tensor([1, 2])]}
+    alg.tiers = {"small": torch.nn.BatchNorm1d(2)}
+    alg.count = 7
+    got = server_tensors(alg)
+    assert set(got) == {
+        "global_model.weight", "global_model.bias", "c.w", "c.nested.0", "c.nested.1",
+        "tiers.small.weight", "tiers.small.bias", "tiers.small.running_mean", "tiers.small.running_var",
+        "tiers.small.num_batches_tracked",
+    }
+    assert got["global_model.weight"] is alg.global_model.weight.data or got["global_model.weight"].data_ptr() == alg.global_model.weight.data_ptr()

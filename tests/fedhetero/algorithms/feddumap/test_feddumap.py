@@ -401,3 +401,74 @@ def test_no_import_circle_in_the_feddumap_family():
     family = {f"fedhetero.algorithms.feddumap.{m}" for m in ("feddu", "feddum", "fedap", "feddumap", "baselines")}
     assert not _module_imports(family_dir / "_common.py") & family
     assert "fedhetero.algorithms.feddumap.feddum" not in _module_imports(family_dir / "feddu.py")
+
+
+# ---------------------------------------------------------------------------------------- divergence guards
+def _global(path) -> dict:
+    return torch.load(path / "checkpoint.pt", weights_only=True)["algorithm"]["global_model"]
+
+
+def _initial_global(cfg, path) -> dict:
+    eng = Engine(cfg, path, progress=False)
+    eng.setup()
+    return {k: v.clone() for k, v in eng.algorithm.global_model.state_dict().items()}
+
+
+def test_guards_that_never_fire_change_nothing(tmp_path):
+    """Invariant: the guards only observe until they fire; with factors no loss reaches, a run
+    with guards is the run without them, bit for bit."""
+    never = {"divergence_guards": True, "guard_factor": 1e9, "test_guard_factor": 1e9}
+    a = Engine(_cfg("feddum", never, rounds=3), tmp_path / "a", progress=False).run()
+    b = Engine(_cfg("feddum", rounds=3), tmp_path / "b", progress=False).run()
+    ra, rb = _rows(tmp_path / "a"), _rows(tmp_path / "b")
+    assert [r["accuracy"] for r in ra] == [r["accuracy"] for r in rb]
+    assert all(c["guard_dropped"] is False and c["guard_test_reverted"] == 0 for r in ra for c in r["clients"])
+    sa, sb = _global(tmp_path / "a"), _global(tmp_path / "b")
+    assert all(torch.equal(sa[k], sb[k]) for k in sb)
+    assert a.summary["final_accuracy"] == b.summary["final_accuracy"]
+
+
+def test_the_test_guard_keeps_the_previous_global_model(tmp_path):
+    """A test guard that fires every round (any test loss ≥ 1e-9 × the initial one) keeps w^{t−1}
+    every round: the global model ends as it started, exactly."""
+    cfg = _cfg("feddum", {"divergence_guards": True, "test_guard_factor": 1e-9}, rounds=3)
+    start = _initial_global(cfg, tmp_path / "setup")
+    Engine(cfg, tmp_path / "run", progress=False).run()
+    rows = _rows(tmp_path / "run")
+    assert all(c["guard_test_reverted"] == 1 for r in rows for c in r["clients"])
+    end = _global(tmp_path / "run")
+    assert all(torch.equal(end[k], start[k]) for k in start)
+
+
+def test_the_device_and_server_guards_drop_every_device_and_step(tmp_path):
+    """A device guard that fires for every loss drops every upload from the aggregate, and the
+    server guard reverts FedDU's step when the server-data loss does not fall below a 1e-9 share of
+    its old value: the global model never moves."""
+    cfg = _cfg("feddu", {"divergence_guards": True, "guard_factor": 1e-9, "lr_decay": 1.0}, rounds=2)
+    start = _initial_global(cfg, tmp_path / "setup")
+    Engine(cfg, tmp_path / "run", progress=False).run()
+    rows = _rows(tmp_path / "run")
+    assert all(c["guard_dropped"] is True for r in rows for c in r["clients"])
+    assert all(r["clients"][0].get("guard_server_reverted") == 1 for r in rows if r["clients"][0]["feddu_alpha"] > 1e-3)
+    end = _global(tmp_path / "run")
+    assert all(torch.equal(end[k], start[k]) for k in start)
+
+
+def test_a_diverged_server_step_stops_the_run_and_names_the_guards(tmp_path, monkeypatch):
+    """A server step that leaves a NaN (here put there by hand after FedDUM's momentum) stops the
+    run in its round, and the message points to the family's guards."""
+    from fedhetero.algorithms.feddumap.feddum import FedDUM
+    from fedhetero.core.context import RunError
+
+    plain = FedDUM.after_server_update
+
+    def poisoned(self, ctx, prev):
+        plain(self, ctx, prev)
+        if ctx.round == 2:
+            with torch.no_grad():
+                next(self.global_model.parameters()).view(-1)[0] = float("inf")
+
+    monkeypatch.setattr(FedDUM, "after_server_update", poisoned)
+    with pytest.raises(RunError, match=r"^round 2: the server's update left non-finite values in global_model\..*"
+                       r"divergence_guards=true"):
+        Engine(_cfg("feddum", rounds=3), tmp_path / "run", progress=False).run()
