@@ -324,6 +324,7 @@ class Cohort:
         records: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         ctx = self.ctx
         lr, momentum, wd, nesterov, clip = sgd.lr, sgd.momentum, sgd.weight_decay, sgd.nesterov, sgd.clip
+        ema = sgd.momentum_form == "ema"
         seqs = self._schedules()
         steps = [len(s) for s in seqs]
         c = len(seqs)
@@ -408,7 +409,10 @@ class Cohort:
                         d = d.add(p, alpha=wd)
                     if momentum:
                         prev = bufs[n]
-                        buf = d.clone() if prev is None else prev * momentum + d
+                        if ema:  # m ← β·m + (1−β)·d from m = 0
+                            buf = d * (1.0 - momentum) if prev is None else prev * momentum + d * (1.0 - momentum)
+                        else:
+                            buf = d.clone() if prev is None else prev * momentum + d
                         if prev is not None:  # a client past its last step keeps its buffer
                             shape = (c,) + (1,) * (buf.dim() - 1)
                             buf = torch.where(active.view(shape), buf, prev)

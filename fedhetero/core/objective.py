@@ -51,7 +51,9 @@ class LocalSGD:
     """The plain SGD a method's local training runs, stated so that a cohort of clients can run it
     too (:meth:`~fedhetero.core.algorithm.Algorithm.local_optimizer`): what
     :class:`torch.optim.SGD` gets (``lr``, ``momentum``, ``weight_decay``, ``nesterov``; no
-    dampening), the gradient-norm ``clip`` applied before each step, and ``persistent``: the
+    dampening), or with ``momentum_form="ema"`` the ``(1−β)``-dampened buffer started at zero
+    (``m ← β·m + (1−β)·d``, so the first step moves by ``lr·(1−β)·d``: the FedDU family's device
+    momentum), the gradient-norm ``clip`` applied before each step, and ``persistent``: the
     client's momentum buffers are loaded from its last round and kept for its next
     (``train.optimizer_state: persistent``). ``classes``: the cross-entropy sees only these
     classes' logits, the others replaced by ``class_fill`` (HeteroFL's masked loss; per client,
@@ -63,6 +65,7 @@ class LocalSGD:
     nesterov: bool = False
     clip: float | None = None
     persistent: bool = False
+    momentum_form: Literal["torch", "ema"] = "torch"
     classes: tuple[int, ...] | None = None
     class_fill: float = 0.0
 

@@ -80,12 +80,12 @@ class FedNova(Algorithm):
         self.global_model.load_state_dict(new)
 
     # ---------------------------------------------------------------- client half
-    def local_train(self, ctx: "ClientContext", task: ClientTask, model: nn.Module) -> dict[str, Any]:
-        report = dict(ctx.train(model, task, ctx.cfg.train.local_epochs))
-        report["a"] = normalizing_factor(report["steps"], ctx.local_momentum(), ctx.cfg.train.nesterov)
-        return report
-
+    # Local training is the configured SGD (so a round's clients can train as one cohort); the
+    # normalising factor follows from the steps it took.
     def upload(self, ctx: "ClientContext", task: ClientTask, model: nn.Module, result: dict[str, Any]) -> ClientResult:
         res = super().upload(ctx, task, model, result)
-        res.payload = {"a": float(result["a"]), "tau": int(result["steps"])}
+        steps = int(result["steps"])
+        a = normalizing_factor(steps, ctx.local_momentum(), ctx.cfg.train.nesterov)
+        res.payload = {"a": float(a), "tau": steps}
+        res.metrics["a"] = float(a)
         return res

@@ -431,15 +431,18 @@ class ServerDataAlgorithm(Algorithm):
         return dict(ctx.train(model, task, ctx.cfg.train.local_epochs, optimizer=opt))
 
     def local_optimizer(self, ctx: "ClientContext", task: ClientTask) -> LocalSGD | None:
-        """:meth:`local_train`'s SGD at the round's ``η_t`` without device momentum (with it, or
-        with another local training or device optimiser, one by one)."""
+        """:meth:`local_train`'s SGD at the round's ``η_t``: plain, or with the device momentum of
+        Formula 11 (``exact``: the dampened buffer from zero, restarted every round). One by one
+        with ``torch_sgd`` momentum or another local training or device optimiser."""
         cls = type(self)
         if cls.local_train is not ServerDataAlgorithm.local_train or cls.device_optimizer is not ServerDataAlgorithm.device_optimizer:
             return None
-        if float(self.opt("device_momentum", 0.0)) != 0.0:
+        beta = float(self.opt("device_momentum", 0.0))
+        if beta != 0.0 and self.opt("device_momentum_impl", "exact") != "exact":
             return None
         t = ctx.cfg.train
-        return LocalSGD(lr=float(task.payload["lr"]), weight_decay=float(t.weight_decay), clip=t.clip_grad_norm)
+        return LocalSGD(lr=float(task.payload["lr"]), momentum=beta, momentum_form="ema" if beta else "torch",
+                        weight_decay=float(t.weight_decay), clip=t.clip_grad_norm)
 
     def upload(self, ctx: "ClientContext", task: ClientTask, model: nn.Module, result: dict[str, Any]) -> ClientResult:
         upd = super().upload(ctx, task, model, result)

@@ -301,8 +301,17 @@ def _spied(monkeypatch) -> list[int]:
         ("fedprox", {"model.name": "svhn_cnn", "algorithm.options": {"mu": 0.2}, "train.local_steps": 3, "train.rounds": 1}),
         # momentum buffers kept from round to round, per client
         ("fedavg", {"train.optimizer_state": "persistent", "train.rounds": 3, "train.sample_rate": 0.7}),
+        # FedNova: clients of unequal steps (Dirichlet split), each normalising factor from its own
+        ("fednova", {"train.rounds": 2}),
         # the FedDU family's plain-SGD devices at the server's η_t
         ("feddu", {"data.server_fraction": 0.1, "train.rounds": 2}),
+        # FedDUM's and FedDUMAP's device momentum (Formula 11: the dampened buffer from zero, every
+        # round); FedDUMAP prunes at round 1
+        ("feddum", {"data.server_fraction": 0.1, "train.rounds": 2}),
+        ("feddumap", {"algorithm.options": {"prune_round": 1, "prune_rate_mode": "fixed", "fixed_prune_rate": 0.4},
+                      "data.server_fraction": 0.1, "train.rounds": 3}),
+        # Hybrid-FL: the devices train as FedAvg's (the server joins the average on its own)
+        ("hybrid_fl", {"data.server_fraction": 0.1, "train.rounds": 2}),
         # FedAP: after pruning at round 1, every client trains the pruned structure
         ("fedap", {"algorithm.options": {"prune_round": 1, "prune_rate_mode": "fixed", "fixed_prune_rate": 0.4},
                    "data.server_fraction": 0.1, "train.rounds": 3}),
@@ -356,12 +365,14 @@ def test_structures_group_apart(tmp_path, monkeypatch, name, over, structures):
 
 def test_methods_that_train_otherwise_run_one_by_one(tmp_path, monkeypatch):
     """A method whose local training is not plain SGD (Data-sharing trains on shared data too;
-    device momentum in the FedDU family) keeps its own client half."""
+    the FedDU family's device momentum in PyTorch's form, ``device_momentum_impl: torch_sgd``)
+    keeps its own client half."""
     sizes = _spied(monkeypatch)
     Engine(_fedavg_like("data_sharing", **{"data.server_fraction": 0.1, "engine.vectorize": True, "dtype": "float32"}),
            tmp_path / "ds", progress=False).run()
     Engine(_fedavg_like("feddu", **{"data.server_fraction": 0.1, "engine.vectorize": True, "dtype": "float32",
-                                    "algorithm.options": {"device_momentum": 0.5}}), tmp_path / "m", progress=False).run()
+                                    "algorithm.options": {"device_momentum": 0.5, "device_momentum_impl": "torch_sgd"}}),
+           tmp_path / "m", progress=False).run()
     assert sizes == []
 
 
