@@ -352,6 +352,14 @@ class Algorithm:
         for name in self.state_fields:
             setattr(self, name, _load(getattr(self, name, None), state[name]))
 
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        """Every tensor of the :attr:`state_fields`, by dotted name, walked as :func:`_save`
+        walks them but without copies (the engine checks them for finiteness every round)."""
+        out: dict[str, torch.Tensor] = {}
+        for name in self.state_fields:
+            _tensors(name, getattr(self, name, None), out)
+        return out
+
 
 def _save(value: Any) -> Any:
     """A checkpointable copy of one server-state field."""
@@ -364,6 +372,20 @@ def _save(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return type(value)(_save(v) for v in value)
     return value
+
+
+def _tensors(name: str, value: Any, out: dict[str, torch.Tensor]) -> None:
+    """The tensors :func:`_save` would copy from ``value``, by reference, into ``out``."""
+    if isinstance(value, nn.Module):
+        out.update((f"{name}.{k}", t) for k, t in value.state_dict().items())
+    elif isinstance(value, torch.Tensor):
+        out[name] = value
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            _tensors(f"{name}.{k}", v, out)
+    elif isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            _tensors(f"{name}.{i}", v, out)
 
 
 def _load(current: Any, saved: Any) -> Any:

@@ -73,7 +73,7 @@ from fedhetero.core.rundir import (
 from fedhetero.core.sessions import session_summary
 from fedhetero.core.store import ClientStateStore, atomic_save
 from fedhetero.core.timemodel import smoothed_final_accuracy
-from fedhetero.core.types import ClientInfo, ClientResult, ClientTask, Outcome, all_finite, check_result
+from fedhetero.core.types import ClientInfo, ClientResult, ClientTask, Outcome, check_result, nonfinite_entries
 from fedhetero.data import save_partition
 
 #: environment variable that turns internal errors from dropped clients into a stopped run
@@ -83,7 +83,7 @@ STRICT_ENV = "FEDHETERO_STRICT"
 SMOOTHING_WINDOW = 39
 
 
-__all__ = ["Engine", "RunResult", "resume_config", "run", "server_tensors"]
+__all__ = ["Engine", "RunResult", "resume_config", "run"]
 
 @dataclass
 class RunResult:
@@ -317,11 +317,9 @@ class Engine:
         global model would only show as every client's non-finite upload in the next round, and a
         checkpoint of it could not be resumed; so the run stops here, before it is evaluated or
         saved."""
-        tensors = server_tensors(self.algorithm)
-        if all_finite(tensors):
+        names = nonfinite_entries(self.algorithm.state_tensors())
+        if names is None:
             return
-        bad = [k for k, v in tensors.items() if not all_finite({k: v})]
-        names = ", ".join(bad[:3]) + (", …" if len(bad) > 3 else "")
         hint = type(self.algorithm).divergence_hint
         raise RunError(
             f"round {rnd}: the server's update left non-finite values in {names}: training diverged. "
@@ -586,29 +584,6 @@ def _check_splits(cfg: RunConfig, cls: type[Algorithm], allow_unused: bool = Fal
             )
         if need == "required" and value <= 0:
             raise ConfigError(f"data.{field_name}: {name} needs {what}; set data.{field_name} > 0 (e.g. 0.1)")
-
-
-def server_tensors(algorithm: Algorithm) -> dict[str, torch.Tensor]:
-    """Every tensor of an algorithm's checkpointed fields (``Algorithm.state_fields``: modules,
-    tensors, and dicts or lists of them), by dotted name; references, not copies."""
-    out: dict[str, torch.Tensor] = {}
-
-    def walk(name: str, value: Any) -> None:
-        if isinstance(value, torch.nn.Module):
-            for key, t in value.state_dict().items():
-                out[f"{name}.{key}"] = t
-        elif isinstance(value, torch.Tensor):
-            out[name] = value
-        elif isinstance(value, dict):
-            for key, v in value.items():
-                walk(f"{name}.{key}", v)
-        elif isinstance(value, (list, tuple)):
-            for i, v in enumerate(value):
-                walk(f"{name}.{i}", v)
-
-    for field_name in algorithm.state_fields:
-        walk(field_name, getattr(algorithm, field_name, None))
-    return out
 
 
 def _first_line(text: str) -> str:

@@ -33,10 +33,10 @@ __all__ = [
     "InjectedFault",
     "NoOptions",
     "Outcome",
-    "all_finite",
     "check_result",
     "derive_seed",
     "merge_optimizer_state",
+    "nonfinite_entries",
     "packed_copy",
     "payload_bytes",
     "split_optimizer_state",
@@ -260,7 +260,7 @@ def _finite(value: Any) -> bool:
     return True
 
 
-def all_finite(state: dict[str, Any]) -> bool:
+def _all_finite(state: dict[str, Any]) -> bool:
     """Whether every floating tensor of a state is finite.
 
     One fused call computes the norm of every tensor (a NaN or an infinity anywhere makes its
@@ -283,11 +283,20 @@ def all_finite(state: dict[str, Any]) -> bool:
     return all(_finite(v) for v in state.values() if not isinstance(v, torch.Tensor))
 
 
+def nonfinite_entries(state: dict[str, Any]) -> str | None:
+    """The first (up to three) entries of ``state`` holding a NaN or an infinity, as one line
+    (``"a, b, c, …"``), or None when all are finite."""
+    if _all_finite(state):
+        return None
+    bad = [k for k, v in state.items() if not _finite(v)]
+    return ", ".join(bad[:3]) + (", …" if len(bad) > 3 else "")
+
+
 def upload_fault(result: "ClientResult") -> str | None:
     """Why a client's upload cannot be aggregated (a non-finite tensor), or None."""
-    if not all_finite(result.state):
-        bad = [k for k, v in result.state.items() if not _finite(v)]
-        return f"non-finite upload ({', '.join(bad[:3])}{', …' if len(bad) > 3 else ''})"
+    bad = nonfinite_entries(result.state)
+    if bad is not None:
+        return f"non-finite upload ({bad})"
     if not _finite(result.payload):
         return "non-finite upload (payload)"
     return None

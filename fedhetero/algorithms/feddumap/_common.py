@@ -441,7 +441,7 @@ class ServerDataAlgorithm(Algorithm):
         if beta != 0.0 and self.opt("device_momentum_impl", "exact") != "exact":
             return None
         t = ctx.cfg.train
-        return LocalSGD(lr=float(task.payload["lr"]), momentum=beta, momentum_form="ema" if beta else "torch",
+        return LocalSGD(lr=float(task.payload["lr"]), momentum=beta, momentum_form="ema",
                         weight_decay=float(t.weight_decay), clip=t.clip_grad_norm)
 
     def upload(self, ctx: "ClientContext", task: ClientTask, model: nn.Module, result: dict[str, Any]) -> ClientResult:

@@ -105,7 +105,6 @@ def test_upload_check_runs_where_the_task_ran():
     assert check_result(Outcome(None, bad, checked=True), None) is None  # type: ignore[arg-type]
 
 
-
 def test_a_non_finite_server_update_stops_the_run_at_its_round(tmp_path, monkeypatch):
     """Invariant: after every round the server's state is finite. A server update that leaves a NaN
     stops the run in that round, naming the entry, before the round is evaluated or checkpointed
@@ -136,10 +135,9 @@ def test_a_non_finite_server_update_stops_the_run_at_its_round(tmp_path, monkeyp
     assert resumed.summary["final_accuracy"] == clean.summary["final_accuracy"]
 
 
-def test_server_tensors_walk_every_checkpointed_field():
+def test_state_tensors_walk_every_checkpointed_field():
     """The finiteness check sees modules, tensors and dicts or lists of them, by dotted name."""
     from fedhetero.core.algorithm import Algorithm
-    from fedhetero.core.engine import server_tensors
 
     class Two(Algorithm):
         state_fields = ("global_model", "c", "tiers", "count")
@@ -149,10 +147,12 @@ def test_server_tensors_walk_every_checkpointed_field():
     alg.c = {"w": torch.zeros(3), "nested": [torch.ones(1), torch.tensor([1, 2])]}
     alg.tiers = {"small": torch.nn.BatchNorm1d(2)}
     alg.count = 7
-    got = server_tensors(alg)
+    got = alg.state_tensors()
     assert set(got) == {
         "global_model.weight", "global_model.bias", "c.w", "c.nested.0", "c.nested.1",
         "tiers.small.weight", "tiers.small.bias", "tiers.small.running_mean", "tiers.small.running_var",
         "tiers.small.num_batches_tracked",
     }
-    assert got["global_model.weight"] is alg.global_model.weight.data or got["global_model.weight"].data_ptr() == alg.global_model.weight.data_ptr()
+    # references, not copies
+    assert got["global_model.weight"].data_ptr() == alg.global_model.weight.data_ptr()
+    assert got["c.w"] is alg.c["w"]
