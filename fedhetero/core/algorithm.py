@@ -217,11 +217,13 @@ class Algorithm:
 
         A task can join a cohort when the method keeps the default client half
         (:meth:`default_client_half`) and its local training is plain SGD
-        (:meth:`local_optimizer`). Tasks are grouped by their model's structure (so width methods
-        group by width), SGD settings and objective rules, then by their number of steps
-        (:func:`~fedhetero.core.cohort.plan_cohorts`), cohorts capped by
+        (:meth:`local_optimizer`); a model made of independent members (:meth:`local_members`)
+        joins as one trainee per member. Trainees are grouped by their model's structure (so
+        width methods group by width), SGD settings and objective rules, then by their number of
+        steps (:func:`~fedhetero.core.cohort.plan_cohorts`), cohorts capped by
         ``engine.cohort_memory_mb``; :meth:`client_model` and :meth:`upload` run per task as
-        they do one by one. ``optimizer_states``: each client's kept momentum buffers."""
+        they do one by one, and a task any of whose members found no cohort runs one by one.
+        ``optimizer_states``: each client's kept momentum buffers."""
         out: list[ClientResult | None] = [None] * len(tasks)
         if not self.default_client_half() or len(tasks) < 2:
             return out
@@ -233,8 +235,12 @@ class Algorithm:
             steps_of = [n if n >= AUTO_MIN_STEPS else 0 for n in steps_of]
         if sum(n > 0 for n in steps_of) < smallest:
             return out
-        buffers = optimizer_states or [None] * len(tasks)
-        groups: dict[Any, list[tuple[int, nn.Module, dict[str, torch.Tensor], LocalSGD, LocalObjective | None]]] = {}
+        kept_in = optimizer_states or [None] * len(tasks)
+        # a trainee: (task index, member index, member model, initial state, SGD, objective, start
+        # buffers, batches, masks)
+        Trainee = tuple[int, int, nn.Module, dict[str, torch.Tensor], LocalSGD, LocalObjective | None, Any, Any, Any]
+        groups: dict[Any, list[Trainee]] = {}
+        parts: dict[int, tuple[int, LocalSGD, LocalObjective | None]] = {}
         for i, (task, state) in enumerate(zip(tasks, states)):
             if steps_of[i] == 0:
                 continue
@@ -243,35 +249,62 @@ class Algorithm:
                 sgd = self.local_optimizer(ctx, task)
                 if sgd is None:
                     continue
-                initial = {k: v.detach().clone() for k, v in model.state_dict().items()}
                 objective = self.local_objective(ctx, task, state)
-            key = (structure_key(model), sgd.shared(), task.round, task.prelude, rules_key(objective))
-            groups.setdefault(key, []).append((i, model, initial, sgd, objective))
-        for members in groups.values():
-            model = members[0][1]
+                members = self.local_members(ctx, task, model) or [model]
+                if not _members_batch(model, members, sgd, objective):
+                    continue
+                schedule = self.local_schedule(ctx, task)
+                if schedule is not None:
+                    if not schedule:
+                        continue
+                    steps_of[i] = len(schedule)
+                    if auto_cpu and steps_of[i] < AUTO_MIN_STEPS:
+                        continue
+                start = self.local_momentum(ctx, task) if sgd.carried else kept_in[i]
+                masks = self.local_masks(ctx, task) if sgd.masked else None
+                parts[i] = (len(members), sgd, objective)
+                for k, member in enumerate(members):
+                    initial = {n: v.detach().clone() for n, v in member.state_dict().items()}
+                    key = (structure_key(member), sgd.shared(), task.round, task.prelude, rules_key(objective))
+                    groups.setdefault(key, []).append((i, k, member, initial, sgd, objective, start, schedule, masks))
+        trained: dict[tuple[int, int], tuple[dict[str, torch.Tensor], dict[str, Any], Any]] = {}
+        for members_of_key in groups.values():
+            model = members_of_key[0][2]
             cap = max(1, int(e.cohort_memory_mb * 2**20 // max(1, client_bytes(ctx, model))))
-            for plan in plan_cohorts([steps_of[i] for i, *_ in members], min_size=smallest, max_size=cap):
-                chosen = [members[k] for k in plan]
-                sub = [tasks[i] for i, *_ in chosen]
+            for plan in plan_cohorts([steps_of[m[0]] for m in members_of_key], min_size=smallest, max_size=cap):
+                chosen = [members_of_key[k] for k in plan]
+                sub = [tasks[m[0]] for m in chosen]
                 with ctx.client_scope(sub[0]):
-                    done = train_cohort(ctx, model, sub, [m[4] for m in chosen], [m[2] for m in chosen],
-                                        [m[3] for m in chosen], [buffers[i] for i, *_ in chosen])
+                    done = train_cohort(ctx, model, sub, [m[5] for m in chosen], [m[3] for m in chosen],
+                                        [m[4] for m in chosen], [m[6] for m in chosen], [m[7] for m in chosen],
+                                        [m[8] for m in chosen])
                 if done is None:
                     continue
                 co, reports = done
-                for j, (i, _m, _init, _sgd, objective) in enumerate(chosen):
-                    task = tasks[i]
-                    with ctx.client_scope(task):
-                        trained = self.client_model(ctx, task, states[i])
-                        trained.load_state_dict(co.state(j))
-                        result = self.upload(ctx, task, trained, dict(reports[j]))
-                        if objective is not None and objective.finish is not None:
-                            objective.finish(result)
-                    kept = None
-                    if ctx.cfg.train.optimizer_state == "persistent":
-                        kept = co.momentum_out[j] if co.momentum_out is not None else buffers[i]
-                    result.client_state = merge_optimizer_state(result.client_state, states[i], kept)
-                    out[i] = result
+                for j, m in enumerate(chosen):
+                    buffers = co.momentum_out[j] if co.momentum_out is not None else None
+                    trained[(m[0], m[1])] = (co.state(j), dict(reports[j]), buffers)
+        for i, (n, sgd, objective) in parts.items():
+            if not all((i, k) in trained for k in range(n)):
+                continue  # a member found no cohort: the whole task runs one by one
+            task = tasks[i]
+            with ctx.client_scope(task):
+                model = self.client_model(ctx, task, states[i])
+                members = self.local_members(ctx, task, model) or [model]
+                for k, member in enumerate(members):
+                    member.load_state_dict(trained[(i, k)][0])
+                report = _joint_report([trained[(i, k)][1] for k in range(n)])
+                buffers = trained[(i, 0)][2]
+                if sgd.carried:
+                    report["momentum"] = buffers
+                result = self.upload(ctx, task, model, report)
+                if objective is not None and objective.finish is not None:
+                    objective.finish(result)
+            kept = None
+            if ctx.cfg.train.optimizer_state == "persistent" and not sgd.carried:
+                kept = buffers if buffers is not None else kept_in[i]
+            result.client_state = merge_optimizer_state(result.client_state, states[i], kept)
+            out[i] = result
         return out
 
     def local_optimizer(self, ctx: "ClientContext", task: ClientTask) -> LocalSGD | None:
@@ -286,6 +319,37 @@ class Algorithm:
         if type(self).local_train is not Algorithm.local_train:
             return None
         return ctx.configured_sgd()
+
+    def local_members(self, ctx: "ClientContext", task: ClientTask, model: nn.Module) -> list[nn.Module] | None:
+        """The independent members of ``model`` that local training trains, or None (default):
+        the model is one. A method whose model is an ensemble of members that never meet in
+        training — the loss is the sum of each member's own cross-entropy on the client's batch,
+        as SplitMix's bases — returns them, so that a cohort trains every member as a trainee of
+        its own on that client's batches. Such a task batches only without gradient clipping
+        (its norm spans the members), dropout (one stream feeds the members in turn), kept or
+        carried momentum and a local objective; it runs one by one otherwise."""
+        return None
+
+    def local_masks(self, ctx: "ClientContext", task: ClientTask) -> dict[str, torch.Tensor] | None:
+        """The masks (by parameter name) that ``task``'s parameters are multiplied by before and
+        after every local step, when :meth:`local_optimizer` says ``masked`` (IMC's pruning
+        masks). Default: None."""
+        return None
+
+    def local_schedule(self, ctx: "ClientContext", task: ClientTask) -> list[torch.Tensor] | None:
+        """The batches of ``task``'s local training, as rows of the training set in the order it
+        takes them, when they are not its own data's epochs (Data-sharing adds the server's
+        shared samples); the loss it reports is that of the steps the shared trainer reports (its
+        last epoch; with ``train.local_steps``, the last ``1/train.local_epochs`` of them).
+        Default: None."""
+        return None
+
+    def local_momentum(self, ctx: "ClientContext", task: ClientTask) -> dict[str, torch.Tensor] | None:
+        """The momentum buffers (by parameter name) the local SGD of ``task`` starts from, when
+        :meth:`local_optimizer` says ``carried`` (FedDA's transmitted momentum); a cohort then
+        returns the trained buffers in the report's ``momentum``, as the method's own local
+        training does. Default: None."""
+        return None
 
     def default_client_half(self) -> bool:
         """Whether the client half is the default :meth:`client_update` (through
@@ -403,3 +467,25 @@ def _load(current: Any, saved: Any) -> Any:
     if isinstance(saved, dict):
         return {k: _load(None, v) for k, v in saved.items()}
     return saved
+
+
+def _members_batch(model: nn.Module, members: list[nn.Module], sgd: LocalSGD, objective: LocalObjective | None) -> bool:
+    """Whether a task whose model trains as ``members`` (:meth:`Algorithm.local_members`) can
+    join cohorts with the same numbers as its one-by-one run."""
+    if len(members) == 1 and members[0] is model:
+        return True
+    if sgd.persistent or sgd.carried or sgd.masked or objective is not None:
+        return False  # buffers, masks and rules are named by the model's parameters, not the members'
+    if len(members) > 1 and (sgd.clip is not None or any(
+            isinstance(m, nn.modules.dropout._DropoutNd) for m in model.modules())):
+        return False  # one norm over all members; one mask stream drawn member after member
+    return True
+
+
+def _joint_report(reports: list[dict[str, Any]]) -> dict[str, Any]:
+    """A task's report from its members': the loss is their sum (the ensemble's loss is the sum
+    of the members' cross-entropies), the steps are shared."""
+    if len(reports) == 1:
+        return reports[0]
+    return {"loss": float(sum(r["loss"] for r in reports)), "steps": reports[0]["steps"]}
+

@@ -197,6 +197,9 @@ class Cohort:
         self.frozen = {n: p.detach() for n, p in model.named_parameters() if not p.requires_grad}
         self.buffers = dict(model.named_buffers())
         self.objectives: list[LocalObjective] = []
+        #: each client's batches (rows of the training set) when its method gives them
+        #: (:meth:`~fedhetero.core.algorithm.Algorithm.local_schedule`); None: its own epochs
+        self.given: list[list[torch.Tensor] | None] | None = None
         lin = _flat_linear(model)
         self._linear = (lin + ".weight", lin + ".bias") if lin and set(self.names) == {lin + ".weight", lin + ".bias"} else None
         self.stacked: nn.Module | None = None
@@ -278,9 +281,12 @@ class Cohort:
         ctx, t = self.ctx, self.ctx.cfg.train
         bs = t.batch_size
         out = []
-        for task in self.tasks:
+        for j, task in enumerate(self.tasks):
             seq: list[torch.Tensor] = []
-            if t.local_steps is None:
+            given = self.given[j] if self.given is not None else None
+            if given is not None:
+                seq.extend(given)
+            elif t.local_steps is None:
                 for e in range(t.local_epochs):
                     rows = ctx.client_epoch_rows(task.cid, e)
                     seq.extend(rows[k: k + bs] for k in range(0, int(rows.numel()), bs))
@@ -308,15 +314,18 @@ class Cohort:
     def train(self, sgd: LocalSGD, objective: LocalObjective | None = None,
               consts: dict[str, Any] | None = None,
               momentum_buffers: Sequence[Mapping[str, torch.Tensor] | None] | None = None,
-              classes: Sequence[Sequence[int] | None] | None = None) -> list[dict[str, Any]]:
+              classes: Sequence[Sequence[int] | None] | None = None,
+              masks: Sequence[Mapping[str, torch.Tensor] | None] | None = None) -> list[dict[str, Any]]:
         """Local SGD as ``sgd`` states it for every client, with the method's ``objective`` (its
         rules applied to the stacked parameters, ``consts`` the clients' constants stacked by
         :func:`~fedhetero.core.objective.stack_consts`). ``momentum_buffers``: each client's
-        buffers from its last round (``sgd.persistent``; a parameter without one, or whose shape
+        buffers from its last round (``sgd.persistent``) or from the method (``sgd.carried``; a parameter without one, or whose shape
         changed, starts a new buffer, as :class:`torch.optim.SGD` does); the buffers to keep are
         left in :attr:`momentum_out`. ``classes``: each client's classes the cross-entropy sees
-        (the others' logits set to ``sgd.class_fill``; None: all). Returns each client's report
-        (``loss`` of its last epoch, ``steps``)."""
+        (the others' logits set to ``sgd.class_fill``; None: all). ``masks``: each client's
+        parameter masks (``sgd.masked``; a parameter without one is not masked), applied before
+        the first step and after every step. Returns each client's report (``loss`` of its last
+        epoch, ``steps``)."""
         grad_rule = objective.grad if objective is not None else None
         loss_rule = objective.loss if objective is not None else None
         c_all = consts or {}
@@ -330,12 +339,17 @@ class Cohort:
         c = len(seqs)
         dev, dt = ctx.device, ctx.dtype
         bufs: dict[str, torch.Tensor | None] = {n: None for n in self.names}
-        if momentum and sgd.persistent and momentum_buffers is not None and any(momentum_buffers):
+        carry = sgd.persistent or sgd.carried
+        if momentum and carry and momentum_buffers is not None and any(b is not None for b in momentum_buffers):
             for n in self.names:  # zeros where a client has none: the first step's 0·m + d is d
                 shape = tuple(self.params[n].shape[1:])
                 kept = [(b or {}).get(n) for b in momentum_buffers]
                 bufs[n] = torch.stack([k.to(dev, dt) if isinstance(k, torch.Tensor) and tuple(k.shape) == shape
                                        else torch.zeros(shape, device=dev, dtype=dt) for k in kept])
+        held = self._stacked_masks(masks) if sgd.masked and masks is not None else {}
+        with torch.no_grad():
+            for n, m in held.items():
+                self.params[n].mul_(m)
         losses: list[list[tuple[float, int]]] = [[] for _ in range(c)]
         images, labels = ctx.data.train.images, ctx.data.train.labels
         seen_logits = None
@@ -420,13 +434,15 @@ class Cohort:
                         d = d.add(buf, alpha=momentum) if nesterov else buf
                     shape = (c,) + (1,) * (d.dim() - 1)
                     p.sub_(d * active.view(shape).to(d.dtype), alpha=lr)
+                    if n in held:
+                        p.mul_(held[n])
             for i in range(c):
                 if step < steps[i]:
                     losses[i].append((float(per[i].detach()), int(mask[i].sum())))
         for drop in drops:
             drop.generators = drop.rows = None
         self.momentum_out = None
-        if momentum and sgd.persistent:
+        if momentum and carry:
             self.momentum_out = [{n: b[i].detach().to("cpu").clone() for n, b in bufs.items() if b is not None}
                                  for i in range(c)]
         reports = []
@@ -440,6 +456,18 @@ class Cohort:
             for i, report in enumerate(reports):
                 report[name] = float(total[i] / count[i])
         return reports
+
+    def _stacked_masks(self, masks: Sequence[Mapping[str, torch.Tensor] | None]) -> dict[str, torch.Tensor]:
+        """The clients' parameter masks stacked like :attr:`params` (ones where a client has
+        none), for the parameters any client masks."""
+        dev, dt = self.ctx.device, self.ctx.dtype
+        out = {}
+        for n in self.names:
+            if not any(m is not None and n in m for m in masks):
+                continue
+            ones = torch.ones(self.params[n].shape[1:], device=dev, dtype=dt)
+            out[n] = torch.stack([m[n].to(dev, dt) if m is not None and n in m else ones for m in masks])
+        return out
 
     def _references(self, objective: LocalObjective) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
         """Each reference model as a function of the cohort's batches: one shared model when
@@ -567,11 +595,14 @@ def train_cohort(
     initial: Sequence[Mapping[str, torch.Tensor]],
     sgds: Sequence[LocalSGD],
     momentum_buffers: Sequence[Mapping[str, torch.Tensor] | None] | None = None,
+    schedules: Sequence[list[torch.Tensor] | None] | None = None,
+    masks: Sequence[Mapping[str, torch.Tensor] | None] | None = None,
 ) -> tuple[Cohort, list[dict[str, Any]]] | None:
     """Train the clients of ``tasks`` together, each from its ``initial`` state, with its SGD
     (``sgds``: alike but for each client's ``classes``) and their objectives' shared rules; None when :func:`cohort_supported` says no or the objectives
     cannot share a cohort. Runs in the client scope of the first task (the round and the data
-    stream of the exchange)."""
+    stream of the exchange). ``schedules``: each client's batches when its method gives them
+    (None: its own epochs); ``masks``: each client's parameter masks (``sgd.masked``)."""
     if not cohort_supported(ctx, model, tasks):
         return None
     rules = cohort_rules(objectives)
@@ -585,11 +616,13 @@ def train_cohort(
     if co is None:
         return None
     co.objectives = [o for o in objectives if o is not None]
+    if schedules is not None and any(s is not None for s in schedules):
+        co.given = list(schedules)
     consts = None
     if objective is not None and objective.consts:
         consts = stack_consts([o.consts for o in co.objectives], co.names, ctx.device, ctx.dtype)
     if any(s.shared() != sgds[0].shared() for s in sgds):
         return None
     classes = [s.classes for s in sgds] if any(s.classes is not None for s in sgds) else None
-    reports = co.train(sgds[0].shared(), objective, consts, momentum_buffers, classes)
+    reports = co.train(sgds[0].shared(), objective, consts, momentum_buffers, classes, masks)
     return co, reports

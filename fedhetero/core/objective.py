@@ -57,7 +57,12 @@ class LocalSGD:
     client's momentum buffers are loaded from its last round and kept for its next
     (``train.optimizer_state: persistent``). ``classes``: the cross-entropy sees only these
     classes' logits, the others replaced by ``class_fill`` (HeteroFL's masked loss; per client,
-    so clients with different sets still share a cohort)."""
+    so clients with different sets still share a cohort). ``carried``: the momentum buffers start
+    from those the method hands the client (:meth:`~fedhetero.core.algorithm.Algorithm.local_momentum`)
+    and the trained ones are reported (FedDA's transmitted momentum). ``masked``: the parameters
+    are multiplied by the masks the method hands the client
+    (:meth:`~fedhetero.core.algorithm.Algorithm.local_masks`) before the first step and after
+    every step, so masked entries stay zero (IMC's pruning masks)."""
 
     lr: float
     momentum: float = 0.0
@@ -68,6 +73,8 @@ class LocalSGD:
     momentum_form: Literal["torch", "ema"] = "torch"
     classes: tuple[int, ...] | None = None
     class_fill: float = 0.0
+    carried: bool = False
+    masked: bool = False
 
     def shared(self) -> "LocalSGD":
         """What clients of one cohort must share (everything but their own ``classes``)."""

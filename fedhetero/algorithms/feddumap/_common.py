@@ -207,32 +207,49 @@ def sgd_epochs(
     batch_size: int | None = None,
     augment: bool | None = None,
     dataset: Any = None,
+    steps: int | None = None,
+    clip: float | None = None,
 ) -> dict[str, Any]:
-    """``epochs`` passes of mini-batch SGD over ``dataset[indices]`` (default: the training set).
+    """``epochs`` passes of mini-batch SGD over ``dataset[indices]`` (default: the training set),
+    or with ``steps`` that many steps over as many passes as they take (as ``train.local_steps``
+    counts them); ``clip``: the gradient norm clipped to before each step.
 
-    The batch order of epoch ``e`` comes from ``ctx.torch_generator(concern, *keys, e)``; the loss is
-    the mean cross-entropy. Returns ``{"loss": mean loss of the last epoch, "steps": int}``.
+    The batch order of pass ``e`` comes from ``ctx.torch_generator(concern, *keys, e)``; the loss is
+    the mean cross-entropy. Returns ``{"loss": mean loss of the last epoch (with ``steps``: of the
+    last ``steps/epochs`` steps, as the shared trainer reports), "steps": int}``.
     """
     ds = ctx.data.train if dataset is None else dataset
     bs = int(batch_size or ctx.cfg.train.batch_size)
     aug = ctx.cfg.data.augment if augment is None else bool(augment)
     model.train()
-    steps = 0
+    done = 0
     total, seen = 0.0, 0
-    for e in range(int(epochs)):
-        total, seen = 0.0, 0
+    first_reported = 0 if steps is None else int(steps) * (int(epochs) - 1) // int(epochs)
+    e = 0
+    while (e < int(epochs)) if steps is None else (done < int(steps)):
+        if steps is None:
+            total, seen = 0.0, 0
         gen = ctx.torch_generator(concern, *keys, e)
+        before = done
         for x, y in iterate_batches(ds, indices, bs, generator=gen, shuffle=True, augment=aug):
+            if steps is not None and done >= int(steps):
+                break
             x = x.to(ctx.device, ctx.dtype, non_blocking=True)
             y = y.to(ctx.device, non_blocking=True)
             optimizer.zero_grad(set_to_none=True)
             loss = F.cross_entropy(model(x), y)
             loss.backward()
+            if clip is not None:
+                torch.nn.utils.clip_grad_norm_([q for q in model.parameters() if q.grad is not None], clip)
             optimizer.step()
-            total += float(loss.detach()) * int(y.shape[0])
-            seen += int(y.shape[0])
-            steps += 1
-    return {"loss": total / max(seen, 1), "steps": steps}
+            if done >= first_reported:
+                total += float(loss.detach()) * int(y.shape[0])
+                seen += int(y.shape[0])
+            done += 1
+        if done == before:
+            break  # no data: no steps
+        e += 1
+    return {"loss": total / max(seen, 1), "steps": done}
 
 
 @torch.no_grad()
@@ -437,6 +454,11 @@ class ServerDataAlgorithm(Algorithm):
         cls = type(self)
         if cls.local_train is not ServerDataAlgorithm.local_train or cls.device_optimizer is not ServerDataAlgorithm.device_optimizer:
             return None
+        return self.device_sgd(ctx, task)
+
+    def device_sgd(self, ctx: "ClientContext", task: ClientTask) -> LocalSGD | None:
+        """:meth:`device_optimizer` as a :class:`LocalSGD` (None for ``torch_sgd`` momentum,
+        whose first step is undampened), with the configured clipping."""
         beta = float(self.opt("device_momentum", 0.0))
         if beta != 0.0 and self.opt("device_momentum_impl", "exact") != "exact":
             return None

@@ -38,7 +38,7 @@ FedDF (see the knowledge-distillation baselines of the toolkit).
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
@@ -57,7 +57,9 @@ from fedhetero.algorithms.feddumap.feddum import FedDUM, FedDUMOptions
 from fedhetero.algorithms.pruning.rates import magnitude_threshold
 from fedhetero.core.aggregation import weighted_average
 from fedhetero.core.config import option
+from fedhetero.core.objective import LocalSGD
 from fedhetero.core.types import ClientInfo, ClientResult, ClientTask, state_bytes
+from fedhetero.data.batches import epoch_order
 
 if TYPE_CHECKING:  # pragma: no cover
     from fedhetero.core.context import ClientContext, Context
@@ -143,17 +145,45 @@ class DataSharing(ServerDataAlgorithm):
 
     # ------------------------------------------------------------------ client half
     def local_train(self, ctx: "ClientContext", task: ClientTask, model: nn.Module) -> dict[str, Any]:
-        shared = np.asarray(task.payload["shared"], dtype=np.int64)
-        idx = np.concatenate([np.asarray(ctx.data.client_indices[task.cid], dtype=np.int64), shared])
+        t = ctx.cfg.train
         opt = self.device_optimizer(ctx, task, model)
-        res = sgd_epochs(ctx, model, idx, ctx.cfg.train.local_epochs, opt, concern="data",
-                         keys=(int(task.round), int(task.cid)))
-        res["shared_samples"] = int(len(shared))
-        return res
+        return sgd_epochs(ctx, model, self._local_indices(ctx, task), t.local_epochs, opt, concern="data",
+                          keys=(int(task.round), int(task.cid)), steps=t.local_steps, clip=t.clip_grad_norm)
+
+    @staticmethod
+    def _local_indices(ctx: "ClientContext", task: ClientTask) -> np.ndarray:
+        """The device's own training rows, then its shared server samples."""
+        shared = np.asarray(task.payload["shared"], dtype=np.int64)
+        return np.concatenate([np.asarray(ctx.data.client_indices[task.cid], dtype=np.int64), shared])
+
+    def local_optimizer(self, ctx: "ClientContext", task: ClientTask) -> LocalSGD | None:
+        """The device SGD of :meth:`local_train`, for a cohort whose batches are
+        :meth:`local_schedule`'s."""
+        if type(self).local_train is not DataSharing.local_train or type(self).device_optimizer is not ServerDataAlgorithm.device_optimizer:
+            return None
+        return self.device_sgd(ctx, task)
+
+    def local_schedule(self, ctx: "ClientContext", task: ClientTask) -> list[Tensor] | None:
+        """:meth:`local_train`'s batches: every pass a fresh order of the device's own and shared
+        samples, from the stream of (round, device, pass); ``train.local_epochs`` passes, or
+        ``train.local_steps`` steps."""
+        t = ctx.cfg.train
+        idx = torch.as_tensor(self._local_indices(ctx, task))
+        bs = int(t.batch_size)
+        out: list[Tensor] = []
+        e = 0
+        while (e < int(t.local_epochs)) if t.local_steps is None else (len(out) < int(t.local_steps)):
+            rows = epoch_order(ctx.data.train, idx, ctx.torch_generator("data", int(task.round), int(task.cid), e))
+            if not rows.numel():
+                break
+            out.extend(rows[k: k + bs] for k in range(0, int(rows.numel()), bs))
+            e += 1
+        return out if t.local_steps is None else out[: int(t.local_steps)]
 
     def upload(self, ctx: "ClientContext", task: ClientTask, model: nn.Module, result: dict[str, Any]) -> ClientResult:
         upd = super().upload(ctx, task, model, result)
-        s = int(result.get("shared_samples", 0))
+        s = len(task.payload["shared"])
+        upd.metrics["shared_samples"] = s
         upd.num_samples = int(task.num_samples) + s
         upd.metrics["samples_processed"] = upd.num_samples * int(ctx.cfg.train.local_epochs)
         upd.bytes_down += int(task.payload.get("shared_bytes", 0))
@@ -293,6 +323,23 @@ class FedDUDA(FedDU):
         res["momentum"] = {n: opt.state[p]["momentum_buffer"].detach().clone()
                            for n, p in model.named_parameters() if p.requires_grad}
         return res
+
+    def local_optimizer(self, ctx: "ClientContext", task: ClientTask) -> LocalSGD | None:
+        """Formula 10's device SGD for a cohort: the dampened buffer started at the global one and
+        carried back up. Both ``device_momentum_impl`` forms step alike from a given buffer
+        (``m ← β'·m + (1−β')·d``); without momentum the uploaded buffer is the last step's
+        direction, which only :meth:`local_train` keeps (one by one)."""
+        if type(self).local_train is not FedDUDA.local_train or type(self).device_optimizer is not FedDUDA.device_optimizer:
+            return None
+        beta = float(self.options.device_momentum)
+        if beta == 0.0:
+            return None
+        t = ctx.cfg.train
+        return LocalSGD(lr=float(task.payload["lr"]), momentum=beta, momentum_form="ema",
+                        weight_decay=float(t.weight_decay), clip=t.clip_grad_norm, carried=True)
+
+    def local_momentum(self, ctx: "ClientContext", task: ClientTask) -> dict[str, Tensor] | None:
+        return dict(task.payload["momentum"])
 
     def upload(self, ctx: "ClientContext", task: ClientTask, model: nn.Module, result: dict[str, Any]) -> ClientResult:
         """Model and final momentum go up; ``bytes_down`` (the payload: model and global momentum)
@@ -434,6 +481,17 @@ class IMC(ServerDataAlgorithm):
             _apply_masks(model, masks)
             opt.register_step_post_hook(lambda *_: _apply_masks(model, masks))
         return opt
+
+    def local_optimizer(self, ctx: "ClientContext", task: ClientTask) -> LocalSGD | None:
+        """The family's device SGD, with the masks (:meth:`device_optimizer`'s post-step hook)
+        applied before and after every step once the model is pruned."""
+        if type(self).local_train is not ServerDataAlgorithm.local_train or type(self).device_optimizer is not IMC.device_optimizer:
+            return None
+        sgd = self.device_sgd(ctx, task)
+        return None if sgd is None else replace(sgd, masked=bool(task.payload.get("masks")))
+
+    def local_masks(self, ctx: "ClientContext", task: ClientTask) -> dict[str, Tensor] | None:
+        return task.payload.get("masks") or None
 
     def upload(self, ctx: "ClientContext", task: ClientTask, model: nn.Module, result: dict[str, Any]) -> ClientResult:
         """With masks, ``bytes_up`` / ``bytes_down`` count the unmasked entries only (a sparse

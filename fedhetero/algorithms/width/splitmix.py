@@ -50,6 +50,7 @@ from fedhetero.core import budget as budget_mod
 from fedhetero.core.aggregation import weighted_average
 from fedhetero.core.algorithm import Algorithm
 from fedhetero.core.config import MethodOptions, option
+from fedhetero.core.objective import LocalSGD
 from fedhetero.core.types import ClientInfo, ClientResult, ClientTask
 from fedhetero.core.widths import WidthPlanner, narrowest_width_macs
 
@@ -213,6 +214,17 @@ class SplitMix(Algorithm):
             return res2
         finally:
             model.stack_outputs = False
+
+    def local_optimizer(self, ctx: "ClientContext", task: ClientTask) -> LocalSGD | None:
+        """The configured SGD, which :meth:`local_train` runs on every base, unless the budget
+        changes during the round (bases are then dropped mid-way: one by one)."""
+        return ctx.configured_sgd() if task.budget_after_change is None else None
+
+    def local_members(self, ctx: "ClientContext", task: ClientTask, model: nn.Module) -> list[nn.Module] | None:
+        """The bases: each trains on its own cross-entropy (:func:`ensemble_loss`), so a cohort
+        trains each as a trainee of its own on the client's batches."""
+        assert isinstance(model, BaseEnsemble)
+        return list(model.bases)
 
     def upload(
         self, ctx: "ClientContext", client: ClientTask, model: nn.Module, result: dict[str, Any]

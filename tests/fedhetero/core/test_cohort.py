@@ -319,6 +319,24 @@ def _spied(monkeypatch) -> list[int]:
         # classes, clipping, BatchNorm without running statistics (static BN)
         ("heterofl", {"train.local_steps": 4, "data.num_clients": 9}),
         ("fedrolex", {"train.local_steps": 4, "data.num_clients": 9, "train.rounds": 3}),
+        # SplitMix: every base a trainee of its own on its client's batches (1, 2 or 3 bases a
+        # client); with clipping the many-base clients run one by one beside batched one-base ones
+        ("splitmix", {"train.local_steps": 4, "data.num_clients": 9, "train.rounds": 2}),
+        ("splitmix", {"train.local_steps": 4, "data.num_clients": 9, "train.rounds": 2, "train.clip_grad_norm": 0.5}),
+        # FedDA: the device momentum starts at the global buffer and the trained buffer goes up, in
+        # both implementations of the device step
+        ("feddu_da", {"data.server_fraction": 0.1, "train.rounds": 3}),
+        ("feddu_da", {"data.server_fraction": 0.1, "train.rounds": 2,
+                      "algorithm.options": {"device_momentum_impl": "torch_sgd"}}),
+        # IMC: once pruned (round 1), the masks zero the pruned entries before and after every step
+        ("imc", {"algorithm.options": {"prune_round": 1, "prune_rate_mode": "fixed", "fixed_prune_rate": 0.5,
+                                       "device_momentum": 0.9},
+                 "data.server_fraction": 0.1, "train.rounds": 3}),
+        # Data-sharing: each device's epochs over its own and its shared server samples
+        ("data_sharing", {"data.server_fraction": 0.1, "train.rounds": 2,
+                          "algorithm.options": {"shared_samples": 30, "device_momentum": 0.9}}),
+        ("data_sharing", {"data.server_fraction": 0.1, "train.rounds": 2, "train.local_steps": 9,
+                          "train.clip_grad_norm": 0.5, "algorithm.options": {"shared_samples": 30}}),
     ],
 )
 def test_more_methods_and_models_train_as_cohorts(tmp_path, monkeypatch, name, over):
@@ -332,6 +350,20 @@ def test_more_methods_and_models_train_as_cohorts(tmp_path, monkeypatch, name, o
     assert sizes and sum(sizes) >= 2 * len(b.metrics)
     _close_states(_final(tmp_path / "one"), _final(tmp_path / "all"))
     _same_client_rows(a, b, same_fields=True)
+
+
+@pytest.mark.parametrize("clip", [None, 0.5])
+def test_splitmix_bases_train_as_trainees_of_their_own(tmp_path, monkeypatch, clip):
+    """Every SplitMix base is one trainee of a cohort; a clipped client with several bases (one
+    gradient norm over all of them) runs one by one, a one-base client still batches."""
+    sizes = _spied(monkeypatch)
+    over = {"train.local_steps": 4, "data.num_clients": 9, "train.rounds": 2, "train.clip_grad_norm": clip,
+            "engine.vectorize": True, "dtype": "float32"}
+    res = Engine(_fedavg_like("splitmix", **over), tmp_path / "r", progress=False).run()
+    bases = [c["num_bases"] for r in res.metrics for c in r["clients"]]
+    assert max(bases) > 1
+    expected = sum(bases) if clip is None else sum(b for b in bases if b == 1)
+    assert sum(sizes) == expected
 
 
 @pytest.mark.parametrize(
@@ -364,12 +396,9 @@ def test_structures_group_apart(tmp_path, monkeypatch, name, over, structures):
 
 
 def test_methods_that_train_otherwise_run_one_by_one(tmp_path, monkeypatch):
-    """A method whose local training is not plain SGD (Data-sharing trains on shared data too;
-    the FedDU family's device momentum in PyTorch's form, ``device_momentum_impl: torch_sgd``)
-    keeps its own client half."""
+    """A method whose local training is not plain SGD (the FedDU family's device momentum in
+    PyTorch's form, ``device_momentum_impl: torch_sgd``) keeps its own client half."""
     sizes = _spied(monkeypatch)
-    Engine(_fedavg_like("data_sharing", **{"data.server_fraction": 0.1, "engine.vectorize": True, "dtype": "float32"}),
-           tmp_path / "ds", progress=False).run()
     Engine(_fedavg_like("feddu", **{"data.server_fraction": 0.1, "engine.vectorize": True, "dtype": "float32",
                                     "algorithm.options": {"device_momentum": 0.5, "device_momentum_impl": "torch_sgd"}}),
            tmp_path / "m", progress=False).run()

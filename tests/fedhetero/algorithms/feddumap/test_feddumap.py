@@ -311,6 +311,25 @@ def test_every_algorithm_trains_end_to_end(tmp_path, name):
         assert all(c["num_samples"] > 8 and c["shared_samples"] == 8 for c in last)
 
 
+def test_data_sharing_follows_local_steps_and_clipping(tmp_path, monkeypatch):
+    """Data-sharing's devices take ``train.local_steps`` steps over their own and shared samples
+    (more passes than one when the steps ask for them), and clip as configured, as every other
+    device does; in epochs its numbers are those of the plain epoch loop."""
+    calls = []
+    real = torch.nn.utils.clip_grad_norm_
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", lambda params, c, *a, **k: calls.append(c) or real(params, c, *a, **k))
+    opts = {"shared_samples": 8}
+    Engine(_cfg("data_sharing", opts, local_steps=7, clip_grad_norm=0.25), tmp_path / "steps", progress=False).run()
+    rows = [c for r in _rows(tmp_path / "steps") for c in r["clients"]]
+    assert rows and all(c["steps"] == 7 for c in rows)
+    assert len(calls) == 7 * len(rows) and set(calls) == {0.25}
+    calls.clear()
+    Engine(_cfg("data_sharing", opts, local_epochs=2), tmp_path / "epochs", progress=False).run()
+    rows = [c for r in _rows(tmp_path / "epochs") for c in r["clients"]]
+    # two passes over own + shared samples, in batches of 32
+    assert all(c["steps"] == 2 * math.ceil(c["num_samples"] / 32) for c in rows) and calls == []
+
+
 def test_feddumap_resume_after_pruning_equals_uninterrupted(tmp_path):
     opts = dict(FAST_PRUNE, prune_round=0)
     cfg = _cfg("feddumap", opts, checkpoint_every=1)
