@@ -111,29 +111,29 @@ class StackedBatchNorm2d(nn.Module):
             if self.training and self.num_batches_tracked is not None:
                 self.num_batches_tracked.add_(1)
             return F.batch_norm(x, rm, rv, w, b, True, self.momentum, self.eps)
+        # the statistics over real rows only, in the (B, H, W, C·ch) layout a channels-last x has
+        # in memory (reductions over a 5-d view of the channel axis ran about a third slower)
         c, ch = self.clients, self.channels
         bsz, hw = x.shape[0], x.shape[2] * x.shape[3]
-        xs = x.unflatten(1, (c, ch))  # (B, C, ch, H, W)
-        m = self.mask.to(x.dtype).view(bsz, c, 1, 1, 1)
-        n = self.mask.to(x.dtype).sum(0) * hw  # (C,) values per channel
-        safe = n.clamp_min(1.0).view(c, 1)
-        mean = (xs * m).sum((0, 3, 4)) / safe
-        centred = xs - mean.view(1, c, ch, 1, 1)
-        var = (centred.square() * m).sum((0, 3, 4)) / safe
-        y = centred * torch.rsqrt(var + self.eps).view(1, c, ch, 1, 1)
-        y = y * w.view(1, c, ch, 1, 1) + b.view(1, c, ch, 1, 1)
+        xl = x.permute(0, 2, 3, 1)
+        per_row = self.mask.to(x.dtype)  # (B, C)
+        weights = per_row.repeat_interleave(ch, dim=1).view(bsz, 1, 1, c * ch)
+        n = per_row.sum(0) * hw  # (C,) values per channel
+        safe = n.clamp_min(1.0).repeat_interleave(ch)
+        mean = (xl * weights).sum((0, 1, 2)) / safe
+        centred = xl - mean
+        var = (centred.square() * weights).sum((0, 1, 2)) / safe
+        y = (centred * (torch.rsqrt(var + self.eps) * w) + b).permute(0, 3, 1, 2)
         if rm is None or rv is None or self.num_batches_tracked is None:
-            return y.flatten(1, 2)
+            return y
         with torch.no_grad():
-            active = (n > 0).view(c, 1)
-            unbiased = var * (n / (n - 1.0).clamp_min(1.0)).view(c, 1)
+            active = (n > 0).repeat_interleave(ch)
+            unbiased = var * (n / (n - 1.0).clamp_min(1.0)).repeat_interleave(ch)
             mom = self.momentum
-            new_mean = rm.view(c, ch) * (1 - mom) + mean.detach() * mom
-            new_var = rv.view(c, ch) * (1 - mom) + unbiased.detach() * mom
-            rm.copy_(torch.where(active, new_mean, rm.view(c, ch)).reshape(-1))
-            rv.copy_(torch.where(active, new_var, rv.view(c, ch)).reshape(-1))
-            self.num_batches_tracked.add_(active.view(c).to(self.num_batches_tracked.dtype))
-        return y.flatten(1, 2)
+            rm.copy_(torch.where(active, rm * (1 - mom) + mean.detach() * mom, rm))
+            rv.copy_(torch.where(active, rv * (1 - mom) + unbiased.detach() * mom, rv))
+            self.num_batches_tracked.add_((n > 0).to(self.num_batches_tracked.dtype))
+        return y
 
 
 class StackedGroupNorm(nn.Module):
