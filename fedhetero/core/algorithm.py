@@ -35,7 +35,7 @@ overrides only what differs. The hooks, by how often a method needs them:
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 import torch
 from torch import nn
@@ -236,10 +236,7 @@ class Algorithm:
         if sum(n > 0 for n in steps_of) < smallest:
             return out
         kept_in = optimizer_states or [None] * len(tasks)
-        # a trainee: (task index, member index, member model, initial state, SGD, objective, start
-        # buffers, batches, masks)
-        Trainee = tuple[int, int, nn.Module, dict[str, torch.Tensor], LocalSGD, LocalObjective | None, Any, Any, Any]
-        groups: dict[Any, list[Trainee]] = {}
+        groups: dict[Any, list[_Trainee]] = {}
         parts: dict[int, tuple[int, LocalSGD, LocalObjective | None]] = {}
         for i, (task, state) in enumerate(zip(tasks, states)):
             if steps_of[i] == 0:
@@ -266,24 +263,24 @@ class Algorithm:
                 for k, member in enumerate(members):
                     initial = {n: v.detach().clone() for n, v in member.state_dict().items()}
                     key = (structure_key(member), sgd.shared(), task.round, task.prelude, rules_key(objective))
-                    groups.setdefault(key, []).append((i, k, member, initial, sgd, objective, start, schedule, masks))
+                    groups.setdefault(key, []).append(_Trainee(i, k, member, initial, sgd, objective, start, schedule, masks))
         trained: dict[tuple[int, int], tuple[dict[str, torch.Tensor], dict[str, Any], Any]] = {}
         for members_of_key in groups.values():
-            model = members_of_key[0][2]
+            model = members_of_key[0].model
             cap = max(1, int(e.cohort_memory_mb * 2**20 // max(1, client_bytes(ctx, model))))
-            for plan in plan_cohorts([steps_of[m[0]] for m in members_of_key], min_size=smallest, max_size=cap):
+            for plan in plan_cohorts([steps_of[m.task] for m in members_of_key], min_size=smallest, max_size=cap):
                 chosen = [members_of_key[k] for k in plan]
-                sub = [tasks[m[0]] for m in chosen]
+                sub = [tasks[m.task] for m in chosen]
                 with ctx.client_scope(sub[0]):
-                    done = train_cohort(ctx, model, sub, [m[5] for m in chosen], [m[3] for m in chosen],
-                                        [m[4] for m in chosen], [m[6] for m in chosen], [m[7] for m in chosen],
-                                        [m[8] for m in chosen])
+                    done = train_cohort(ctx, model, sub, [m.objective for m in chosen], [m.initial for m in chosen],
+                                        [m.sgd for m in chosen], [m.momentum for m in chosen],
+                                        [m.schedule for m in chosen], [m.masks for m in chosen])
                 if done is None:
                     continue
                 co, reports = done
                 for j, m in enumerate(chosen):
                     buffers = co.momentum_out[j] if co.momentum_out is not None else None
-                    trained[(m[0], m[1])] = (co.state(j), dict(reports[j]), buffers)
+                    trained[(m.task, m.member)] = (co.state(j), dict(reports[j]), buffers)
         for i, (n, sgd, objective) in parts.items():
             if not all((i, k) in trained for k in range(n)):
                 continue  # a member found no cohort: the whole task runs one by one
@@ -467,6 +464,20 @@ def _load(current: Any, saved: Any) -> Any:
     if isinstance(saved, dict):
         return {k: _load(None, v) for k, v in saved.items()}
     return saved
+
+
+class _Trainee(NamedTuple):
+    """One model a cohort trains: a task's model, or one member of it (:meth:`Algorithm.local_members`)."""
+
+    task: int  # index into the exchange's tasks
+    member: int
+    model: nn.Module
+    initial: dict[str, torch.Tensor]
+    sgd: LocalSGD
+    objective: LocalObjective | None
+    momentum: Any  # buffers it starts from (kept or carried), or None
+    schedule: list[torch.Tensor] | None  # its batches when the method states them
+    masks: dict[str, torch.Tensor] | None
 
 
 def _members_batch(model: nn.Module, members: list[nn.Module], sgd: LocalSGD, objective: LocalObjective | None) -> bool:

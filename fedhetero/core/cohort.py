@@ -197,9 +197,6 @@ class Cohort:
         self.frozen = {n: p.detach() for n, p in model.named_parameters() if not p.requires_grad}
         self.buffers = dict(model.named_buffers())
         self.objectives: list[LocalObjective] = []
-        #: each client's batches (rows of the training set) when its method gives them
-        #: (:meth:`~fedhetero.core.algorithm.Algorithm.local_schedule`); None: its own epochs
-        self.given: list[list[torch.Tensor] | None] | None = None
         lin = _flat_linear(model)
         self._linear = (lin + ".weight", lin + ".bias") if lin and set(self.names) == {lin + ".weight", lin + ".bias"} else None
         self.stacked: nn.Module | None = None
@@ -275,17 +272,18 @@ class Cohort:
         return out.reshape(c, b, *out.shape[1:])
 
     # ------------------------------------------------------------------ data
-    def _schedules(self) -> list[list[torch.Tensor]]:
+    def _schedules(self, given: Sequence[list[torch.Tensor] | None] | None = None) -> list[list[torch.Tensor]]:
         """Each client's batches (as rows of the training set) in the order the one-by-one
-        trainer takes them."""
+        trainer takes them; ``given``: a client's own batches where its method states them
+        (:meth:`~fedhetero.core.algorithm.Algorithm.local_schedule`)."""
         ctx, t = self.ctx, self.ctx.cfg.train
         bs = t.batch_size
         out = []
         for j, task in enumerate(self.tasks):
             seq: list[torch.Tensor] = []
-            given = self.given[j] if self.given is not None else None
-            if given is not None:
-                seq.extend(given)
+            own = given[j] if given is not None else None
+            if own is not None:
+                seq.extend(own)
             elif t.local_steps is None:
                 for e in range(t.local_epochs):
                     rows = ctx.client_epoch_rows(task.cid, e)
@@ -315,7 +313,8 @@ class Cohort:
               consts: dict[str, Any] | None = None,
               momentum_buffers: Sequence[Mapping[str, torch.Tensor] | None] | None = None,
               classes: Sequence[Sequence[int] | None] | None = None,
-              masks: Sequence[Mapping[str, torch.Tensor] | None] | None = None) -> list[dict[str, Any]]:
+              masks: Sequence[Mapping[str, torch.Tensor] | None] | None = None,
+              schedules: Sequence[list[torch.Tensor] | None] | None = None) -> list[dict[str, Any]]:
         """Local SGD as ``sgd`` states it for every client, with the method's ``objective`` (its
         rules applied to the stacked parameters, ``consts`` the clients' constants stacked by
         :func:`~fedhetero.core.objective.stack_consts`). ``momentum_buffers``: each client's
@@ -324,7 +323,8 @@ class Cohort:
         left in :attr:`momentum_out`. ``classes``: each client's classes the cross-entropy sees
         (the others' logits set to ``sgd.class_fill``; None: all). ``masks``: each client's
         parameter masks (``sgd.masked``; a parameter without one is not masked), applied before
-        the first step and after every step. Returns each client's report (``loss`` of its last
+        the first step and after every step. ``schedules``: each client's batches where its
+        method states them (None: its own epochs). Returns each client's report (``loss`` of its last
         epoch, ``steps``)."""
         grad_rule = objective.grad if objective is not None else None
         loss_rule = objective.loss if objective is not None else None
@@ -334,7 +334,7 @@ class Cohort:
         ctx = self.ctx
         lr, momentum, wd, nesterov, clip = sgd.lr, sgd.momentum, sgd.weight_decay, sgd.nesterov, sgd.clip
         ema = sgd.momentum_form == "ema"
-        seqs = self._schedules()
+        seqs = self._schedules(schedules)
         steps = [len(s) for s in seqs]
         c = len(seqs)
         dev, dt = ctx.device, ctx.dtype
@@ -616,13 +616,11 @@ def train_cohort(
     if co is None:
         return None
     co.objectives = [o for o in objectives if o is not None]
-    if schedules is not None and any(s is not None for s in schedules):
-        co.given = list(schedules)
     consts = None
     if objective is not None and objective.consts:
         consts = stack_consts([o.consts for o in co.objectives], co.names, ctx.device, ctx.dtype)
     if any(s.shared() != sgds[0].shared() for s in sgds):
         return None
     classes = [s.classes for s in sgds] if any(s.classes is not None for s in sgds) else None
-    reports = co.train(sgds[0].shared(), objective, consts, momentum_buffers, classes, masks)
+    reports = co.train(sgds[0].shared(), objective, consts, momentum_buffers, classes, masks, schedules)
     return co, reports

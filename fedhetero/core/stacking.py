@@ -118,8 +118,8 @@ class StackedBatchNorm2d(nn.Module):
         xl = x.permute(0, 2, 3, 1)
         per_row = self.mask.to(x.dtype)  # (B, C)
         weights = per_row.repeat_interleave(ch, dim=1).view(bsz, 1, 1, c * ch)
-        n = per_row.sum(0) * hw  # (C,) values per channel
-        safe = n.clamp_min(1.0).repeat_interleave(ch)
+        n = (per_row.sum(0) * hw).repeat_interleave(ch)  # (C·ch,) values per channel
+        safe = n.clamp_min(1.0)
         mean = (xl * weights).sum((0, 1, 2)) / safe
         centred = xl - mean
         var = (centred.square() * weights).sum((0, 1, 2)) / safe
@@ -127,12 +127,12 @@ class StackedBatchNorm2d(nn.Module):
         if rm is None or rv is None or self.num_batches_tracked is None:
             return y
         with torch.no_grad():
-            active = (n > 0).repeat_interleave(ch)
-            unbiased = var * (n / (n - 1.0).clamp_min(1.0)).repeat_interleave(ch)
+            active = n > 0
+            unbiased = var * (n / (n - 1.0).clamp_min(1.0))
             mom = self.momentum
             rm.copy_(torch.where(active, rm * (1 - mom) + mean.detach() * mom, rm))
             rv.copy_(torch.where(active, rv * (1 - mom) + unbiased.detach() * mom, rv))
-            self.num_batches_tracked.add_((n > 0).to(self.num_batches_tracked.dtype))
+            self.num_batches_tracked.add_((per_row.sum(0) > 0).to(self.num_batches_tracked.dtype))
         return y
 
 

@@ -451,16 +451,21 @@ class ServerDataAlgorithm(Algorithm):
         """:meth:`local_train`'s SGD at the round's ``η_t``: plain, or with the device momentum of
         Formula 11 (``exact``: the dampened buffer from zero, restarted every round). One by one
         with ``torch_sgd`` momentum or another local training or device optimiser."""
-        cls = type(self)
-        if cls.local_train is not ServerDataAlgorithm.local_train or cls.device_optimizer is not ServerDataAlgorithm.device_optimizer:
-            return None
-        return self.device_sgd(ctx, task)
+        return self.device_sgd(ctx, task) if self.trains_as(ServerDataAlgorithm) else None
 
-    def device_sgd(self, ctx: "ClientContext", task: ClientTask) -> LocalSGD | None:
-        """:meth:`device_optimizer` as a :class:`LocalSGD` (None for ``torch_sgd`` momentum,
-        whose first step is undampened), with the configured clipping."""
+    def trains_as(self, owner: "type[ServerDataAlgorithm]") -> bool:
+        """Whether :meth:`local_train` and :meth:`device_optimizer` are still ``owner``'s, so that
+        the :meth:`local_optimizer` ``owner`` states describes them (a subclass that trains
+        otherwise states its own, or runs one by one)."""
+        cls = type(self)
+        return cls.local_train is owner.local_train and cls.device_optimizer is owner.device_optimizer
+
+    def device_sgd(self, ctx: "ClientContext", task: ClientTask, given_buffer: bool = False) -> LocalSGD | None:
+        """:meth:`device_optimizer` as a :class:`LocalSGD`, with the configured clipping. None for
+        ``torch_sgd`` momentum started from zero, whose first step is undampened; from a
+        ``given_buffer`` both forms step ``m ← β'·m + (1−β')·d``."""
         beta = float(self.opt("device_momentum", 0.0))
-        if beta != 0.0 and self.opt("device_momentum_impl", "exact") != "exact":
+        if beta != 0.0 and not given_buffer and self.opt("device_momentum_impl", "exact") != "exact":
             return None
         t = ctx.cfg.train
         return LocalSGD(lr=float(task.payload["lr"]), momentum=beta, momentum_form="ema",

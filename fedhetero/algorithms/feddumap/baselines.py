@@ -159,9 +159,7 @@ class DataSharing(ServerDataAlgorithm):
     def local_optimizer(self, ctx: "ClientContext", task: ClientTask) -> LocalSGD | None:
         """The device SGD of :meth:`local_train`, for a cohort whose batches are
         :meth:`local_schedule`'s."""
-        if type(self).local_train is not DataSharing.local_train or type(self).device_optimizer is not ServerDataAlgorithm.device_optimizer:
-            return None
-        return self.device_sgd(ctx, task)
+        return self.device_sgd(ctx, task) if self.trains_as(DataSharing) else None
 
     def local_schedule(self, ctx: "ClientContext", task: ClientTask) -> list[Tensor] | None:
         """:meth:`local_train`'s batches: every pass a fresh order of the device's own and shared
@@ -329,17 +327,13 @@ class FedDUDA(FedDU):
         carried back up. Both ``device_momentum_impl`` forms step alike from a given buffer
         (``m ← β'·m + (1−β')·d``); without momentum the uploaded buffer is the last step's
         direction, which only :meth:`local_train` keeps (one by one)."""
-        if type(self).local_train is not FedDUDA.local_train or type(self).device_optimizer is not FedDUDA.device_optimizer:
+        if not self.trains_as(FedDUDA) or float(self.options.device_momentum) == 0.0:
             return None
-        beta = float(self.options.device_momentum)
-        if beta == 0.0:
-            return None
-        t = ctx.cfg.train
-        return LocalSGD(lr=float(task.payload["lr"]), momentum=beta, momentum_form="ema",
-                        weight_decay=float(t.weight_decay), clip=t.clip_grad_norm, carried=True)
+        sgd = self.device_sgd(ctx, task, given_buffer=True)
+        return None if sgd is None else replace(sgd, carried=True)
 
     def local_momentum(self, ctx: "ClientContext", task: ClientTask) -> dict[str, Tensor] | None:
-        return dict(task.payload["momentum"])
+        return task.payload["momentum"]
 
     def upload(self, ctx: "ClientContext", task: ClientTask, model: nn.Module, result: dict[str, Any]) -> ClientResult:
         """Model and final momentum go up; ``bytes_down`` (the payload: model and global momentum)
@@ -485,9 +479,7 @@ class IMC(ServerDataAlgorithm):
     def local_optimizer(self, ctx: "ClientContext", task: ClientTask) -> LocalSGD | None:
         """The family's device SGD, with the masks (:meth:`device_optimizer`'s post-step hook)
         applied before and after every step once the model is pruned."""
-        if type(self).local_train is not ServerDataAlgorithm.local_train or type(self).device_optimizer is not IMC.device_optimizer:
-            return None
-        sgd = self.device_sgd(ctx, task)
+        sgd = self.device_sgd(ctx, task) if self.trains_as(IMC) else None
         return None if sgd is None else replace(sgd, masked=bool(task.payload.get("masks")))
 
     def local_masks(self, ctx: "ClientContext", task: ClientTask) -> dict[str, Tensor] | None:
