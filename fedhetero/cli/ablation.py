@@ -13,7 +13,7 @@ __all__ = ["CHOICES", "add_parser", "run"]
 
 #: the variants of :data:`fedhetero.lab.ablation.CHOICES`, named here so that the parser does not
 #: import the lab (numpy) at start-up; a test keeps the two equal
-CHOICES = ("default", "bn-reset", "anchor-calibrated", "anchor-frozen", "saliency-random", "branches-1x1_kxk",
+CHOICES = ("default", "sum-gamma", "bn-reset", "anchor-calibrated", "anchor-frozen", "saliency-random", "branches-1x1_kxk",
            "grow-block", "no-fill", "tiers-1x", "global-bn", "rep-weights",
            "rep-calibrated", "branches-reset", "block-mean",
            "block-mean-calibrated")
@@ -36,6 +36,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--seeds", default="0,1,2")
     p.add_argument("--choice-betas", default="0.5", help="Dirichlet β of the choices runs (FedAP runs at the first)")
     p.add_argument("--choices", default=",".join(CHOICES), help=f"DynamicFL variants ({', '.join(CHOICES)})")
+    p.add_argument("--dynamicfl-choice", default="default", metavar="CHOICE",
+                   help="the DynamicFL variant of the methods table (default: the shipped one; "
+                   "sum-gamma regenerates the tables made before the default changed)")
     p.add_argument("--no-fedap", action="store_true", help="leave out the FedAP runs")
     p.add_argument("--jobs", type=int, default=max(1, os.cpu_count() or 1), help="runs in parallel (one thread each)")
     p.add_argument("--no-run", action="store_true", help="only build the tables from finished runs")
@@ -51,5 +54,5 @@ def run(args: argparse.Namespace) -> int:
     return run_ablation(
         config=args.config, overrides=args.set, out=args.out, betas=floats(args.betas), seeds=ints(args.seeds),
         choice_betas=floats(args.choice_betas), choices=names(args.choices), fedap=not args.no_fedap,
-        jobs=args.jobs, run=not args.no_run,
+        jobs=args.jobs, run=not args.no_run, dynamicfl_choice=args.dynamicfl_choice,
     )

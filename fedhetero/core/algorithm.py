@@ -43,7 +43,7 @@ from torch import nn
 from fedhetero.core.aggregation import weighted_average
 from fedhetero.core.cohort import client_bytes, client_steps, plan_cohorts, structure_key, train_cohort
 from fedhetero.core.context import ClientContext, Context, RunContext
-from fedhetero.core.objective import LocalObjective, LocalSGD, rules_key
+from fedhetero.core.objective import LocalObjective, LocalPhase, LocalSGD, rules_key
 from fedhetero.core.types import (
     ClientInfo,
     ClientResult,
@@ -218,7 +218,8 @@ class Algorithm:
         A task can join a cohort when the method keeps the default client half
         (:meth:`default_client_half`) and its local training is plain SGD
         (:meth:`local_optimizer`); a model made of independent members (:meth:`local_members`)
-        joins as one trainee per member. Trainees are grouped by their model's structure (so
+        joins as one trainee per member, and a phase of SGD before the local training
+        (:meth:`local_prelude`) runs in the cohort first. Trainees are grouped by their model's structure (so
         width methods group by width), SGD settings and objective rules, then by their number of
         steps (:func:`~fedhetero.core.cohort.plan_cohorts`), cohorts capped by
         ``engine.cohort_memory_mb``; :meth:`client_model` and :meth:`upload` run per task as
@@ -258,12 +259,19 @@ class Algorithm:
                     if auto_cpu and steps_of[i] < AUTO_MIN_STEPS:
                         continue
                 start = self.local_momentum(ctx, task) if sgd.carried else kept_in[i]
+                if sgd.carried and start is None and sgd.persistent:
+                    start = kept_in[i]  # no buffers handed over: the client's kept ones
                 masks = self.local_masks(ctx, task) if sgd.masked else None
+                prelude = self.local_prelude(ctx, task, model)
+                if prelude is not None and (len(members) > 1 or _has_dropout(model)):
+                    continue  # one mask stream runs through both phases: one by one
                 parts[i] = (len(members), sgd, objective)
+                phase = None if prelude is None else (prelude.key, prelude.sgd.shared(), len(prelude.schedule))
                 for k, member in enumerate(members):
                     initial = {n: v.detach().clone() for n, v in member.state_dict().items()}
-                    key = (structure_key(member), sgd.shared(), task.round, task.prelude, rules_key(objective))
-                    groups.setdefault(key, []).append(_Trainee(i, k, member, initial, sgd, objective, start, schedule, masks))
+                    key = (structure_key(member), sgd.shared(), task.round, task.prelude, rules_key(objective), phase)
+                    groups.setdefault(key, []).append(
+                        _Trainee(i, k, member, initial, sgd, objective, start, schedule, masks, prelude))
         trained: dict[tuple[int, int], tuple[dict[str, torch.Tensor], dict[str, Any], Any]] = {}
         for members_of_key in groups.values():
             model = members_of_key[0].model
@@ -274,7 +282,8 @@ class Algorithm:
                 with ctx.client_scope(sub[0]):
                     done = train_cohort(ctx, model, sub, [m.objective for m in chosen], [m.initial for m in chosen],
                                         [m.sgd for m in chosen], [m.momentum for m in chosen],
-                                        [m.schedule for m in chosen], [m.masks for m in chosen])
+                                        [m.schedule for m in chosen], [m.masks for m in chosen],
+                                        [m.prelude for m in chosen])
                 if done is None:
                     continue
                 co, reports = done
@@ -298,8 +307,8 @@ class Algorithm:
                 if objective is not None and objective.finish is not None:
                     objective.finish(result)
             kept = None
-            if ctx.cfg.train.optimizer_state == "persistent" and not sgd.carried:
-                kept = buffers if buffers is not None else kept_in[i]
+            if ctx.cfg.train.optimizer_state == "persistent" and (not sgd.carried or sgd.persistent):
+                kept = buffers if buffers is not None and sgd.keep else kept_in[i]
             result.client_state = merge_optimizer_state(result.client_state, states[i], kept)
             out[i] = result
         return out
@@ -339,6 +348,13 @@ class Algorithm:
         shared samples); the loss it reports is that of the steps the shared trainer reports (its
         last epoch; with ``train.local_steps``, the last ``1/train.local_epochs`` of them).
         Default: None."""
+        return None
+
+    def local_prelude(self, ctx: "ClientContext", task: ClientTask, model: nn.Module) -> LocalPhase | None:
+        """The phase of plain SGD on other inputs, towards soft targets, that ``task``'s local
+        training runs before its own (DS-FL's distillation on open data), as a
+        :class:`~fedhetero.core.objective.LocalPhase`, so that a cohort runs it too; called
+        after :meth:`local_optimizer` said how the local training itself goes. Default: None."""
         return None
 
     def local_momentum(self, ctx: "ClientContext", task: ClientTask) -> dict[str, torch.Tensor] | None:
@@ -478,6 +494,11 @@ class _Trainee(NamedTuple):
     momentum: Any  # buffers it starts from (kept or carried), or None
     schedule: list[torch.Tensor] | None  # its batches when the method states them
     masks: dict[str, torch.Tensor] | None
+    prelude: LocalPhase | None  # the phase its local training runs first
+
+
+def _has_dropout(model: nn.Module) -> bool:
+    return any(isinstance(m, nn.modules.dropout._DropoutNd) for m in model.modules())
 
 
 def _members_batch(model: nn.Module, members: list[nn.Module], sgd: LocalSGD, objective: LocalObjective | None) -> bool:
@@ -487,8 +508,7 @@ def _members_batch(model: nn.Module, members: list[nn.Module], sgd: LocalSGD, ob
         return True
     if sgd.persistent or sgd.carried or sgd.masked or objective is not None:
         return False  # buffers, masks and rules are named by the model's parameters, not the members'
-    if len(members) > 1 and (sgd.clip is not None or any(
-            isinstance(m, nn.modules.dropout._DropoutNd) for m in model.modules())):
+    if len(members) > 1 and (sgd.clip is not None or _has_dropout(model)):
         return False  # one norm over all members; one mask stream drawn member after member
     return True
 

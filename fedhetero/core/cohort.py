@@ -52,7 +52,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fedhetero.core.features import has_hidden_layers
-from fedhetero.core.objective import Batch, LocalObjective, LocalSGD, cohort_rules, frozen_reference, stack_consts
+from fedhetero.core.objective import Batch, LocalObjective, LocalPhase, LocalSGD, cohort_rules, frozen_reference, stack_consts
 from fedhetero.core.stacking import client_shapes, load_clients, stack_model, stacked_dropouts, stacked_layers, views
 from fedhetero.core.types import derive_seed
 from fedhetero.data.batches import num_batches
@@ -314,7 +314,8 @@ class Cohort:
               momentum_buffers: Sequence[Mapping[str, torch.Tensor] | None] | None = None,
               classes: Sequence[Sequence[int] | None] | None = None,
               masks: Sequence[Mapping[str, torch.Tensor] | None] | None = None,
-              schedules: Sequence[list[torch.Tensor] | None] | None = None) -> list[dict[str, Any]]:
+              schedules: Sequence[list[torch.Tensor] | None] | None = None,
+              source: tuple[torch.Tensor, torch.Tensor] | None = None) -> list[dict[str, Any]]:
         """Local SGD as ``sgd`` states it for every client, with the method's ``objective`` (its
         rules applied to the stacked parameters, ``consts`` the clients' constants stacked by
         :func:`~fedhetero.core.objective.stack_consts`). ``momentum_buffers``: each client's
@@ -324,8 +325,11 @@ class Cohort:
         (the others' logits set to ``sgd.class_fill``; None: all). ``masks``: each client's
         parameter masks (``sgd.masked``; a parameter without one is not masked), applied before
         the first step and after every step. ``schedules``: each client's batches where its
-        method states them (None: its own epochs). Returns each client's report (``loss`` of its last
-        epoch, ``steps``)."""
+        method states them (None: its own epochs). ``source``: ``(images, targets)`` the schedules'
+        rows index instead of the training set, the targets one probability vector per image (a
+        :class:`~fedhetero.core.objective.LocalPhase`; the loss is then ``KL(target ‖
+        softmax(output))``). Returns each client's report (``loss`` over the steps
+        ``sgd.loss_over`` says, ``steps``)."""
         grad_rule = objective.grad if objective is not None else None
         loss_rule = objective.loss if objective is not None else None
         c_all = consts or {}
@@ -351,7 +355,8 @@ class Cohort:
             for n, m in held.items():
                 self.params[n].mul_(m)
         losses: list[list[tuple[float, int]]] = [[] for _ in range(c)]
-        images, labels = ctx.data.train.images, ctx.data.train.labels
+        images, labels = (ctx.data.train.images, ctx.data.train.labels) if source is None else source
+        soft = labels.is_floating_point()
         seen_logits = None
         if classes is not None:  # (C, 1, K): the logits each client's loss sees
             seen_logits = torch.ones((c, 1, ctx.num_classes), dtype=torch.bool, device=dev)
@@ -378,7 +383,7 @@ class Cohort:
             gathered = _scratch(images, flat.numel())
             torch.index_select(images, 0, flat, out=gathered)
             x = gathered.reshape(c, size, *images.shape[1:]).to(dev, dt)
-            y = labels.index_select(0, flat).reshape(c, size).to(dev)
+            y = labels.index_select(0, flat).reshape(c, size, *labels.shape[1:]).to(dev)
             mask = mask.to(dev)
             counts = mask.sum(1).clamp_min(1.0)
             if self.stacked is not None:  # BatchNorm leaves padded rows out of its statistics
@@ -391,7 +396,11 @@ class Cohort:
                         drop.rows = real
             out = self.forward(self.params, x)
             logits = out if seen_logits is None else out.masked_fill(~seen_logits, float(sgd.class_fill))
-            ce = F.cross_entropy(logits.reshape(c * size, -1), y.reshape(-1), reduction="none").reshape(c, size)
+            if soft:  # KL(target ‖ softmax(output)) of each row, as F.kl_div sums it
+                logp = F.log_softmax(logits.reshape(c * size, -1), dim=1)
+                ce = F.kl_div(logp, y.reshape(c * size, -1).to(logp.dtype), reduction="none").sum(1).reshape(c, size)
+            else:
+                ce = F.cross_entropy(logits.reshape(c * size, -1), y.reshape(-1), reduction="none").reshape(c, size)
             per = (ce * mask).sum(1) / counts
             if loss_rule is not None:
 
@@ -402,7 +411,9 @@ class Cohort:
                     return refs[name](x)
 
                 step_records: dict[str, list[torch.Tensor]] = {}  # this step's values
-                per = per + loss_rule(Batch(out, c_all, ref, masked_mean, step_records))
+                real = [int(seqs[i][step].numel()) if step < steps[i] else 0 for i in range(c)]
+                per = per + loss_rule(Batch(out, c_all, ref, masked_mean, step_records, labels=y, params=self.params,
+                                            own=[o.own for o in self.objectives], rows=real))
                 for name, values in step_records.items():
                     records.setdefault(name, []).append((values[-1], active))
             if self.stacked is not None:
@@ -447,7 +458,14 @@ class Cohort:
                                  for i in range(c)]
         reports = []
         for i in range(c):
-            keep = [losses[i][s] for s in self._last_epoch_steps(steps[i]) if s < len(losses[i])]
+            if sgd.loss_over == "steps":  # the plain mean of the steps' batch means
+                mean = sum(v for v, _ in losses[i]) / len(losses[i]) if losses[i] else float("nan")
+                reports.append({"loss": mean, "steps": steps[i]})
+                continue
+            if sgd.loss_over == "all":
+                keep = losses[i]
+            else:
+                keep = [losses[i][s] for s in self._last_epoch_steps(steps[i]) if s < len(losses[i])]
             seen = sum(n for _, n in keep)
             reports.append({"loss": sum(v * n for v, n in keep) / seen if seen else float("nan"), "steps": steps[i]})
         for name, recorded in records.items():  # what the rules recorded: each client's mean over its steps
@@ -597,12 +615,15 @@ def train_cohort(
     momentum_buffers: Sequence[Mapping[str, torch.Tensor] | None] | None = None,
     schedules: Sequence[list[torch.Tensor] | None] | None = None,
     masks: Sequence[Mapping[str, torch.Tensor] | None] | None = None,
+    preludes: "Sequence[LocalPhase | None] | None" = None,
 ) -> tuple[Cohort, list[dict[str, Any]]] | None:
     """Train the clients of ``tasks`` together, each from its ``initial`` state, with its SGD
     (``sgds``: alike but for each client's ``classes``) and their objectives' shared rules; None when :func:`cohort_supported` says no or the objectives
     cannot share a cohort. Runs in the client scope of the first task (the round and the data
     stream of the exchange). ``schedules``: each client's batches when its method gives them
-    (None: its own epochs); ``masks``: each client's parameter masks (``sgd.masked``)."""
+    (None: its own epochs); ``masks``: each client's parameter masks (``sgd.masked``);
+    ``preludes``: each client's phase before its local training (all None, or all alike: their
+    ``key``), whose loss goes into the report under its ``report`` name."""
     if not cohort_supported(ctx, model, tasks):
         return None
     rules = cohort_rules(objectives)
@@ -622,5 +643,15 @@ def train_cohort(
     if any(s.shared() != sgds[0].shared() for s in sgds):
         return None
     classes = [s.classes for s in sgds] if any(s.classes is not None for s in sgds) else None
+    first = preludes[0] if preludes else None
+    if first is not None:
+        assert preludes is not None
+        if any(p is None or p.key != first.key or p.sgd.shared() != first.sgd.shared() for p in preludes):
+            return None
+        before = co.train(first.sgd.shared(), schedules=[p.schedule for p in preludes if p is not None],
+                          source=(first.images, first.targets))
     reports = co.train(sgds[0].shared(), objective, consts, momentum_buffers, classes, masks, schedules)
+    if first is not None:
+        for report, done in zip(reports, before):
+            report[first.report] = done["loss"]
     return co, reports

@@ -18,7 +18,12 @@ across a cohort), never through its closure, which may hold only the method's op
   every backward, without autograd, before clipping and the optimiser step;
 * ``loss(batch)`` returns the term added to the mean cross-entropy of the step, reducing over the
   batch with :meth:`Batch.mean`; ``batch.out`` is the model's output (or its penultimate features
-  with ``representation="features"``) and :meth:`Batch.ref` the same for a reference model.
+  with ``representation="features"``) and :meth:`Batch.ref` the same for a reference model. A
+  rule that draws random numbers per client or runs the client's own layers on other inputs
+  (FedGen's generated features through the client's classifier) does so through
+  :meth:`Batch.each` (per-client values of :attr:`LocalObjective.own`, such as each client's random
+  generator, stacked across a cohort), :meth:`Batch.linear` (the client's own linear layer) and
+  :attr:`Batch.labels`.
 
 :attr:`LocalObjective.finish` runs on the client's :class:`~fedhetero.core.types.ClientResult`
 after the upload is built (control-variate updates, the state a client keeps): per-task values
@@ -37,7 +42,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from fedhetero.core.types import ClientResult
 
 __all__ = [
-    "Batch", "GradRule", "LocalObjective", "LocalSGD", "LossRule", "Tensors", "cohort_rules", "move_consts", "proximal",
+    "Batch", "GradRule", "LocalObjective", "LocalPhase", "LocalSGD", "LossRule", "Tensors", "cohort_rules", "move_consts", "proximal",
     "rules_key", "stack_consts",
 ]
 
@@ -62,7 +67,13 @@ class LocalSGD:
     and the trained ones are reported (FedDA's transmitted momentum). ``masked``: the parameters
     are multiplied by the masks the method hands the client
     (:meth:`~fedhetero.core.algorithm.Algorithm.local_masks`) before the first step and after
-    every step, so masked entries stay zero (IMC's pruning masks)."""
+    every step, so masked entries stay zero (IMC's pruning masks). With ``carried`` and
+    ``persistent`` the buffers start from the client's kept ones where the method hands it none,
+    and ``keep`` says whether the trained ones are kept for its next round (else the kept ones
+    stay: DynaComm keeps them only after a round's last exchange). ``loss_over``: the steps whose
+    loss the report gives, sample-weighted: those of the last epoch (the shared trainer's
+    report) or ``"all"`` of them (a window of steps, DynaComm's); ``"steps"``: the plain mean
+    of every step's batch mean (a distillation phase's, :class:`LocalPhase`)."""
 
     lr: float
     momentum: float = 0.0
@@ -75,10 +86,31 @@ class LocalSGD:
     class_fill: float = 0.0
     carried: bool = False
     masked: bool = False
+    keep: bool = True
+    loss_over: Literal["last_epoch", "all", "steps"] = "last_epoch"
 
     def shared(self) -> "LocalSGD":
         """What clients of one cohort must share (everything but their own ``classes``)."""
         return replace(self, classes=None) if self.classes is not None else self
+
+
+@dataclass
+class LocalPhase:
+    """A phase of plain SGD that a client runs before its local training, on other inputs than
+    its own data with soft targets (DS-FL's distillation towards the server's soft labels on
+    open data; :meth:`~fedhetero.core.algorithm.Algorithm.local_prelude`): ``sgd`` (its report's
+    loss is ``sgd.loss_over``'s), the phase's ``images`` and the ``targets`` (one probability
+    vector per image) its loss is ``KL(target ‖ softmax(output))`` towards (batch mean), the
+    ``schedule`` of batches as rows of ``images``, and ``report``: the name the loss is reported
+    under. ``key``: what clients whose phases train together share (their ``images`` and
+    ``targets`` are then equal: the method guarantees it, e.g. one broadcast per round)."""
+
+    sgd: LocalSGD
+    images: torch.Tensor
+    targets: torch.Tensor
+    schedule: list[torch.Tensor]
+    report: str
+    key: Any
 
 
 @dataclass
@@ -89,7 +121,8 @@ class LocalObjective:
     name (only the trainable parameters' entries are kept). ``references``: frozen models (state
     dicts of the configured model at full width) whose outputs :meth:`Batch.ref` returns.
     ``representation``: ``"features"`` makes ``batch.out`` and ``batch.ref`` the penultimate
-    features (the logits for a model without hidden layers)."""
+    features (the logits for a model without hidden layers). ``own``: a per-client value the loss
+    rule uses as it is, never stacked (a random generator), through :meth:`Batch.each`."""
 
     grad: GradRule | None = None
     loss: LossRule | None = None
@@ -97,6 +130,7 @@ class LocalObjective:
     references: dict[str, Mapping[str, torch.Tensor]] = field(default_factory=dict)
     representation: Literal["logits", "features"] = "logits"
     finish: Callable[["ClientResult"], None] | None = None
+    own: Any = None
 
 
 class Batch:
@@ -110,6 +144,11 @@ class Batch:
         ref: Callable[[str], torch.Tensor],
         mean: Callable[[torch.Tensor], torch.Tensor],
         records: dict[str, list[torch.Tensor]],
+        *,
+        labels: torch.Tensor | None = None,
+        params: Mapping[str, torch.Tensor] | None = None,
+        own: Any = None,
+        rows: Sequence[int] | None = None,
     ) -> None:
         self.out = out
         self.c = consts
@@ -117,6 +156,43 @@ class Batch:
         self._mean = mean
         self._records = records
         self._refs: dict[str, torch.Tensor] = {}
+        #: the batch's labels (``out.shape[:-1]``; a padded row's label is arbitrary)
+        self.labels = labels
+        self._params = params or {}
+        self._own = own
+        #: None for one client; in a cohort, each client's number of real rows in this batch
+        self.rows = list(rows) if rows is not None else None
+
+    def each(self, draw: Callable[[Any, int], Sequence[torch.Tensor]], padded: Sequence[bool]) -> list[torch.Tensor]:
+        """``draw(own, rows)`` for the client (its :attr:`LocalObjective.own` and its batch's
+        number of rows), returning tensors; in a cohort, called client by client (not for a
+        client whose steps are done) and each tensor stacked along a leading client axis, the
+        ones marked ``padded`` (their first axis counts the batch's rows) padded with zeros to
+        the cohort's batch size."""
+        if self.rows is None:
+            return list(draw(self._own, int(self.out.shape[0])))
+        size = int(self.out.shape[1])
+        values = [draw(own, n) if n > 0 else None for own, n in zip(self._own, self.rows)]
+        first = next(v for v in values if v is not None)
+        out = []
+        for k, pad in enumerate(padded):
+            like = first[k]
+            shape = ((size,) + tuple(like.shape[1:])) if pad else tuple(like.shape)
+            stacked = torch.zeros((len(values), *shape), dtype=like.dtype, device=like.device)
+            for i, v in enumerate(values):
+                if v is not None:
+                    stacked[i, : v[k].shape[0]] = v[k]
+            out.append(stacked)
+        return out
+
+    def linear(self, name: str, z: torch.Tensor) -> torch.Tensor:
+        """The client's own linear layer ``name`` (its current weight and bias, with their
+        gradients) applied to ``z`` (``(n, in)``; in a cohort ``(C, n, in)``, each client's rows
+        through its own layer)."""
+        w, b = self._params[f"{name}.weight"], self._params[f"{name}.bias"]
+        if self.rows is None:
+            return torch.nn.functional.linear(z, w, b)
+        return torch.baddbmm(b.unsqueeze(1), z, w.transpose(1, 2))
 
     def record(self, name: str, value: torch.Tensor) -> None:
         """Report ``value`` (one per client, as :meth:`mean` returns) in the client's metrics as

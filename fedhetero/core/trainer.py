@@ -276,7 +276,8 @@ class LocalTrainer:
         def combined(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
             z = tap.features if isinstance(tap, FeatureTap) else out
             assert z is not None  # the tap saw this step's forward
-            return base(out, y) + loss_rule(Batch(z, consts, ref, torch.mean, records))
+            return base(out, y) + loss_rule(Batch(z, consts, ref, torch.mean, records, labels=y, params=params,
+                                                  own=objective.own))
 
         try:
             with tap:

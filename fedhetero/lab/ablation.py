@@ -7,10 +7,12 @@ tiers, sampled clients and budgets):
 
 * **methods**: FedAvg, DynamicFL, HeteroFL, FedRolex, SplitMix at every Dirichlet β, tiers as in
   the config (1 : 2 : 3 by default; the width methods' full model is the largest tier's budget);
-* **choices**: DynamicFL with one choice changed at a time (anchor BN set-up, BN statistics kept
-  or reset, saliency on/off, branch set, nested growth, budget fill) at each β of
-  ``--choice-betas``, judged on the
-  validation hold-out (``data.val_fraction``), never on the test set;
+* **choices**: DynamicFL variants (:data:`CHOICES`: anchor BN set-up, BN statistics kept or reset,
+  saliency on/off, branch set, nested growth, budget fill, REP's scale, the block step…) at each β
+  of ``--choice-betas``, judged on the validation hold-out (``data.val_fraction``), never on the
+  test set. Each variant is stated in full, not relative to the shipped default, so a table keeps
+  its meaning when a default changes; the methods table's DynamicFL is the variant
+  ``--dynamicfl-choice`` names (the shipped one by default);
 * **fedap**: FedAvg and FedAP (one-shot adaptive pruning) on the BN-free FedDUMAP CNN: the FLOPs
   cut and the accuracy it costs.
 
@@ -36,30 +38,42 @@ __all__ = ["CHOICES", "METHODS", "build_tables", "plan", "run_ablation"]
 
 METHODS = ("fedavg", "dynamicfl", "heterofl", "fedrolex", "splitmix")
 
-#: DynamicFL variants: name -> (what changes, overrides). "default" is the shipped configuration.
+#: The form DynamicFL had before its default changed (REP puts the global kernel's scale into the
+#: anchor BN's γ; a block steps by the sum of its branches' steps). Every variant below that was
+#: measured against that form states it, so that the tables made with it still regenerate.
+FIRST_FORM = ["algorithm.options.rep_scale=gamma", "algorithm.options.block_step=sum"]
+
+#: DynamicFL variants: name -> (what changes, overrides), each stated in full (not relative to the
+#: shipped default, which may change). "default" is the shipped configuration.
 CHOICES: dict[str, tuple[str, list[str]]] = {
-    "default": ("as shipped", []),
-    "bn-reset": ("anchor BN statistics reset every round (not kept in the client's private state)",
-                 ["algorithm.options.bn_stats=reset"]),
-    "anchor-calibrated": ("anchor BN calibrated on client batches", ["algorithm.options.anchor_norm=calibrated"]),
-    "anchor-frozen": ("anchor BN frozen identity", ["algorithm.options.anchor_norm=frozen_identity"]),
-    "saliency-random": ("saliency off: branches folded / grown at random", ["algorithm.options.saliency=random"]),
-    "branches-1x1_kxk": ("branch set: 1x1_kxk only", ["algorithm.options.branches=[1x1_kxk]"]),
-    "grow-block": ("no nested growth (branches of the host convs only)", ["algorithm.options.grow_mode=block"]),
-    "no-fill": ("no budget fill", ["algorithm.options.fill_budget=false"]),
-    "tiers-1x": ("every tier at 1× (the control: what re-parameterisation adds over FedAvg)",
+    "default": ("as shipped (block step mean, REP calibrated)", []),
+    "sum-gamma": ("the first-built form: REP gamma, a block steps by the sum of its branches' steps "
+                  "(the default before it changed)", FIRST_FORM),
+    "bn-reset": ("sum-gamma with the anchor BN statistics reset every round (not kept in the client's private state)",
+                 ["algorithm.options.bn_stats=reset", *FIRST_FORM]),
+    "anchor-calibrated": ("sum-gamma with the anchor BN calibrated on client batches",
+                          ["algorithm.options.anchor_norm=calibrated", *FIRST_FORM]),
+    "anchor-frozen": ("sum-gamma with the anchor BN a frozen identity",
+                      ["algorithm.options.anchor_norm=frozen_identity", *FIRST_FORM]),
+    "saliency-random": ("sum-gamma with saliency off: branches folded / grown at random",
+                        ["algorithm.options.saliency=random", *FIRST_FORM]),
+    "branches-1x1_kxk": ("sum-gamma with the branch set 1x1_kxk only", ["algorithm.options.branches=[1x1_kxk]", *FIRST_FORM]),
+    "grow-block": ("sum-gamma without nested growth (branches of the host convs only)",
+                   ["algorithm.options.grow_mode=block", *FIRST_FORM]),
+    "no-fill": ("sum-gamma without budget fill", ["algorithm.options.fill_budget=false", *FIRST_FORM]),
+    "tiers-1x": ("every tier at 1× (the control: what re-parameterisation adds over FedAvg), as shipped",
                  ["budget.tiers=[{name: small, ratio: 1.0, share: 1.0}]"]),
-    "global-bn": ("the global model keeps its BatchNorm (host form; at 1× this is FedAvg)",
-                  ["algorithm.options.global_form=host"]),
-    "rep-weights": ("REP puts the global kernel's scale into the anchor conv weights (γ kept; the old REP)",
-                    ["algorithm.options.rep_scale=weights"]),
-    "rep-calibrated": ("after REP the anchor BN statistics are measured on the client's own batches",
-                       ["algorithm.options.rep_scale=calibrated"]),
-    "branches-reset": ("a returning client's stored branches restart from a zero output (structure kept)",
-                       ["algorithm.options.stored_branches=reset"]),
-    "block-mean": ("a block's SGD step moves its merged kernel by the mean of its branches' steps, not the sum",
-                   ["algorithm.options.block_step=mean"]),
-    "block-mean-calibrated": ("block-mean and rep-calibrated together (no late dips at the paper's length)",
+    "global-bn": ("the global model keeps its BatchNorm (host form; at 1× this is FedAvg), block step sum",
+                  ["algorithm.options.global_form=host", "algorithm.options.block_step=sum"]),
+    "rep-weights": ("REP puts the global kernel's scale into the anchor conv weights (γ kept; the old REP), block step sum",
+                    ["algorithm.options.rep_scale=weights", "algorithm.options.block_step=sum"]),
+    "rep-calibrated": ("after REP the anchor BN statistics are measured on the client's own batches, block step sum",
+                       ["algorithm.options.rep_scale=calibrated", "algorithm.options.block_step=sum"]),
+    "branches-reset": ("sum-gamma with a returning client's stored branches restarting from a zero output (structure kept)",
+                       ["algorithm.options.stored_branches=reset", *FIRST_FORM]),
+    "block-mean": ("a block's SGD step moves its merged kernel by the mean of its branches' steps, REP gamma",
+                   ["algorithm.options.block_step=mean", "algorithm.options.rep_scale=gamma"]),
+    "block-mean-calibrated": ("block-mean and rep-calibrated together (the shipped form)",
                               ["algorithm.options.block_step=mean", "algorithm.options.rep_scale=calibrated"]),
 }
 
@@ -70,23 +84,33 @@ def _fmt(x: float) -> str:
     return f"{x:g}"
 
 
+def _dynamicfl_dir(choice: str) -> str:
+    """The methods table's DynamicFL folder: ``dynamicfl`` as shipped, ``dynamicfl-<choice>`` otherwise."""
+    return "dynamicfl" if choice == "default" else f"dynamicfl-{choice}"
+
+
 def plan(betas: list[float], seeds: list[int], choice_betas: list[float], choices: list[str],
-         fedap: bool) -> dict[str, tuple[str, dict[str, Any], list[str]]]:
+         fedap: bool, dynamicfl_choice: str = "default") -> dict[str, tuple[str, dict[str, Any], list[str]]]:
     """Run name -> (group, facts, overrides). The choices run at every β of ``choice_betas``;
-    FedAP at the first."""
+    FedAP at the first. The methods table's DynamicFL is the variant ``dynamicfl_choice`` (the
+    shipped one by default), and that choice's runs are the same runs."""
     runs: dict[str, tuple[str, dict[str, Any], list[str]]] = {}
     for b in betas:
         for m in METHODS:
             for s in seeds:
-                name = f"methods/beta{_fmt(b)}/{m}/s{s}"
-                runs[name] = ("methods", {"beta": b, "method": m, "seed": s},
-                              [f"algorithm.name={m}", f"data.alpha={b}", f"seed={s}"])
+                folder = _dynamicfl_dir(dynamicfl_choice) if m == "dynamicfl" else m
+                extra = CHOICES[dynamicfl_choice][1] if m == "dynamicfl" else []
+                name = f"methods/beta{_fmt(b)}/{folder}/s{s}"
+                facts: dict[str, Any] = {"beta": b, "method": m, "seed": s}
+                if m == "dynamicfl":
+                    facts["form"] = dynamicfl_choice
+                runs[name] = ("methods", facts, [f"algorithm.name={m}", f"data.alpha={b}", f"seed={s}", *extra])
     for cb in choice_betas:
         for c in choices:
             for s in seeds:
                 name = f"choices/beta{_fmt(cb)}/{c}/s{s}"
-                if c == "default" and cb in betas:
-                    name = f"methods/beta{_fmt(cb)}/dynamicfl/s{s}"  # the same run
+                if c == dynamicfl_choice and cb in betas:
+                    name = f"methods/beta{_fmt(cb)}/{_dynamicfl_dir(c)}/s{s}"  # the same run
                 if name in runs:  # shared with the methods table
                     runs[name][1].update(choice=c)
                     continue
@@ -135,6 +159,13 @@ def _accuracies(ss: list[dict[str, Any]]) -> tuple[list[float], list[float]]:
             [100 * s["final_val_accuracy"] for s in ss if s.get("final_val_accuracy") is not None])
 
 
+def _label(runs: dict[str, tuple[str, dict[str, Any], list[str]]]) -> str:
+    """The methods table's DynamicFL row: ``dynamicfl``, with its variant when that is not the shipped one."""
+    forms = {f.get("form", "default") for g, f, _ in runs.values() if g == "methods" and f.get("method") == "dynamicfl"}
+    form = forms.pop() if len(forms) == 1 else "default"
+    return "dynamicfl" if form == "default" else f"dynamicfl ({form})"
+
+
 def build_tables(out: Path, runs: dict[str, tuple[str, dict[str, Any], list[str]]]) -> dict[str, Any]:
     """Read the finished runs; write and return the three tables and the numbers."""
     got: dict[str, dict[str, Any]] = {}
@@ -170,7 +201,8 @@ def build_tables(out: Path, runs: dict[str, tuple[str, dict[str, Any], list[str]
         if not any(t != "–" for t in test_cells):
             continue
         use = _use_cell(uses)
-        lines.append(f"| {m} | " + " | ".join(test_cells) + " | " + " | ".join(val_cells) + f" | {use} |")
+        label = m if m != "dynamicfl" else _label(runs)
+        lines.append(f"| {label} | " + " | ".join(test_cells) + " | " + " | ".join(val_cells) + f" | {use} |")
     t_methods = "\n".join(lines)
     # ---- accuracy of the model each tier deploys (width methods: a narrower sub-model below the top tier)
     lines = ["| method | " + " | ".join(f"β = {_fmt(b)}: test % per tier" for b in betas) + " |",
@@ -232,17 +264,18 @@ def build_tables(out: Path, runs: dict[str, tuple[str, dict[str, Any], list[str]
 
 
 def run_ablation(*, config: str, overrides: list[str], out: str | Path, betas: list[float], seeds: list[int],
-                 choice_betas: list[float], choices: list[str], fedap: bool, jobs: int, run: bool) -> int:
+                 choice_betas: list[float], choices: list[str], fedap: bool, jobs: int, run: bool,
+                 dynamicfl_choice: str = "default") -> int:
     """``fedhetero dynamicfl-ablation``: run (with ``run``) the unfinished runs of :func:`plan` from the
     base ``config`` with ``overrides``, ``jobs`` at a time, into ``out``; write and print the tables;
     returns the exit status (1 when runs are missing, 2 for an unknown choice)."""
     console = make_console()
     load_config(config, overrides=overrides)  # one clear error for a bad base config
-    bad = [c for c in choices if c not in CHOICES]
+    bad = [c for c in [*choices, dynamicfl_choice] if c not in CHOICES]
     if bad:
         console.print(f"unknown choice(s) {', '.join(bad)}; choose from {', '.join(CHOICES)}", markup=False)
         return 2
-    runs = plan(betas, seeds, choice_betas, choices, fedap)
+    runs = plan(betas, seeds, choice_betas, choices, fedap, dynamicfl_choice)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     wall = 0.0

@@ -61,7 +61,7 @@ the mean over rounds in ``summary.json``; see :mod:`fedhetero.algorithms.dynacom
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 import numpy as np
@@ -73,6 +73,7 @@ from fedhetero.algorithms.dynacomm import selection as dc
 from fedhetero.core.aggregation import weighted_average
 from fedhetero.core.algorithm import Algorithm
 from fedhetero.core.config import OPTIONS_PATH, MethodOptions, option, require
+from fedhetero.core.objective import LocalSGD
 from fedhetero.core.types import ClientInfo, ClientResult, ClientTask, state_bytes
 from fedhetero.data import num_batches
 
@@ -422,11 +423,14 @@ class DynaComm(Algorithm):
         self.server_momentum = {k: v.detach().clone() for k, v in state.get("server_momentum", {}).items()}
 
     # ---------------------------------------------------------------- client half
-    def client_update(self, ctx, task: ClientTask, state: dict[str, Any] | None) -> ClientResult:
+    # The default client half (client_model → local_train → upload), so that the clients of an
+    # exchange whose window is plain SGD train as one cohort (local_optimizer, local_schedule,
+    # local_momentum); the summed-gradient mode runs one by one.
+    def local_train(self, ctx, task: ClientTask, model) -> dict[str, Any]:
         """Run ``payload["steps"]`` local steps from ``payload["state"]``, continuing the
         client's batch stream at step ``payload["start"]`` of the round and its momentum buffer
-        from ``payload["momentum"]`` (the one it had at its last sync in this round)."""
-        model = self.client_model(ctx, task, state)
+        from ``payload["momentum"]`` (the one it had at its last sync in this round); in
+        gradient mode, the gradient of one step instead."""
         p = task.payload
         first, steps = int(p["start"]), int(p["steps"])
         if p.get("mode") == "gradient":
@@ -450,20 +454,59 @@ class DynaComm(Algorithm):
             # hand the buffers to the context so that train.optimizer_state: persistent keeps
             # them to the client's next round (a trainer call of zero epochs only does that)
             ctx.train(model, task, 0, optimizer=opt)
+        return {"loss": loss_sum / seen if seen else math.nan, "steps": steps, "momentum": buffers}
+
+    def local_optimizer(self, ctx, task: ClientTask) -> LocalSGD | None:
+        """A window's local SGD for a cohort: the configured SGD, its momentum carried in from the
+        client's last sync of the round (else, with ``persistent``, from its last round) and out
+        again, kept to its next round only after the round's last exchange; the loss over the
+        whole window. None in gradient mode."""
+        if task.payload.get("mode") == "gradient":
+            return None
+        return replace(ctx.configured_sgd(), carried=True, keep=bool(task.payload.get("final")), loss_over="all")
+
+    def local_schedule(self, ctx, task: ClientTask) -> list[torch.Tensor]:
+        """The window's batches as rows of the training set: step ``s`` of the round takes batch
+        ``s mod P`` of pass ``⌊s/P⌋`` (as :meth:`_steps` does)."""
+        p = task.payload
+        first, steps = int(p["start"]), int(p["steps"])
+        bs = ctx.cfg.train.batch_size
+        per_pass = num_batches(len(ctx.data.client_indices[task.cid]), bs)
+        passes: dict[int, torch.Tensor] = {}
+        out = []
+        for step in range(first, first + steps):
+            pss, pos = divmod(step, per_pass)
+            if pss not in passes:
+                passes[pss] = ctx.client_epoch_rows(task.cid, pss)
+            out.append(passes[pss][pos * bs: (pos + 1) * bs])
+        return out
+
+    def local_momentum(self, ctx, task: ClientTask) -> dict[str, torch.Tensor] | None:
+        return task.payload.get("momentum")
+
+    def upload(self, ctx, task: ClientTask, model, result: dict[str, Any]) -> ClientResult:
+        """The trained model (with the momentum buffers to relay through the server, which count
+        in neither direction: in a deployment they never leave the client), or in gradient mode
+        the gradient and the model's floating buffers."""
+        p = task.payload
+        if p.get("mode") == "gradient":
+            grad = result.pop("grad")
+            buffers = result.pop("buffers")
+            return ClientResult.of(task, buffers, macs=ctx.macs(model), payload={"grad": grad}, metrics=result,
+                                   bytes_up=state_bytes(grad))  # the gradient only: the buffers' upload is not counted
+        momentum = result.pop("momentum", None)
         upload = {k: v.detach().clone() for k, v in model.state_dict().items()}
-        # the momentum buffers relayed through the server count in neither direction (in a
-        # deployment they never leave the client)
         return ClientResult.of(
             task,
             upload,
             macs=ctx.macs(model),
-            payload={"momentum": buffers} if buffers else {},
-            metrics={"loss": loss_sum / seen if seen else math.nan, "steps": steps},
+            payload={"momentum": momentum} if momentum else {},
+            metrics=result,
             bytes_up=state_bytes(upload),
             bytes_down=state_bytes(p["state"]),
         )
 
-    def _gradient(self, ctx, task: ClientTask, model, step: int) -> ClientResult:
+    def _gradient(self, ctx, task: ClientTask, model, step: int) -> dict[str, Any]:
         """The clipped gradient at the received model on the batch of local step ``step``, and
         the model's floating buffers after that forward pass (summed-gradient DynamicSGD)."""
         t = ctx.cfg.train
@@ -489,14 +532,7 @@ class DynaComm(Algorithm):
         }
         params = {n for n, _ in model.named_parameters()}
         buffers = {k: v.detach().clone() for k, v in model.state_dict().items() if k not in params}
-        return ClientResult.of(
-            task,
-            buffers,
-            macs=ctx.macs(model),
-            payload={"grad": grad},
-            metrics={"loss": float(loss.detach()), "steps": 1},
-            bytes_up=state_bytes(grad),  # the gradient only: the buffers' upload is not counted
-        )
+        return {"loss": float(loss.detach()), "steps": 1, "grad": grad, "buffers": buffers}
 
     @staticmethod
     def _steps(ctx, task: ClientTask, model, opt, first: int, steps: int) -> tuple[float, int]:

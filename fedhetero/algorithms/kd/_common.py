@@ -88,16 +88,21 @@ def public_batches(
     reshuffled with ``generator``. Images are moved to ``ctx.device`` in the run's dtype.
     """
     idx = torch.as_tensor(np.asarray(indices, dtype=np.int64))
-    n = int(idx.numel())
+    images = public_source(ctx).images
+    for pos in public_positions(int(idx.numel()), batch_size, generator):
+        x = images[idx[pos].to(images.device)]
+        yield x.to(ctx.device, ctx.dtype, non_blocking=True), pos
+
+
+def public_positions(n: int, batch_size: int, generator: torch.Generator) -> Iterator[torch.Tensor]:
+    """The positions (into ``n`` public indices) of :func:`public_batches`' batches: an endless
+    stream, each pass over the ``n`` in an order drawn from ``generator``."""
     if n == 0:
         raise PublicDataError("the public split is empty")
-    images = public_source(ctx).images
     while True:
         perm = torch.randperm(n, generator=generator)
         for start in range(0, n, batch_size):
-            pos = perm[start : start + batch_size]
-            x = images[idx[pos].to(images.device)]
-            yield x.to(ctx.device, ctx.dtype, non_blocking=True), pos
+            yield perm[start : start + batch_size]
 
 
 def kd_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:

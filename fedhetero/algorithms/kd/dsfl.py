@@ -47,12 +47,14 @@ from fedhetero.algorithms.kd._common import (
     distill,
     public_batches,
     public_indices,
+    public_positions,
     public_source,
     soft_kd_loss,
 )
 from fedhetero.core import budget as budget_mod
 from fedhetero.core.algorithm import Algorithm
 from fedhetero.core.config import MethodOptions, option
+from fedhetero.core.objective import LocalPhase, LocalSGD
 from fedhetero.core.types import ClientInfo, ClientResult, ClientTask
 from fedhetero.core.widths import narrowest_width_macs
 
@@ -118,11 +120,14 @@ class DSFL(Algorithm):
             self._round_subset = (ctx.round, torch.as_tensor(self.pool[chosen], dtype=torch.long))
         return self._round_subset[1]
 
+    def _kd_steps(self, indices: torch.Tensor) -> int:
+        return self.options.kd_epochs * math.ceil(len(indices) / self.options.kd_batch_size)
+
     def _distill_to(
         self, ctx: "RunContext", model: nn.Module, indices: torch.Tensor, q: torch.Tensor, gen: torch.Generator
     ) -> dict[str, Any]:
         opts = self.options
-        steps = opts.kd_epochs * math.ceil(len(indices) / opts.kd_batch_size)
+        steps = self._kd_steps(indices)
         batches = public_batches(ctx, indices.numpy(), opts.kd_batch_size, gen)
 
         def loss_fn(out: torch.Tensor, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
@@ -171,12 +176,41 @@ class DSFL(Algorithm):
         out: dict[str, Any] = {}
         p = client.payload
         if "prev_q" in p and "prev_indices" in p:
-            gen = ctx.torch_generator("client", client.round, client.cid, 1)
+            gen = self._kd_generator(ctx, client)
             kd = self._distill_to(ctx, model, p["prev_indices"], p["prev_q"], gen)
             out["kd_loss"] = kd["kd_loss"]
         res = ctx.train(model, client, ctx.cfg.train.local_epochs)
         out.update(res)
         return out
+
+    @staticmethod
+    def _kd_generator(ctx: "ClientContext", task: ClientTask) -> torch.Generator:
+        """The order of the client's distillation batches, from (round, client)."""
+        return ctx.torch_generator("client", task.round, task.cid, 1)
+
+    # A cohort runs the same two phases (fedhetero.core.cohort): the distillation as a prelude
+    # of plain SGD towards q_{t−1}, then the configured local SGD.
+    def local_optimizer(self, ctx: "ClientContext", task: ClientTask) -> LocalSGD | None:
+        return ctx.configured_sgd()
+
+    def local_prelude(self, ctx: "ClientContext", task: ClientTask, model: nn.Module) -> LocalPhase | None:
+        """The distillation on ``S_{t−1}`` towards ``q_{t−1}``: SGD at ``kd_lr`` without momentum,
+        ``kd_epochs`` passes in the client's order; the same open images and soft labels for
+        every client of the round."""
+        p = task.payload
+        if "prev_q" not in p or "prev_indices" not in p:
+            return None
+        indices = p["prev_indices"]
+        opts = self.options
+        order = public_positions(len(indices), opts.kd_batch_size, self._kd_generator(ctx, task))
+        schedule = [next(order) for _ in range(self._kd_steps(indices))]
+        key = ("dsfl-prelude", int(task.round))  # one broadcast of S_{t−1} and q_{t−1} per round
+        held = ctx.cache.get("dsfl-prelude")
+        if held is None or held[0] != key:  # the round's open images, gathered once per process
+            images = public_source(ctx).images
+            held = ctx.cache["dsfl-prelude"] = (key, images[indices.to(images.device)])
+        return LocalPhase(sgd=LocalSGD(lr=opts.kd_lr, loss_over="steps"), images=held[1],
+                          targets=p["prev_q"], schedule=schedule, report="kd_loss", key=key)
 
     def upload(
         self, ctx: "ClientContext", client: ClientTask, model: nn.Module, result: dict[str, Any]

@@ -60,6 +60,7 @@ from fedhetero.core.features import classifier_of
 from fedhetero.core.aggregation import weighted_average
 from fedhetero.core.algorithm import Algorithm
 from fedhetero.core.config import MethodOptions, option
+from fedhetero.core.objective import Batch, LocalObjective
 from fedhetero.core.types import ClientInfo, ClientResult, ClientTask
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -217,50 +218,62 @@ class FedGen(Algorithm):
             self.gen_optimizer.load_state_dict(opt_state)
 
     # ---------------------------------------------------------------- client half
-    def client_update(self, ctx: "ClientContext", task: ClientTask, state: dict[str, Any] | None) -> ClientResult:
-        model = self.client_model(ctx, task)
-        if "generator" in task.payload:
-            report = self._regularised_train(ctx, task, model)
-        else:
-            report = self.local_train(ctx, task, model)
-        result = self.upload(ctx, task, model, report)
+    # The default client half: from round 2 the generator's terms are the local objective (so
+    # the clients of a round train as one cohort), and the label counts go up with the model.
+    def upload(self, ctx: "ClientContext", task: ClientTask, model: nn.Module, result: dict[str, Any]) -> ClientResult:
+        out = super().upload(ctx, task, model, result)
         counts = torch.as_tensor(ctx.data.train.label_histogram(ctx.data.client_indices[task.cid]), dtype=torch.long)
-        result.payload["label_counts"] = counts
-        result.bytes_up += int(counts.numel() * counts.element_size())
-        return result
+        out.payload["label_counts"] = counts
+        out.bytes_up += int(counts.numel() * counts.element_size())
+        return out
 
-    def _regularised_train(self, ctx: "ClientContext", task: ClientTask, model: nn.Module) -> dict[str, Any]:
+    def local_objective(self, ctx: "ClientContext", task: ClientTask, state: dict[str, Any] | None) -> LocalObjective | None:
+        """From round 2 (the generator is in the payload): the generated-feature cross-entropy
+        through the client's own classifier and the KL towards its prediction on features
+        generated for the batch's labels (module docstring). Noise and labels are drawn from the
+        client's own generator, step by step, in the order: the batch's noise, the drawn labels,
+        their noise."""
+        if "generator" not in task.payload:
+            return None
         o = self.options
-        _, head = classifier_of(model, ctx.num_classes)
+        head_key, head = classifier_of(self.client_model(ctx, task), ctx.num_classes)
         feature_dim = head.in_features
         generator = ctx.reusable(
             ("fedgen", "generator", o.noise_dim, o.hidden_dim, feature_dim),
             lambda: Generator(o.noise_dim, ctx.num_classes, o.hidden_dim, feature_dim).to(ctx.device, ctx.dtype),
         )
-        generator.load_state_dict(task.payload["generator"])
+        generator.load_state_dict(task.payload["generator"])  # the round's, the same for every client
         generator.eval()
         labels = task.payload["labels"].to(torch.long)
         decay = o.reg_decay ** (int(task.round) - 1)
         alpha, beta = o.alpha * decay, o.beta * decay
         gen_batch = int(o.gen_batch_size or ctx.cfg.train.batch_size)
         ratio = gen_batch / ctx.cfg.train.batch_size
-        rng = ctx.torch_generator("algorithm", task.round, task.cid)
-        terms: dict[str, list[torch.Tensor]] = {"teacher": [], "latent": []}
+        device, dtype = ctx.device, ctx.dtype
 
-        def loss_fn(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        def draws(rng: torch.Generator, rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            eps = torch.rand(rows, o.noise_dim, generator=rng).to(device, dtype)
+            y_hat = _label_draw(labels, gen_batch, rng).to(device)
+            eps_hat = torch.rand(gen_batch, o.noise_dim, generator=rng).to(device, dtype)
+            return eps, y_hat, eps_hat
+
+        def generated(y: torch.Tensor, eps: torch.Tensor) -> torch.Tensor:  # G on any leading axes
+            return generator(y.reshape(-1), eps.reshape(-1, o.noise_dim)).reshape(*y.shape, feature_dim)
+
+        def loss(batch: Batch) -> torch.Tensor:
+            eps, y_hat, eps_hat = batch.each(draws, padded=(True, False, False))
+            assert batch.labels is not None
             with torch.no_grad():
-                z_y = generator(y, torch.rand(len(y), o.noise_dim, generator=rng).to(ctx.device, ctx.dtype))
-                y_hat = _label_draw(labels, gen_batch, rng).to(ctx.device)
-                z_hat = generator(y_hat, torch.rand(gen_batch, o.noise_dim, generator=rng).to(ctx.device, ctx.dtype))
-                target = torch.softmax(head(z_y), dim=1)
-            latent = F.kl_div(F.log_softmax(out, dim=1), target, reduction="batchmean")
-            teacher = F.cross_entropy(head(z_hat), y_hat)
-            terms["teacher"].append(teacher.detach())
-            terms["latent"].append(latent.detach())
-            return F.cross_entropy(out, y) + alpha * ratio * teacher + beta * latent
+                z_y = generated(batch.labels, eps)
+                z_hat = generated(y_hat, eps_hat)
+                target = torch.softmax(batch.linear(head_key, z_y), dim=-1)
+            logp = torch.log_softmax(batch.out, dim=-1)
+            latent = batch.mean(F.kl_div(logp, target, reduction="none").sum(-1))
+            logits = batch.linear(head_key, z_hat)
+            teacher = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y_hat.reshape(-1),
+                                      reduction="none").reshape(y_hat.shape).mean(-1)
+            batch.record("teacher_loss", teacher)
+            batch.record("latent_loss", latent)
+            return alpha * ratio * teacher + beta * latent
 
-        report = ctx.train(model, task, ctx.cfg.train.local_epochs, loss_fn=loss_fn)
-        for name, values in terms.items():
-            if values:
-                report[f"{name}_loss"] = float(torch.stack(values).mean())
-        return report
+        return LocalObjective(loss=loss, own=ctx.torch_generator("algorithm", task.round, task.cid))

@@ -337,6 +337,23 @@ def _spied(monkeypatch) -> list[int]:
                           "algorithm.options": {"shared_samples": 30, "device_momentum": 0.9}}),
         ("data_sharing", {"data.server_fraction": 0.1, "train.rounds": 2, "train.local_steps": 9,
                           "train.clip_grad_norm": 0.5, "algorithm.options": {"shared_samples": 30}}),
+        # DynaComm: every exchange's windows of steps (2 steps for the high-frequency group, 6 for
+        # the low one), the momentum carried from window to window and, persistent, from round to
+        # round; GroupNorm and clipping as in its tables
+        ("dynacomm", {"train.local_steps": 6, "train.rounds": 3, "train.optimizer_state": "persistent",
+                      "train.clip_grad_norm": 0.5, "model.norm": "groupnorm1",
+                      "algorithm.options": {"interval_high": 2, "interval_low": 6, "beta": 0.5}}),
+        # DS-FL: from round 2 each client's distillation on the open data towards the server's soft
+        # labels (a prelude of plain SGD), then its local SGD; one cohort per tier's model
+        ("dsfl", {"data.public_fraction": 0.2, "train.rounds": 3,
+                  "algorithm.options": {"subset_size": 150, "kd_epochs": 2, "kd_batch_size": 40}}),
+        # FedGen: from round 2 the generator's terms, each client's noise and labels drawn from its
+        # own stream step by step, the generated features through the client's own classifier
+        ("fedgen", {"train.rounds": 3}),
+        ("fedgen", {"train.rounds": 3, "train.local_steps": 5, "train.clip_grad_norm": 0.5,
+                    "algorithm.options": {"gen_batch_size": 7, "alpha": 2.0}}),
+        ("dynacomm", {"train.local_steps": 5, "train.rounds": 2,
+                      "algorithm.options": {"interval_high": 2, "interval_low": 5, "beta": 0.5, "sync_rule": "code"}}),
     ],
 )
 def test_more_methods_and_models_train_as_cohorts(tmp_path, monkeypatch, name, over):

@@ -26,6 +26,48 @@ def test_plan_shares_the_default_runs_and_counts_the_grid():
     assert sum(1 for g, _, _ in both.values() if g == "choices") == 2  # bn-reset at each beta
 
 
+def _options(overrides):
+    """The DynamicFL options a choice's overrides set, as a dict."""
+    prefix = "algorithm.options."
+    return dict(o[len(prefix):].split("=", 1) for o in overrides if o.startswith(prefix))
+
+
+def test_every_variant_is_stated_in_full_so_a_new_default_keeps_its_tables():
+    """A variant measured against the first-built form names that form's options itself: REP's
+    scale and the block step (where they apply), never "whatever the default is"."""
+    from fedhetero.algorithms.dynamicfl.algorithm import DynamicFLOptions
+    from fedhetero.lab.ablation import FIRST_FORM
+
+    shipped = DynamicFLOptions()
+    assert (shipped.rep_scale, shipped.block_step) == ("calibrated", "mean")  # chosen at the paper's protocol
+    assert _options(CHOICES["block-mean-calibrated"][1]) == {"rep_scale": "calibrated", "block_step": "mean"}
+    assert _options(CHOICES["sum-gamma"][1]) == _options(FIRST_FORM) == {"rep_scale": "gamma", "block_step": "sum"}
+    follows_the_default = {"default", "tiers-1x"}
+    for name, (what, overrides) in CHOICES.items():
+        opts = _options(overrides)
+        if name in follows_the_default:
+            assert "rep_scale" not in opts and "block_step" not in opts, name
+            continue
+        assert "block_step" in opts, name
+        if opts.get("global_form") != "host":  # REP's scale does not apply to the host form
+            assert "rep_scale" in opts, name
+        assert what, name
+
+
+def test_plan_takes_the_methods_dynamicfl_from_the_named_variant():
+    runs = plan([0.5], [0], [0.5], ["sum-gamma", "bn-reset"], False, dynamicfl_choice="sum-gamma")
+    name = "methods/beta0.5/dynamicfl-sum-gamma/s0"
+    group, facts, overrides = runs[name]
+    assert group == "methods" and facts["choice"] == "sum-gamma" and facts["form"] == "sum-gamma"
+    assert "algorithm.options.rep_scale=gamma" in overrides and "algorithm.options.block_step=sum" in overrides
+    assert "choices/beta0.5/sum-gamma/s0" not in runs  # shared with the methods table
+    assert "methods/beta0.5/dynamicfl/s0" not in runs
+    from fedhetero.lab.ablation import _label
+
+    assert _label(runs) == "dynamicfl (sum-gamma)"
+    assert _label(plan([0.5], [0], [0.5], ["default"], False)) == "dynamicfl"
+
+
 @pytest.mark.slow  # run by: python -m pytest -m slow
 def test_ablation_command_runs_reuses_and_tables(tmp_path, capsys):
     args = ["--config", "examples/configs/digits_table.yaml", "--set", "train.rounds=2", "--set", "data.public_fraction=0",

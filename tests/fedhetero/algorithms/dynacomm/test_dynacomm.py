@@ -416,3 +416,56 @@ def test_summed_gradient_dynamic_sgd(tmp_path):
         from fedhetero.algorithms import build_algorithm
 
         build_algorithm(_cfg({"dynamicsgd_impl": "summed_gradient"}))
+
+
+@pytest.mark.parametrize("final", [False, True])
+def test_a_batched_window_keeps_the_momentum_buffers_one_by_one_keeps(final):
+    """With ``train.optimizer_state: persistent`` a client keeps its trained momentum buffers to
+    its next round only after the round's last exchange; a window before it leaves the kept ones
+    as they were (what the client stores if it drops out later in the round). The batched windows
+    of an exchange keep what each client one by one keeps, and start, like it, from the buffers
+    carried in, else from the kept ones."""
+    from fedhetero.algorithms.dynacomm.algorithm import DynaComm, DynaCommOptions
+    from fedhetero.core.backend import run_task, run_together
+    from fedhetero.core.context import client_context
+    from fedhetero.core.types import OPTIMIZER_STATE_KEY, ClientTask, split_optimizer_state
+
+    cfg = from_dict({"seed": 1, "threads": 1, "dtype": "float64",
+                     "data": {"dataset": "digits", "num_clients": 4},
+                     "train": {"local_steps": 6, "batch_size": 16, "momentum": 0.9, "nesterov": True,
+                               "optimizer_state": "persistent"},
+                     "engine": {"vectorize": True}, "algorithm": {"name": "dynacomm"}})
+    ctx = client_context(cfg)
+    g = torch.Generator().manual_seed(0)
+    model = ctx.build_model()
+    start = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+
+    def buffers():
+        return {n: torch.randn(model.get_parameter(n).shape, generator=g, dtype=torch.float64) for n in names}
+
+    tasks, states = [], {}
+    for cid in range(4):
+        payload = {"state": start, "start": 2, "steps": 3, "final": final}
+        if cid % 2:  # carried in from this round's last sync; the others start from their kept ones
+            payload["momentum"] = buffers()
+        tasks.append(ClientTask(cid=cid, round=2, tier="all", ratio=1.0, budget_macs=ctx.plain_macs,
+                                num_samples=len(ctx.data.client_indices[cid]), payload=payload, step=2))
+        states[cid] = {OPTIMIZER_STATE_KEY: buffers()}
+
+    algo = lambda: DynaComm(DynaCommOptions())  # noqa: E731
+    together = run_together(algo, ctx, tasks, states)
+    assert sorted(together) == [0, 1, 2, 3]
+    for task in tasks:
+        alone = run_task(algo, ctx, task, states[task.cid]).result
+        batched = together[task.cid].result
+        _, kept_alone = split_optimizer_state(alone.client_state)
+        _, kept_batched = split_optimizer_state(batched.client_state)
+        moved = alone.payload["momentum"]
+        for n in names:
+            assert torch.allclose(kept_batched[n], kept_alone[n], rtol=1e-10, atol=1e-12), n
+            assert torch.allclose(batched.payload["momentum"][n], moved[n], rtol=1e-10, atol=1e-12), n
+            assert torch.equal(kept_alone[n], moved[n]) == final  # kept: the trained ones after the last exchange only
+        for k, v in alone.state.items():
+            assert torch.allclose(batched.state[k], v, rtol=1e-10, atol=1e-12), k
+        assert batched.metrics["loss"] == pytest.approx(alone.metrics["loss"], rel=1e-10)

@@ -49,7 +49,8 @@ def test_bn_statistics_private_or_reset_both_lossless(tmp_path):
 
 def test_bn_statistics_reset_restarts_the_anchor_norm(tmp_path):
     """With ``reset`` a returning client's anchor BN starts from mu=0, v=1-eps; with ``private`` it
-    keeps the statistics it stored."""
+    keeps the statistics it stored (REP ``gamma``), or measures them anew on its own batches
+    (REP ``calibrated``, the default)."""
     from fedhetero.algorithms.dynamicfl.algorithm import DynamicFL, DynamicFLOptions
     from fedhetero.core.types import ClientTask
     from fedhetero.core.context import client_context
@@ -62,22 +63,24 @@ def test_bn_statistics_reset_restarts_the_anchor_norm(tmp_path):
     ctx = client_context(cfg)
     glob = _final(tmp_path / "r")
     seen = 0
-    for mode in ("private", "reset"):
-        algo = DynamicFL(DynamicFLOptions(bn_stats=mode))
+    for mode, scale in (("private", "gamma"), ("reset", "gamma"), ("private", "calibrated")):
+        algo = DynamicFL(DynamicFLOptions(bn_stats=mode, rep_scale=scale))
         task = ClientTask(cid=cid, round=4, tier="large", ratio=3.0, budget_macs=3.0 * ctx.plain_macs,
                           num_samples=10, payload={"state": glob})
         model = algo.client_model(ctx, task, stored)
         names = {id(m): n for n, m in model.named_modules()}
         for _, blk in reparam.iter_blocks(model):
             bn = blk.anchor.bn
+            kept = stored["state"][names[id(bn)] + ".running_mean"]
             if mode == "reset":
                 assert torch.count_nonzero(bn.running_mean) == 0
                 assert torch.allclose(bn.running_var, torch.full_like(bn.running_var, 1 - bn.eps))
-            else:
-                kept = stored["state"][names[id(bn)] + ".running_mean"]
+            elif scale == "gamma":
                 assert torch.count_nonzero(kept) > 0 and torch.equal(bn.running_mean, kept)
+            else:  # measured on the client's data: neither the stored nor the reset statistics
+                assert torch.count_nonzero(bn.running_mean) > 0 and not torch.equal(bn.running_mean, kept)
             seen += 1
-    assert seen >= 2
+    assert seen >= 3
 
 
 def test_dymm_sees_both_saliencies_and_modulates(tmp_path, monkeypatch):
