@@ -23,7 +23,7 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Literal, Mapping
+from typing import Any, Callable, ClassVar, Iterable, Literal, Mapping
 
 import yaml
 
@@ -237,7 +237,15 @@ class MethodOptions:
     """Base of an algorithm's options dataclass: made from a config or in code, every field is
     checked as :data:`OPTIONS_PATH` (its type and its :func:`option` rule), so ``FedProxOptions(mu=-1)``
     raises the ``ConfigError`` a config would. Cross-field checks go in the subclass's
-    ``__post_init__``: call ``super().__post_init__()`` first, then :func:`require`."""
+    ``__post_init__``: call ``super().__post_init__()`` first, then :func:`require`.
+
+    A run records the options it was made with (every field, defaults filled in), so that a
+    resumed run never goes on with a default that changed since. A subclass whose default
+    changed names the value it had before in :attr:`earlier_defaults`: a run directory made
+    before runs recorded their options, that does not set that option, was made with it."""
+
+    #: option name -> its default before it changed (see above)
+    earlier_defaults: ClassVar[Mapping[str, Any]] = {}
 
     def __post_init__(self) -> None:
         check_fields(self, OPTIONS_PATH)

@@ -25,6 +25,7 @@ Guarantees:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import time
@@ -43,6 +44,7 @@ from fedhetero.core.algorithm import Algorithm
 from fedhetero.core.allocator import tune_malloc
 from fedhetero.core.backend import Backend, drop_kind, make_backend
 from fedhetero.core.config import (
+    OPTIONS_PATH,
     RESUMABLE,
     ConfigError,
     RunConfig,
@@ -225,6 +227,7 @@ class Engine:
             "server_samples": int(len(self.data.server_indices)) if self.data.server_indices is not None else 0,
             "public_samples": int(len(self.data.public_indices)) if self.data.public_indices is not None else 0,
         }
+        meta["algorithm_options"] = options_record(self.algorithm.options)
         meta["data"] = self.data.summary()
         atomic_write_text(self.out_dir / "run.json", json.dumps(finite_json(meta), indent=2, default=str))
         save_partition(self.data, self.out_dir / "partition.npz")
@@ -494,6 +497,14 @@ class Engine:
             # does a later resume
             atomic_write_text(self.out_dir / "config.yaml", dump_config(self.cfg))
         if start > 0:
+            changed = changed_options(self.out_dir, self.cfg, self.algorithm.options)
+            if changed:
+                raise RunDirError(
+                    f"--resume: this run was made with {', '.join(f'{OPTIONS_PATH}.{k}={v!r}' for k, v, _ in changed)}, "
+                    f"which the method's defaults no longer give (now {', '.join(repr(n) for _, _, n in changed)}), so it "
+                    "cannot continue exactly; start it again with --overwrite, or continue it with the fedhetero "
+                    "version that made it"
+                )
             history = self._metrics.resume(mark, start)
             if manifest is not None:
                 self.store.verify(manifest, start)
@@ -632,6 +643,33 @@ def _remove_if_only_lock(root: Path, created: Path) -> None:
                 break
     except OSError:
         pass
+
+
+def options_record(options: Any) -> dict[str, Any]:
+    """A method's options as ``run.json`` records them: every field, as JSON reads it back."""
+    fields = {f.name: getattr(options, f.name) for f in dataclasses.fields(options)} if dataclasses.is_dataclass(options) else {}
+    return _as_json(fields)
+
+
+def _as_json(values: Any) -> dict[str, Any]:
+    return json.loads(json.dumps(finite_json(dict(values)), default=str))
+
+
+def changed_options(out_dir: str | Path, cfg: RunConfig, options: Any) -> list[tuple[str, Any, Any]]:
+    """The method options with which the run in ``out_dir`` was made that ``options`` (what
+    ``cfg`` builds now) would change, as ``(name, made with, now)``: those ``run.json``
+    recorded, or, in a run directory made before runs recorded their options, the options whose
+    default changed since (:attr:`~fedhetero.core.config.MethodOptions.earlier_defaults`) that
+    ``cfg`` does not set."""
+    now = options_record(options)
+    try:
+        made = json.loads((Path(out_dir) / "run.json").read_text()).get("algorithm_options")
+    except (OSError, ValueError):
+        made = None
+    if isinstance(made, dict):
+        return [(k, made.get(k), now.get(k)) for k in sorted(set(made) | set(now)) if made.get(k) != now.get(k)]
+    earlier = _as_json(getattr(type(options), "earlier_defaults", {}))
+    return [(k, v, now.get(k)) for k, v in earlier.items() if k not in cfg.algorithm.options and now.get(k) != v]
 
 
 def resume_config(

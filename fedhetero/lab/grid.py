@@ -18,7 +18,8 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 
 from fedhetero.core.config import config_hashes, load_config
-from fedhetero.core.engine import Engine
+from fedhetero.core.engine import Engine, changed_options
+from fedhetero.core.registry import build_algorithm
 
 __all__ = ["FINISHED_ELSEWHERE", "pending", "run_grid", "run_one"]
 
@@ -46,7 +47,8 @@ def run_one(base: str, overrides: Sequence[str], out_dir: str) -> tuple[str, flo
 
 
 def _finished(path: Path, config: str | None, overrides: Sequence[str]) -> bool:
-    """A finished run of this very config (its hash, recorded in ``run.json``, matches)."""
+    """A finished run of this very config (its hash, recorded in ``run.json``, matches, and so
+    do the method options it was made with: a default that changed since makes another run)."""
     if not (path / "summary.json").is_file():
         return False
     if config is None:
@@ -55,7 +57,8 @@ def _finished(path: Path, config: str | None, overrides: Sequence[str]) -> bool:
         made = json.loads((path / "run.json").read_text()).get("config_hash")
     except (OSError, ValueError):
         return False
-    return made in config_hashes(load_config(config, overrides=list(overrides)))
+    cfg = load_config(config, overrides=list(overrides))
+    return made in config_hashes(cfg) and not changed_options(path, cfg, build_algorithm(cfg).options)
 
 
 def pending(out: Path, runs: Mapping[str, Sequence[str]], config: str | None = None) -> dict[str, list[str]]:

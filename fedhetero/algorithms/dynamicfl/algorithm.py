@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, Mapping
 
 import torch
 from torch import nn
@@ -147,6 +147,9 @@ class DynamicFLOptions(MethodOptions):
     # tolerance), and REP grows no anchor conv filter (``rep_scale: gamma`` or ``calibrated``); the two function
     # errors are recorded per client (costs two forwards and a copy)
     verify: bool = False
+
+    #: the defaults before the form chosen at the paper's protocol became the default
+    earlier_defaults: ClassVar[Mapping[str, Any]] = {"rep_scale": "gamma", "block_step": "sum"}
 
     def __post_init__(self) -> None:
         super().__post_init__()

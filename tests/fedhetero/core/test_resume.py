@@ -181,3 +181,63 @@ def test_resume_refuses_a_config_changed_while_it_starts(tmp_path, monkeypatch):
     p.write_text(p.read_text().replace("rounds: 3", "rounds: 4"))
     with pytest.raises(RunDirError):
         eng.run()
+
+
+# ---------------------------------------------------------------------------- defaults that changed
+def test_run_json_records_every_method_option_with_its_default(tmp_path):
+    run = _stopped(tmp_path, after=1)
+    recorded = json.loads((run / "run.json").read_text())["algorithm_options"]
+    from fedhetero.algorithms.classic.scaffold import ScaffoldOptions  # the SMALL job's method
+
+    assert set(recorded) == {f for f in ScaffoldOptions.__dataclass_fields__}
+
+
+def test_a_run_made_with_another_default_is_refused_on_resume_naming_the_option(tmp_path, capsys, full):
+    """A method option whose default changed after the run was made: resuming it with the new
+    default would continue another run than the one on disk, so it is refused, naming the option,
+    the value it was made with and the one it would get. A grid never reuses such a run either."""
+    from fedhetero.lab.grid import pending
+
+    run = _stopped(tmp_path)
+    meta = json.loads((run / "run.json").read_text())
+    name = sorted(meta["algorithm_options"])[0]
+    meta["algorithm_options"][name] = "made-with-another-default"
+    (run / "run.json").write_text(json.dumps(meta))
+    rc, err = _resume_cli(capsys, run)
+    assert rc != 0 and f"algorithm.options.{name}='made-with-another-default'" in err and "--overwrite" in err
+    # a finished run with the options recorded as now is reused by a grid; one made with others is not
+    done = tmp_path / "done"
+    shutil.copytree(full, done)
+    runs = {"done": SMALL}
+    assert pending(tmp_path, runs, None) == {} and pending(tmp_path, runs, _config_file(tmp_path)) == {}
+    meta = json.loads((done / "run.json").read_text())
+    meta["algorithm_options"][name] = "made-with-another-default"
+    (done / "run.json").write_text(json.dumps(meta))
+    assert list(pending(tmp_path, runs, _config_file(tmp_path))) == ["done"]
+
+
+def _config_file(tmp_path: Path) -> str:
+    """An empty base config file: the grid's runs are its SMALL overrides."""
+    path = tmp_path / "base.yaml"
+    path.write_text("{}\n")
+    return str(path)
+
+
+def test_a_dynamicfl_run_made_before_runs_recorded_their_options_is_refused_when_its_defaults_changed(tmp_path, capsys):
+    """DynamicFL's defaults changed (block_step sum → mean, rep_scale gamma → calibrated) before
+    runs recorded their options: a run directory without that record, whose config does not set
+    them, was made with the earlier ones and is not continued with the new; one that sets them
+    explicitly continues."""
+    base = ["data.num_clients=4", "train.rounds=2", "train.sample_rate=1.0", "threads=1",
+            "algorithm.name=dynamicfl", "train.local_epochs=1"]
+    for name, extra in (("unset", []), ("set", ["algorithm.options.block_step=mean", "algorithm.options.rep_scale=calibrated"])):
+        run = tmp_path / name
+        Engine(load_config(None, base + extra), run, progress=False, stop_after=1).run()
+        meta = json.loads((run / "run.json").read_text())
+        del meta["algorithm_options"]  # as a run directory of the earlier versions
+        (run / "run.json").write_text(json.dumps(meta))
+        rc, err = _resume_cli(capsys, run)
+        if name == "unset":
+            assert rc != 0 and "algorithm.options.rep_scale='gamma'" in err and "algorithm.options.block_step='sum'" in err
+        else:
+            assert rc == 0, err
