@@ -27,9 +27,10 @@ up in the branch-kind registry, so a registered custom kind works in a block lik
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
-from typing import Any, Iterable, Mapping, Sequence, cast
+from typing import Any, Iterable, Iterator, Mapping, Sequence, cast
 
 import torch
 from torch import Tensor, nn
@@ -77,6 +78,23 @@ def _as_batches(inputs: Any, what: str) -> list[Any]:
     return batches
 
 
+@contextlib.contextmanager
+def _training_mode(module: nn.Module) -> Iterator[None]:
+    """``module`` in training mode for the block, then its modes and buffers (BatchNorm
+    statistics, batch counts) as they were: a forward in between leaves no trace."""
+    modes = [(m, m.training) for m in module.modules()]
+    kept = [(b, b.clone()) for b in module.buffers()]
+    module.train()
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for b, v in kept:
+                b.copy_(v)
+        for m, mode in modes:
+            m.training = mode
+
+
 def _channel_moments(fn: Any, batches: Sequence[Any], channels: int, device: Any, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     """Per-channel mean and biased variance (float64) of ``fn``'s output over ``batches`` (pooled
     over samples and positions, as BatchNorm's training statistics are)."""
@@ -86,10 +104,15 @@ def _channel_moments(fn: Any, batches: Sequence[Any], channels: int, device: Any
     for x in batches:
         if not isinstance(x, Tensor):
             raise ReparamError(f"calibration input must hold tensors, got {type(x).__name__}")
-        z = fn(x.to(device=device, dtype=dtype)).double()
+        z = fn(x.to(device=device, dtype=dtype))
         n_b = z.numel() // channels
-        bm = z.mean(dim=(0, 2, 3))
-        bm2 = ((z - bm.view(1, -1, 1, 1)) ** 2).sum(dim=(0, 2, 3))
+        # sums accumulated in float64 without a float64 copy of the output (several times
+        # cheaper): the batch mean, then the squares about its rounding to the output's dtype,
+        # corrected to the mean itself (Σ(z−m)² = Σ(z−a)² − n·(m−a)²)
+        bm = z.sum(dim=(0, 2, 3), dtype=torch.float64) / n_b
+        shift = bm.to(z.dtype)
+        d = z - shift.view(1, -1, 1, 1)
+        bm2 = (d * d).sum(dim=(0, 2, 3), dtype=torch.float64) - n_b * (bm - shift.double()) ** 2
         delta = bm - mean
         total = count + n_b
         mean = mean + delta * (n_b / total)
@@ -971,9 +994,12 @@ class DiverseBranchBlock(nn.Module):
         batches = _as_batches(inputs, "calibrate_anchor: inputs")
         with torch.no_grad():
             target = self._merged_pair(torch.float64)
-            probe = copy.deepcopy(anchor.conv).train()
+            # the anchor conv's training-mode output; a plain conv's does not depend on the mode,
+            # a nested block's does, and updates its own statistics, which are put back after
+            conv = anchor.conv
             factory = self._factory()
-            mean, var = _channel_moments(probe, batches, self.geometry.out_channels, factory["device"], factory["dtype"])
+            with _training_mode(conv):
+                mean, var = _channel_moments(conv, batches, self.geometry.out_channels, factory["device"], factory["dtype"])
             # the batch's biased variance: training normalises by sqrt(var + eps), and so does eval
             ok = var > float(bn.eps)
             bn.running_mean.copy_(torch.where(ok, mean, bn.running_mean.to(mean.dtype)).to(bn.running_mean.dtype))

@@ -184,13 +184,19 @@ def rep_to_local(
     return change
 
 
-def calibrate_anchors(model: nn.Module, inputs: Tensor | Iterable[Tensor]) -> StructureChange:
+def calibrate_anchors(
+    model: nn.Module, inputs: Tensor | Iterable[Tensor], *, source: nn.Module | None = None
+) -> StructureChange:
     """Measure every outermost block's anchor BatchNorm statistics on ``inputs`` (batches of the
     model's input) and re-solve each anchor so that the model's eval function is unchanged
     (:meth:`DiverseBranchBlock.calibrate_anchor`).
 
     Each block's input is taken from one eval-mode forward of the model; calibrating a block keeps
-    its eval function, so the inputs of the blocks after it do not change. After
+    its eval function, so the inputs of the blocks after it do not change. ``source``: a model
+    with the same eval function whose module at each block's path is what the block replaced
+    (the plain model :func:`rep_to_local` re-solved the blocks from); the inputs are then taken
+    from its forward, a plain model's instead of a multi-branch one's (equal up to rounding, as
+    the functions are). A source without a module at every block's path is not used. After
     :func:`rep_to_local`, this makes training mode start from the global model's function on the
     client's own data: kept statistics of an earlier round would scale each block's training-mode
     output by the ratio of the old and new statistics, and that ratio compounds over rounds.
@@ -199,7 +205,11 @@ def calibrate_anchors(model: nn.Module, inputs: Tensor | Iterable[Tensor]) -> St
         StructureChange listing the overwritten parameters (none added or removed).
     """
     blocks = list(iter_blocks(model))
-    seen = _module_inputs(model, [path for path, _ in blocks], inputs)
+    paths = [path for path, _ in blocks]
+    taker = model
+    if source is not None and all(_has_submodule(source, p) for p in paths):
+        taker = source
+    seen = _module_inputs(taker, paths, inputs)
     change = StructureChange()
     for path, blk in blocks:
         if seen[path]:
@@ -300,6 +310,14 @@ def match_filter_norms(
                 # measured statistics, γ and β re-solved: the block calibration of a one-branch block
                 DiverseBranchBlock.from_conv(cast(nn.Conv2d, conv), bn, []).calibrate_anchor(seen[conv_path])
     return out
+
+
+def _has_submodule(model: nn.Module, path: str) -> bool:
+    try:
+        model.get_submodule(path)
+    except AttributeError:
+        return False
+    return True
 
 
 def _module_inputs(model: nn.Module, paths: list[str], inputs: Tensor | Iterable[Tensor]) -> dict[str, list[Tensor]]:

@@ -779,7 +779,18 @@ def test_calibrate_anchor_measures_the_statistics_and_keeps_the_eval_function(ne
         y = block(x)
     block.load_plain(*block._merged_pair(F64), anchor_stats="rescale")  # as after REP
     norms = _filter_norms(block._anchor_kernel())
+    # measuring runs a nested anchor in training mode: by the re-solve, its own statistics, batch
+    # counts and modes are as they were
+    inner = block.branches["kxk"].conv
+    before = [(b.clone(), m.training) for m in inner.modules() for b in m.buffers(recurse=False)]
+    seen = []
+    real = block._solve_for_total
+    block._solve_for_total = lambda *a, **k: seen.append(  # type: ignore[method-assign]
+        [(b.clone(), m.training) for m in inner.modules() for b in m.buffers(recurse=False)]) or real(*a, **k)
     change = block.calibrate_anchor([x[:8], x[8:]])
+    del block._solve_for_total
+    assert len(seen) == 1 and len(seen[0]) == len(before)
+    assert all(torch.equal(b, a) and mb == ma for (b, mb), (a, ma) in zip(seen[0], before))
     anchor_bn = block.branches["kxk"].bn
     with torch.no_grad():
         assert rel_err(block(x), y) <= 1e-10  # eval-exact

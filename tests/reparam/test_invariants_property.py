@@ -542,9 +542,30 @@ def do_rep(run: Run, draw: Any) -> None:
     if stats == "rescale":  # invariant 5: no anchor filter grows, so REP cannot compound their scale
         assert set(anchor_filter_norms(run.model)) == set(norms)
         check_anchor_scale(norms, run.model, rtol=1e-9, where=f"by REP (step {run.steps + 1})")
+        if draw(st.booleans(), label="calibrate"):
+            change.extend(calibrate_from_global(run, g, norms))
     run.apply(change, snap, "rep")
     check_same_function(run.model, g, run.x, dtype=F64, where=f"after REP (step {run.steps + 1})")  # invariant 3
     run.check_step("rep", None)
+
+
+def calibrate_from_global(run: Run, g: nn.Module, norms: dict[str, torch.Tensor]) -> StructureChange:
+    """DynamicFL's calibrated REP: the anchors' statistics measured on the client's batches, the
+    blocks' inputs taken from the global model's forward (the same function). It gives the model
+    the client model's own forward gives, to rounding, and grows no anchor filter."""
+    note("calibrate_anchors, the inputs from the global model")
+    batches = [run.x[: BATCH // 2], run.x[BATCH // 2:]]
+    alone = copy.deepcopy(run.model)
+    reparam.calibrate_anchors(alone, batches)
+    change = reparam.calibrate_anchors(run.model, batches, source=g)
+    for k, v in alone.state_dict().items():
+        w = run.model.state_dict()[k]
+        if v.is_floating_point():
+            assert torch.allclose(w, v, rtol=1e-7, atol=1e-9 * (1.0 + float(v.abs().max()))), k
+        else:
+            assert torch.equal(w, v), k
+    check_anchor_scale(norms, run.model, rtol=1e-9, where=f"by calibration (step {run.steps + 1})")
+    return change
 
 
 def first_round(run: Run, draw: Any) -> None:
@@ -619,6 +640,26 @@ def test_invariants_hold_along_random_operation_sequences(arch: Arch, base_form:
         event(what if change.added or change.removed else f"{what}: no parameter added or removed")
         run.apply(change, snap, what)
         run.check_step(what, before)
+
+
+@_settings(12)
+@given(arch=architectures(), seed=st.integers(0, 2**16), data=st.data())
+def test_calibrated_rep_takes_the_blocks_inputs_from_the_global_model(arch: Arch, seed: int, data: Any) -> None:
+    """REP with ``rescale`` then :func:`reparam.calibrate_anchors` with the global model as the
+    source of the blocks' inputs (DynamicFL's default REP): eval-exact, the invariants hold, and
+    the model equals the one calibrated from its own forward."""
+    run = Run(arch, "deploy", seed)
+    draw = data.draw
+    first_round(run, draw)
+    g = make_global(run.arch, "deploy", draw(st.integers(0, 2**16), label="global seed"))
+    run.model.eval()
+    snap = run.snapshot()
+    norms = anchor_filter_norms(run.model)
+    change = reparam.rep_to_local(g, run.model, anchor_stats="rescale")
+    change.extend(calibrate_from_global(run, g, norms))
+    run.apply(change, snap, "rep")
+    check_same_function(run.model, g, run.x, dtype=F64, where="after calibrated REP")
+    run.check_step("rep", None)
 
 
 @_settings(15)

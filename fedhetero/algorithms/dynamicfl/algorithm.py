@@ -378,7 +378,7 @@ class DynamicFL(Algorithm):
                 check_anchor_scale(norms, model, where=f"by REP ({run.mode})")
             if stats == "rescale" and self.options.rep_scale == "calibrated":
                 with ctx.timer("rep"):
-                    reparam.calibrate_anchors(model, self._own_batches(run))
+                    reparam.calibrate_anchors(model, self._own_batches(run), source=run.plain)
         model.train()
         if self.options.verify:
             run.verify_in = self._check(run, model, run.plain, f"after REP ({run.mode}): client model vs global model")
