@@ -130,7 +130,8 @@ def test_over_rounds_rep_keeps_the_anchor_scale_and_the_old_rep_compounds_it(tmp
             "seed": 0, "threads": 1, "data": {"num_clients": 4},
             "train": {"rounds": 12, "sample_rate": 1.0, "local_epochs": 3, "eval_every": 12},
             "budget": {"tiers": [{"name": "large", "ratio": 3.0, "share": 1.0}]},
-            "algorithm": {"name": "dynamicfl", "options": {"rep_scale": scale}},
+            # blocks stepping by the sum of their branches' steps, the form the divergence ran in
+            "algorithm": {"name": "dynamicfl", "options": {"rep_scale": scale, "block_step": "sum"}},
         })
         res = Engine(cfg, tmp_path / scale, progress=False).run()
         assert res.summary["dropped_clients"] == 0
