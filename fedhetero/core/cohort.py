@@ -51,7 +51,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fedhetero.core.features import has_hidden_layers
+from fedhetero.core.features import classifier_of, has_hidden_layers, penultimate
 from fedhetero.core.objective import Batch, LocalObjective, LocalPhase, LocalSGD, cohort_rules, frozen_reference, stack_consts
 from fedhetero.core.stacking import client_shapes, load_clients, stack_model, stacked_dropouts, stacked_layers, views
 from fedhetero.core.types import derive_seed
@@ -201,6 +201,7 @@ class Cohort:
         self._linear = (lin + ".weight", lin + ".bias") if lin and set(self.names) == {lin + ".weight", lin + ".bias"} else None
         self.stacked: nn.Module | None = None
         self._views: dict[str, torch.Tensor] = {}
+        self._tapped: dict[str, torch.Tensor] | None = None  # the stacked classifier's input (_tap)
         if self._linear is None:
             self.stacked = _stacked_for(ctx, model, len(self.tasks))
         if self.stacked is not None:
@@ -333,7 +334,10 @@ class Cohort:
         grad_rule = objective.grad if objective is not None else None
         loss_rule = objective.loss if objective is not None else None
         c_all = consts or {}
-        refs = self._references(objective) if objective is not None and loss_rule is not None else {}
+        # a rule on the penultimate features (MOON): the stacked classifier's input, per client
+        features = (objective is not None and loss_rule is not None and objective.representation == "features"
+                    and has_hidden_layers(self.model, self.ctx.num_classes))
+        refs = self._references(objective, features) if objective is not None and loss_rule is not None else {}
         records: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         ctx = self.ctx
         lr, momentum, wd, nesterov, clip = sgd.lr, sgd.momentum, sgd.weight_decay, sgd.nesterov, sgd.clip
@@ -412,7 +416,8 @@ class Cohort:
 
                 step_records: dict[str, list[torch.Tensor]] = {}  # this step's values
                 real = [int(seqs[i][step].numel()) if step < steps[i] else 0 for i in range(c)]
-                per = per + loss_rule(Batch(out, c_all, ref, masked_mean, step_records, labels=y, params=self.params,
+                rep = self._classifier_input(c) if features else out
+                per = per + loss_rule(Batch(rep, c_all, ref, masked_mean, step_records, labels=y, params=self.params,
                                             own=[o.own for o in self.objectives], rows=real))
                 for name, values in step_records.items():
                     records.setdefault(name, []).append((values[-1], active))
@@ -487,17 +492,44 @@ class Cohort:
             out[n] = torch.stack([m[n].to(dev, dt) if m is not None and n in m else ones for m in masks])
         return out
 
-    def _references(self, objective: LocalObjective) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
+    def _tap(self) -> dict[str, torch.Tensor]:
+        """Where the stacked model's classifier leaves its input on every forward (one hook per
+        stacked model, which the process keeps between cohorts)."""
+        assert self.stacked is not None
+        if self._tapped is None:
+            head: Any = self.stacked.get_submodule(classifier_of(self.model, self.ctx.num_classes)[0])
+            tapped = getattr(head, "_cohort_input", None)
+            if tapped is None:
+                tapped = {}
+                head.register_forward_pre_hook(lambda _m, args, t=tapped: t.__setitem__("z", args[0]))
+                head._cohort_input = tapped
+            self._tapped = tapped
+        return self._tapped
+
+    def _classifier_input(self, clients: int) -> torch.Tensor:
+        """The penultimate features of the latest stacked forward, ``(C, B, D)``."""
+        z = self._tap().pop("z")
+        return z.reshape(z.shape[0], clients, -1).transpose(0, 1)
+
+    def _references(self, objective: LocalObjective, features: bool = False) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
         """Each reference model as a function of the cohort's batches: one shared model when
-        every client has the same state, else the clients' own stacked."""
+        every client has the same state, else the clients' own stacked; with ``features``, their
+        penultimate features instead of their outputs."""
         out: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {}
+        if features:
+            self._tap()
         for name in objective.references:
             states = [o.references[name] for o in self.objectives]
             if all(s is states[0] for s in states):
                 shared = frozen_reference(self.ctx, name, states[0])
 
                 def common(x: torch.Tensor, m: nn.Module = shared) -> torch.Tensor:
-                    return self.shared_forward(m, x)
+                    if not features:
+                        return self.shared_forward(m, x)
+                    c, b = x.shape[:2]
+                    with torch.no_grad():
+                        z = penultimate(m, x.reshape(c * b, *x.shape[2:]), self.ctx.num_classes)
+                    return z.reshape(c, b, *z.shape[1:])
 
                 out[name] = common
             else:
@@ -511,7 +543,8 @@ class Cohort:
 
                 def own(x: torch.Tensor, p: dict[str, torch.Tensor] = stacked) -> torch.Tensor:
                     with torch.no_grad():
-                        return self.forward(p, x)
+                        y = self.forward(p, x)
+                    return self._classifier_input(x.shape[0]) if features else y
 
                 out[name] = own
         return out
@@ -630,12 +663,12 @@ def train_cohort(
     if rules is False:
         return None
     objective = rules if isinstance(rules, LocalObjective) else None
-    if objective is not None and objective.loss is not None and objective.representation == "features" \
-            and has_hidden_layers(model, ctx.num_classes):
-        return None  # penultimate features of a batched model: one by one
     co = Cohort.build(ctx, model, tasks, [dict(s) for s in initial])
     if co is None:
         return None
+    if objective is not None and objective.loss is not None and objective.representation == "features" \
+            and has_hidden_layers(model, ctx.num_classes) and co.stacked is None:
+        return None  # penultimate features are tapped from a stacked model only: one by one
     co.objectives = [o for o in objectives if o is not None]
     consts = None
     if objective is not None and objective.consts:

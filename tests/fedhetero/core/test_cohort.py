@@ -347,6 +347,10 @@ def _spied(monkeypatch) -> list[int]:
         # labels (a prelude of plain SGD), then its local SGD; one cohort per tier's model
         ("dsfl", {"data.public_fraction": 0.2, "train.rounds": 3,
                   "algorithm.options": {"subset_size": 150, "kd_epochs": 2, "kd_batch_size": 40}}),
+        # MOON on a model with hidden layers: the contrastive loss on the penultimate features of
+        # the stacked model, the global and the previous local model's (each client's own)
+        ("moon", {"train.rounds": 3, "train.local_steps": 4, "algorithm.options": {"mu": 1.0, "tau": 0.5}}),
+        ("moon", {"train.rounds": 2, "model.norm": "groupnorm1", "algorithm.options": {"mu": 5.0}}),
         # FedGen: from round 2 the generator's terms, each client's noise and labels drawn from its
         # own stream step by step, the generated features through the client's own classifier
         ("fedgen", {"train.rounds": 3}),
