@@ -391,9 +391,12 @@ class Cohort:
             mask = mask.to(dev)
             counts = mask.sum(1).clamp_min(1.0)
             if self.stacked is not None:  # BatchNorm leaves padded rows out of its statistics
-                padded = bool((mask < 1).any())
+                filled = mask.sum(1)
+                partial = bool(((filled > 0) & (filled < size)).any())  # a short batch: masked statistics
+                idle = None if partial or bool((filled > 0).all()) else filled == 0  # whole clients idle
                 for norm in self._norms:
-                    norm.mask = mask.t() if padded else None
+                    norm.mask = mask.t() if partial else None
+                    norm.idle = idle
                 if drops:
                     real = [int(seqs[i][step].numel()) if step < steps[i] else 0 for i in range(c)]
                     for drop in drops:
@@ -457,6 +460,8 @@ class Cohort:
                     losses[i].append((float(per[i].detach()), int(mask[i].sum())))
         for drop in drops:
             drop.generators = drop.rows = None
+        for norm in self._norms if self.stacked is not None else []:  # the stacked model is kept for later cohorts
+            norm.mask = norm.idle = None
         self.momentum_out = None
         if momentum and carry:
             self.momentum_out = [{n: b[i].detach().to("cpu").clone() for n, b in bufs.items() if b is not None}

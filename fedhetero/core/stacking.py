@@ -82,7 +82,11 @@ class StackedBatchNorm2d(nn.Module):
     statistics (or batch statistics only, in train and eval mode alike, for a BatchNorm that
     tracks none, as HeteroFL's clients train). :attr:`mask` (``(B, C)``, 1 for a real row) is set
     by the trainer before a step whose batches are padded; None means every row of every client
-    is real."""
+    is real. :attr:`idle` (``(C,)``, True for a client that has finished its steps) is set instead
+    of a mask when the only padding is whole idle clients: the plain BatchNorm then runs over every
+    client (an idle client's output is never used: its loss is weighted by zero and its update
+    held) and the idle clients' running statistics are put back, about a third cheaper a step than
+    the masked statistics."""
 
     def __init__(self, bn: nn.BatchNorm2d, clients: int) -> None:
         super().__init__()
@@ -102,15 +106,26 @@ class StackedBatchNorm2d(nn.Module):
         else:
             self.running_mean = self.running_var = self.num_batches_tracked = None
         self.mask: torch.Tensor | None = None
+        self.idle: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rm, rv, w, b = self.running_mean, self.running_var, self.weight, self.bias
         if not self.training and self.tracks:
             return F.batch_norm(x, rm, rv, w, b, False, 0.0, self.eps)
         if self.mask is None or not self.training:
-            if self.training and self.num_batches_tracked is not None:
-                self.num_batches_tracked.add_(1)
-            return F.batch_norm(x, rm, rv, w, b, True, self.momentum, self.eps)
+            if not self.training or self.idle is None or rm is None or rv is None or self.num_batches_tracked is None:
+                if self.training and self.num_batches_tracked is not None:
+                    self.num_batches_tracked.add_(1)
+                return F.batch_norm(x, rm, rv, w, b, True, self.momentum, self.eps)
+            held = self.idle.repeat_interleave(self.channels)  # (C·ch,)
+            # copies take the update (autograd keeps them for the backward, so they stay untouched)
+            new_mean, new_var = rm.clone(), rv.clone()
+            y = F.batch_norm(x, new_mean, new_var, w, b, True, self.momentum, self.eps)
+            with torch.no_grad():
+                rm.copy_(torch.where(held, rm, new_mean))
+                rv.copy_(torch.where(held, rv, new_var))
+                self.num_batches_tracked.add_((~self.idle).to(self.num_batches_tracked.dtype))
+            return y
         # the statistics over real rows only, in the (B, H, W, C·ch) layout a channels-last x has
         # in memory (reductions over a 5-d view of the channel axis ran about a third slower)
         c, ch = self.clients, self.channels

@@ -456,8 +456,10 @@ def test_plan_cohorts_invariants(steps, min_size, max_size, slack):
 def test_uneven_clients_train_in_cohorts_of_like_length(tmp_path, monkeypatch):
     """On a Dirichlet split the clients of a round take very different numbers of steps: they
     are grouped so that no cohort pads more than a quarter of its steps, and the results still
-    equal one by one."""
-    from fedhetero.core import cohort
+    equal one by one: with the BatchNorm statistics masked row by row in a step where a batch is
+    short, and plain (the idle clients' running statistics put back) in a step whose only padding
+    is clients that have finished."""
+    from fedhetero.core import cohort, stacking
 
     padded = []
     real = cohort.Cohort.train
@@ -467,11 +469,22 @@ def test_uneven_clients_train_in_cohorts_of_like_length(tmp_path, monkeypatch):
         padded.append(len(steps) * max(steps) / sum(steps))
         return real(self, *a, **k)
 
+    kinds: dict[str, int] = {"masked": 0, "idle": 0, "plain": 0}
+    norm = stacking.StackedBatchNorm2d.forward
+
+    def norm_spy(self, x):
+        if self.training:
+            assert self.mask is None or self.idle is None
+            kinds["masked" if self.mask is not None else "idle" if self.idle is not None else "plain"] += 1
+        return norm(self, x)
+
     monkeypatch.setattr(cohort.Cohort, "train", spy)
-    over = {"data.num_clients": 24, "data.alpha": 0.3, "train.rounds": 1}
+    monkeypatch.setattr(stacking.StackedBatchNorm2d, "forward", norm_spy)
+    over = {"data.num_clients": 24, "data.alpha": 0.3, "train.rounds": 1, "train.local_epochs": 2}
     Engine(_fedavg_like("fedavg", **over, **{"engine.vectorize": False}), tmp_path / "one", progress=False).run()
     Engine(_fedavg_like("fedavg", **over, **{"engine.vectorize": True}), tmp_path / "all", progress=False).run()
     assert len(padded) >= 2 and max(padded) <= 1.25
+    assert min(kinds.values()) > 0, kinds
     _close_states(_final(tmp_path / "one"), _final(tmp_path / "all"))
 
 
