@@ -36,7 +36,7 @@ from fedhetero.core.algorithm import Algorithm
 from fedhetero.core.config import OPTIONS_PATH, MethodOptions, option, require
 from fedhetero.core.objective import LocalSGD
 from fedhetero.core.types import ClientInfo, ClientResult, ClientTask
-from fedhetero.data.batches import iterate_batches
+from fedhetero.data.batches import iterate_batches, num_batches
 from fedhetero.data.server import non_iid_degree
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -52,6 +52,8 @@ __all__ = [
     "fprime",
     "importance_ratio",
     "interpolate_states",
+    "samples_in_steps",
+    "samples_processed",
     "server_steps",
     "sgd_epochs",
 ]
@@ -474,7 +476,7 @@ class ServerDataAlgorithm(Algorithm):
     def upload(self, ctx: "ClientContext", task: ClientTask, model: nn.Module, result: dict[str, Any]) -> ClientResult:
         upd = super().upload(ctx, task, model, result)
         upd.metrics["params"] = int(sum(p.numel() for p in model.parameters()))
-        upd.metrics["samples_processed"] = int(task.num_samples) * int(ctx.cfg.train.local_epochs)
+        upd.metrics["samples_processed"] = samples_processed(ctx, int(task.num_samples), result)
         return upd
 
     # ------------------------------------------------------------------ round template
@@ -615,3 +617,22 @@ class ServerDataAlgorithm(Algorithm):
         self.global_model.load_state_dict(new_state)
         rm["feddu_server_step"] = 1
         return float(alpha)
+
+
+def samples_in_steps(n: int, batch_size: int, steps: int) -> int:
+    """The samples ``steps`` steps go through when a device's batches walk passes over its ``n``
+    samples one after another (each pass's last batch short): the full passes, then the batches
+    taken of the unfinished one."""
+    if n <= 0 or steps <= 0:
+        return 0
+    full, rest = divmod(steps, num_batches(n, batch_size))
+    return full * n + min(rest * batch_size, n)
+
+
+def samples_processed(ctx: "ClientContext", n: int, result: dict[str, Any]) -> int:
+    """The samples a device's local training went through: ``n`` per epoch, or, with
+    ``train.local_steps``, those of the steps it took."""
+    t = ctx.cfg.train
+    if t.local_steps is None:
+        return n * int(t.local_epochs)
+    return samples_in_steps(n, int(t.batch_size), int(result.get("steps", t.local_steps)))

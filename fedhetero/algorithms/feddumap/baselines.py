@@ -49,6 +49,7 @@ from fedhetero.algorithms.feddumap._common import (
     DampedMomentumSGD,
     FamilyOptions,
     ServerDataAlgorithm,
+    samples_processed,
     sgd_epochs,
 )
 from fedhetero.algorithms.feddumap.fedap import PruneOptions, PruningMixin, RateOptions, estimate_global_rate
@@ -183,7 +184,7 @@ class DataSharing(ServerDataAlgorithm):
         s = len(task.payload["shared"])
         upd.metrics["shared_samples"] = s
         upd.num_samples = int(task.num_samples) + s
-        upd.metrics["samples_processed"] = upd.num_samples * int(ctx.cfg.train.local_epochs)
+        upd.metrics["samples_processed"] = samples_processed(ctx, upd.num_samples, result)
         upd.bytes_down += int(task.payload.get("shared_bytes", 0))
         return upd
 

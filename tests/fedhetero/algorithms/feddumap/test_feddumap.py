@@ -12,6 +12,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from fedhetero.core.types import ClientInfo
 from fedhetero.algorithms.feddumap.fedap import conv_layer_rates
@@ -491,3 +493,33 @@ def test_a_diverged_server_step_stops_the_run_and_names_the_guards(tmp_path, mon
     with pytest.raises(RunError, match=r"^round 2: the server's update left non-finite values in global_model\..*"
                        r"divergence_guards=true"):
         Engine(_cfg("feddum", rounds=3), tmp_path / "run", progress=False).run()
+
+
+@settings(max_examples=200, deadline=None)
+@given(n=st.integers(0, 300), batch=st.integers(1, 64), steps=st.integers(0, 40))
+def test_samples_in_steps_counts_the_rows_of_the_batches(n, batch, steps):
+    """The samples of ``steps`` steps over passes of ``n`` samples are the rows of exactly those
+    batches, each pass cut into batches with a short last one."""
+    from fedhetero.algorithms.feddumap._common import samples_in_steps
+
+    batches = [min(batch, n - k) for k in range(0, n, batch)]
+    walk = [batches[s % len(batches)] for s in range(steps)] if batches else []
+    assert samples_in_steps(n, batch, steps) == sum(walk)
+
+
+@pytest.mark.parametrize("name, steps", [("feddu", 7), ("feddu", None), ("data_sharing", 5)])
+def test_samples_processed_counts_the_steps_taken(tmp_path, name, steps):
+    """``samples_processed`` is what local training went through: ``n × local_epochs`` in
+    epochs, the rows of the steps taken under ``train.local_steps`` (not ``n × local_epochs``)."""
+    from fedhetero.algorithms.feddumap._common import samples_in_steps
+
+    opts = {"shared_samples": 8} if name == "data_sharing" else {}
+    Engine(_cfg(name, opts, local_steps=steps, local_epochs=2, batch_size=16), tmp_path, progress=False).run()
+    rows = [c for r in _rows(tmp_path) for c in r["clients"]]
+    assert rows
+    for c in rows:
+        n = c["num_samples"]
+        want = 2 * n if steps is None else samples_in_steps(n, 16, steps)
+        assert c["samples_processed"] == want
+        if steps is not None:
+            assert c["steps"] == steps and c["samples_processed"] <= 16 * steps
