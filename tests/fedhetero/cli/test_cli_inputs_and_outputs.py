@@ -117,3 +117,41 @@ def test_results_table_without_arguments_is_a_usage_message():
     script = ROOT / "examples" / "results_table.py"
     r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True)
     assert r.returncode == 2 and "usage:" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_seed_table_gives_mean_and_std_over_seeds_per_config(tmp_path):
+    """Runs equal but for the seed form one row (mean ± sample std); a row is named by what
+    differs between rows; an unfinished run is listed, not averaged."""
+    import json
+
+    import yaml
+
+    def run(name, algo, alpha, seed, final, val, options=None):
+        d = tmp_path / name
+        d.mkdir()
+        cfg = {"seed": seed, "data": {"alpha": alpha, "data_dir": f"/x/{name}"}, "algorithm": {"name": algo}}
+        (d / "config.yaml").write_text(yaml.safe_dump(cfg))
+        if options is not None:
+            (d / "run.json").write_text(json.dumps({"algorithm_options": options}))
+        if final is not None:
+            (d / "summary.json").write_text(json.dumps({
+                "final_accuracy": final, "mean_last5_accuracy": final - 0.01, "best_accuracy": final + 0.01,
+                "final_val_accuracy": val}))
+        return d
+
+    dirs = [run("a0", "fedavg", 0.5, 0, 0.80, 0.81), run("a1", "fedavg", 0.5, 1, 0.84, 0.85),
+            run("b0", "fedavg", 0.1, 0, 0.70, None), run("d0", "dynamicfl", 0.5, 0, 0.90, 0.9, {"step": "mean"}),
+            run("d1", "dynamicfl", 0.5, 0, 0.60, 0.6, {"step": "sum"}), run("u", "fedavg", 0.5, 2, None, None)]
+    script = ROOT / "examples" / "seed_table.py"
+    r = subprocess.run([sys.executable, str(script), *map(str, dirs)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    rows = {line.split(" | ")[0].lstrip("| "): line for line in r.stdout.splitlines() if line.startswith("| ")}
+    two = rows["algorithm.name=fedavg, data.alpha=0.5"]
+    # mean 82.00, sample std of (80, 84) = 2.83; last 5: 81.00; best 83.00; val 83.00 ± 2.83
+    assert "| 0, 1 | 82.00 ± 2.83 | 81.00 ± 2.83 | 83.00 ± 2.83 | 83.00 ± 2.83 | 80.00 / 81.00, 84.00 / 85.00 |" in two
+    assert "| 0 | 70.00 | 69.00 | 71.00 | – | 70.00 / – |" in rows["algorithm.name=fedavg, data.alpha=0.1"]
+    assert "90.00" in rows["algorithm.name=dynamicfl, data.alpha=0.5, algorithm.options.step=mean"]
+    assert "60.00" in rows["algorithm.name=dynamicfl, data.alpha=0.5, algorithm.options.step=sum"]
+    assert f"not finished (no summary.json): {dirs[-1]}" in r.stdout
+    bad = subprocess.run([sys.executable, str(script), str(tmp_path / "missing")], capture_output=True, text=True)
+    assert bad.returncode == 2 and "config.yaml" in bad.stderr and "Traceback" not in bad.stderr
