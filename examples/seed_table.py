@@ -59,8 +59,9 @@ def table(dirs: list[Path]) -> tuple[list[str], list[Path]]:
             continue
         raw = yaml.safe_load(config.read_text())
         meta = d / "run.json"  # every method option with its default filled in (config.yaml: those given)
-        if meta.is_file() and isinstance(json.loads(meta.read_text()).get("algorithm_options"), dict):
-            raw.setdefault("algorithm", {})["options"] = json.loads(meta.read_text())["algorithm_options"]
+        options = json.loads(meta.read_text()).get("algorithm_options") if meta.is_file() else None
+        if isinstance(options, dict):
+            raw.setdefault("algorithm", {})["options"] = options
         cfg = _flat(raw)
         runs.append((d, cfg, json.loads(summary.read_text())))
     groups: dict[tuple[tuple[str, Any], ...], list[tuple[Path, dict[str, Any], dict[str, Any]]]] = {}

@@ -375,7 +375,8 @@ class Cohort:
                 drop.generators = gens
         for step in range(max(steps)):
             active = torch.tensor([step < n for n in steps], device=dev)
-            size = max(int(seqs[i][step].numel()) for i in range(c) if step < steps[i])
+            real = [int(seqs[i][step].numel()) if step < steps[i] else 0 for i in range(c)]  # each client's rows
+            size = max(real)
             rows = torch.zeros((c, size), dtype=torch.long)
             mask = torch.zeros((c, size), dtype=dt)
             for i in range(c):
@@ -391,14 +392,12 @@ class Cohort:
             mask = mask.to(dev)
             counts = mask.sum(1).clamp_min(1.0)
             if self.stacked is not None:  # BatchNorm leaves padded rows out of its statistics
-                filled = mask.sum(1)
-                partial = bool(((filled > 0) & (filled < size)).any())  # a short batch: masked statistics
-                idle = None if partial or bool((filled > 0).all()) else filled == 0  # whole clients idle
+                partial = any(0 < n < size for n in real)  # a short batch: masked statistics
+                idle = None if partial or all(real) else ~active  # else only whole clients idle
                 for norm in self._norms:
                     norm.mask = mask.t() if partial else None
                     norm.idle = idle
                 if drops:
-                    real = [int(seqs[i][step].numel()) if step < steps[i] else 0 for i in range(c)]
                     for drop in drops:
                         drop.rows = real
             out = self.forward(self.params, x)
@@ -418,7 +417,6 @@ class Cohort:
                     return refs[name](x)
 
                 step_records: dict[str, list[torch.Tensor]] = {}  # this step's values
-                real = [int(seqs[i][step].numel()) if step < steps[i] else 0 for i in range(c)]
                 rep = self._classifier_input(c) if features else out
                 per = per + loss_rule(Batch(rep, c_all, ref, masked_mean, step_records, labels=y, params=self.params,
                                             own=[o.own for o in self.objectives], rows=real))

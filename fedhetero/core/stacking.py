@@ -113,19 +113,11 @@ class StackedBatchNorm2d(nn.Module):
         if not self.training and self.tracks:
             return F.batch_norm(x, rm, rv, w, b, False, 0.0, self.eps)
         if self.mask is None or not self.training:
-            if not self.training or self.idle is None or rm is None or rv is None or self.num_batches_tracked is None:
-                if self.training and self.num_batches_tracked is not None:
-                    self.num_batches_tracked.add_(1)
-                return F.batch_norm(x, rm, rv, w, b, True, self.momentum, self.eps)
-            held = self.idle.repeat_interleave(self.channels)  # (C·ch,)
-            # copies take the update (autograd keeps them for the backward, so they stay untouched)
-            new_mean, new_var = rm.clone(), rv.clone()
-            y = F.batch_norm(x, new_mean, new_var, w, b, True, self.momentum, self.eps)
-            with torch.no_grad():
-                rm.copy_(torch.where(held, rm, new_mean))
-                rv.copy_(torch.where(held, rv, new_var))
-                self.num_batches_tracked.add_((~self.idle).to(self.num_batches_tracked.dtype))
-            return y
+            if self.training and self.idle is not None and self.tracks:
+                return self._with_idle(x, self.idle)
+            if self.training and self.num_batches_tracked is not None:
+                self.num_batches_tracked.add_(1)
+            return F.batch_norm(x, rm, rv, w, b, True, self.momentum, self.eps)
         # the statistics over real rows only, in the (B, H, W, C·ch) layout a channels-last x has
         # in memory (reductions over a 5-d view of the channel axis ran about a third slower)
         c, ch = self.clients, self.channels
@@ -148,6 +140,21 @@ class StackedBatchNorm2d(nn.Module):
             rm.copy_(torch.where(active, rm * (1 - mom) + mean.detach() * mom, rm))
             rv.copy_(torch.where(active, rv * (1 - mom) + unbiased.detach() * mom, rv))
             self.num_batches_tracked.add_((per_row.sum(0) > 0).to(self.num_batches_tracked.dtype))
+        return y
+
+    def _with_idle(self, x: torch.Tensor, idle: torch.Tensor) -> torch.Tensor:
+        """The plain batch statistics, with the ``idle`` clients' running statistics and batch
+        counts put back."""
+        rm, rv, n = self.running_mean, self.running_var, self.num_batches_tracked
+        assert rm is not None and rv is not None and n is not None
+        held = idle.repeat_interleave(self.channels)  # (C·ch,)
+        # copies take the update (autograd keeps them for the backward, so they stay untouched)
+        new_mean, new_var = rm.clone(), rv.clone()
+        y = F.batch_norm(x, new_mean, new_var, self.weight, self.bias, True, self.momentum, self.eps)
+        with torch.no_grad():
+            rm.copy_(torch.where(held, rm, new_mean))
+            rv.copy_(torch.where(held, rv, new_var))
+            n.add_((~idle).to(n.dtype))
         return y
 
 
