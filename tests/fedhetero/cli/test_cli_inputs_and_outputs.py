@@ -119,25 +119,30 @@ def test_results_table_without_arguments_is_a_usage_message():
     assert r.returncode == 2 and "usage:" in r.stderr and "Traceback" not in r.stderr
 
 
-def test_seed_table_gives_mean_and_std_over_seeds_per_config(tmp_path):
-    """Runs equal but for the seed form one row (mean ± sample std); a row is named by what
-    differs between rows; an unfinished run is listed, not averaged."""
+def _seed_run(root, name, algo, alpha, seed, final, val, options=None):
+    """A finished (or, with `final` None, unfinished) run directory as seed_table.py reads it."""
     import json
 
     import yaml
 
+    d = root / name
+    d.mkdir()
+    cfg = {"seed": seed, "data": {"alpha": alpha, "data_dir": f"/x/{name}"}, "algorithm": {"name": algo}}
+    (d / "config.yaml").write_text(yaml.safe_dump(cfg))
+    if options is not None:
+        (d / "run.json").write_text(json.dumps({"algorithm_options": options}))
+    if final is not None:
+        (d / "summary.json").write_text(json.dumps({
+            "final_accuracy": final, "mean_last5_accuracy": final - 0.01, "best_accuracy": final + 0.01,
+            "final_val_accuracy": val}))
+    return d
+
+
+def test_seed_table_gives_mean_and_std_over_seeds_per_config(tmp_path):
+    """Runs equal but for the seed form one row (mean ± sample std); a row is named by what
+    differs between rows; an unfinished run is listed, not averaged."""
     def run(name, algo, alpha, seed, final, val, options=None):
-        d = tmp_path / name
-        d.mkdir()
-        cfg = {"seed": seed, "data": {"alpha": alpha, "data_dir": f"/x/{name}"}, "algorithm": {"name": algo}}
-        (d / "config.yaml").write_text(yaml.safe_dump(cfg))
-        if options is not None:
-            (d / "run.json").write_text(json.dumps({"algorithm_options": options}))
-        if final is not None:
-            (d / "summary.json").write_text(json.dumps({
-                "final_accuracy": final, "mean_last5_accuracy": final - 0.01, "best_accuracy": final + 0.01,
-                "final_val_accuracy": val}))
-        return d
+        return _seed_run(tmp_path, name, algo, alpha, seed, final, val, options)
 
     dirs = [run("a0", "fedavg", 0.5, 0, 0.80, 0.81), run("a1", "fedavg", 0.5, 1, 0.84, 0.85),
             run("b0", "fedavg", 0.1, 0, 0.70, None), run("d0", "dynamicfl", 0.5, 0, 0.90, 0.9, {"step": "mean"}),
@@ -155,3 +160,34 @@ def test_seed_table_gives_mean_and_std_over_seeds_per_config(tmp_path):
     assert f"not finished (no summary.json): {dirs[-1]}" in r.stdout
     bad = subprocess.run([sys.executable, str(script), str(tmp_path / "missing")], capture_output=True, text=True)
     assert bad.returncode == 2 and "config.yaml" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_seed_table_pairs_a_reference_with_each_other_row_seed_by_seed(tmp_path):
+    """`--against` subtracts each other row from the reference row of the same β, over the seeds
+    both ran (paired), and names a reference no run matches."""
+    def run(name, algo, alpha, seed, final, val):
+        return _seed_run(tmp_path, name, algo, alpha, seed, final, val)
+
+    dirs = [run("d0", "dynamicfl", 0.5, 0, 0.80, 0.81), run("d1", "dynamicfl", 0.5, 1, 0.86, 0.85),
+            run("f0", "fedavg", 0.5, 0, 0.79, 0.80), run("f1", "fedavg", 0.5, 1, 0.83, 0.85),
+            run("f2", "fedavg", 0.5, 2, 0.99, 0.99),  # no DynamicFL seed 2: left out of the pairs
+            run("h1", "heterofl", 0.5, 1, 0.87, None),
+            run("g0", "fedavg", 0.1, 0, 0.50, 0.50)]  # no DynamicFL at β 0.1: no row
+    script = ROOT / "examples" / "seed_table.py"
+    r = subprocess.run([sys.executable, str(script), *map(str, dirs), "--against", "algorithm.name=dynamicfl"],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    second = r.stdout.split("| reference |")[1]
+    pairs = [line for line in second.splitlines() if line.startswith("| algorithm.name=dynamicfl, data.alpha=0.5 | ")]
+    assert len(pairs) == 2, r.stdout
+    # test: 80 - 79 = +1, 86 - 83 = +3 -> +2.00 ± 1.41; val: +1, 0 -> +0.50 ± 0.71
+    assert "| algorithm.name=fedavg, data.alpha=0.5 | 0, 1 | +2.00 ± 1.41 | +2.00 ± 1.41 | +2.00 ± 1.41 | +0.50 ± 0.71 |" in pairs[0]
+    # HeteroFL has one common seed and no validation figure
+    assert "| algorithm.name=heterofl, data.alpha=0.5 | 1 | -1.00 | -1.00 | -1.00 | – |" in pairs[1]
+    assert "data.alpha=0.1" not in second
+    none = subprocess.run([sys.executable, str(script), *map(str, dirs), "--against", "algorithm.name=moon"],
+                          capture_output=True, text=True)
+    assert none.returncode == 2 and "algorithm.name=moon" in none.stderr and "Traceback" not in none.stderr
+    bad = subprocess.run([sys.executable, str(script), *map(str, dirs), "--against", "dynamicfl"],
+                         capture_output=True, text=True)
+    assert bad.returncode == 2 and "KEY=VALUE" in bad.stderr
