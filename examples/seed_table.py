@@ -37,11 +37,21 @@ def _flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     out: dict[str, Any] = {}
     for k, v in d.items():
         key = f"{prefix}{k}"
-        if isinstance(v, dict) and v:
+        if isinstance(v, dict):  # an empty mapping sets nothing (`options: {}` is no options)
             out.update(_flat(v, key + "."))
         else:
             out[key] = json.dumps(v, sort_keys=True) if isinstance(v, (dict, list)) else v
     return out
+
+
+def _shown(value: Any) -> Any:
+    """A setting's value as a row name shows it: a tier list as `[small 1.0× (0.33), …]`."""
+    if isinstance(value, str) and value.startswith("[{"):
+        items = json.loads(value)
+        if all(isinstance(t, dict) and "name" in t and "ratio" in t for t in items):
+            return "[" + ", ".join(f"{t['name']} {t['ratio']}×" + (f" ({t['share']:.2g})" if "share" in t else "")
+                                   for t in items) + "]"
+    return value
 
 
 def _ignored(key: str) -> bool:
@@ -95,7 +105,7 @@ def table(dirs: list[Path], against: dict[str, str] | None = None) -> tuple[list
         members.sort(key=lambda m: m[1].get("seed", 0))
         c = dict(key)
         shown = differing + options.get(c.get("algorithm.name"), [])
-        name = names[key] = ", ".join(f"{k}={c.get(k)}" for k in shown) or "all runs"
+        name = names[key] = ", ".join(f"{k}={_shown(c.get(k))}" for k in shown) or "all runs"
         col = {f: [float(m[2][f]) for m in members if m[2].get(f) is not None] for f in FIELDS}
         per = ", ".join(
             f"{100 * m[2]['final_accuracy']:.2f} / "

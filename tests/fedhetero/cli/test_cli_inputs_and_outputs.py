@@ -165,11 +165,12 @@ def test_seed_table_gives_mean_and_std_over_seeds_per_config(tmp_path):
 def test_seed_table_pairs_a_reference_with_each_other_row_seed_by_seed(tmp_path):
     """`--against` subtracts each other row from the reference row of the same β, over the seeds
     both ran (paired), and names a reference no run matches."""
-    def run(name, algo, alpha, seed, final, val):
-        return _seed_run(tmp_path, name, algo, alpha, seed, final, val)
+    def run(name, algo, alpha, seed, final, val, options=None):
+        return _seed_run(tmp_path, name, algo, alpha, seed, final, val, options)
 
     dirs = [run("d0", "dynamicfl", 0.5, 0, 0.80, 0.81), run("d1", "dynamicfl", 0.5, 1, 0.86, 0.85),
-            run("f0", "fedavg", 0.5, 0, 0.79, 0.80), run("f1", "fedavg", 0.5, 1, 0.83, 0.85),
+            # a method without options records {}: the same setting as a run that records none
+            run("f0", "fedavg", 0.5, 0, 0.79, 0.80), run("f1", "fedavg", 0.5, 1, 0.83, 0.85, options={}),
             run("f2", "fedavg", 0.5, 2, 0.99, 0.99),  # no DynamicFL seed 2: left out of the pairs
             run("h1", "heterofl", 0.5, 1, 0.87, None),
             run("g0", "fedavg", 0.1, 0, 0.50, 0.50)]  # no DynamicFL at β 0.1: no row
@@ -191,3 +192,14 @@ def test_seed_table_pairs_a_reference_with_each_other_row_seed_by_seed(tmp_path)
     bad = subprocess.run([sys.executable, str(script), *map(str, dirs), "--against", "dynamicfl"],
                          capture_output=True, text=True)
     assert bad.returncode == 2 and "KEY=VALUE" in bad.stderr
+
+
+def test_seed_table_names_a_tier_list_by_names_ratios_and_shares():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("seed_table", ROOT / "examples" / "seed_table.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    tiers = '[{"name": "small", "ratio": 1.0, "share": 0.3333333333333333}, {"name": "large", "ratio": 3.0, "share": 0.6666666666666667}]'
+    assert module._shown(tiers) == "[small 1.0× (0.33), large 3.0× (0.67)]"
+    assert module._shown('[{"a": 1}]') == '[{"a": 1}]' and module._shown(0.5) == 0.5
