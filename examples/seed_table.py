@@ -58,9 +58,10 @@ def _ignored(key: str) -> bool:
     return any(key == i or key.startswith(i + ".") for i in IGNORED)
 
 
-def _pct(values: list[float]) -> str:
+def _pct(values: list[float], signed: bool = False) -> str:
+    """Fractions as percent (points, with a sign, for differences): mean ± sample std."""
     m = 100 * statistics.fmean(values)
-    return f"{m:.2f}" + (f" ± {100 * statistics.stdev(values):.2f}" if len(values) > 1 else "")
+    return f"{m:{'+' if signed else ''}.2f}" + (f" ± {100 * statistics.stdev(values):.2f}" if len(values) > 1 else "")
 
 
 Run = tuple[Path, dict[str, Any], dict[str, Any]]
@@ -123,7 +124,8 @@ def _paired(groups: dict[tuple[tuple[str, Any], ...], list[Run]], names: dict[tu
             against: dict[str, str], context: list[str]) -> list[str]:
     """Each reference row (matching `against`) minus each other row with the same `context`
     settings, paired by seed."""
-    refs = [key for key in groups if all(str(dict(key).get(k)) == v for k, v in against.items())]
+    settings = {key: dict(key) for key in groups}
+    refs = [key for key in groups if all(str(settings[key].get(k)) == v for k, v in against.items())]
     if not refs:
         wanted = ", ".join(f"{k}={v}" for k, v in against.items())
         raise ValueError(f"no finished run has {wanted} (--against)")
@@ -132,17 +134,14 @@ def _paired(groups: dict[tuple[tuple[str, Any], ...], list[Run]], names: dict[tu
     for ref in sorted(refs, key=names.__getitem__):
         by_seed = {m[1].get("seed"): m[2] for m in groups[ref]}
         for key in sorted(groups, key=names.__getitem__):
-            if key in refs or any(dict(key).get(k) != dict(ref).get(k) for k in context):
+            if key in refs or any(settings[key].get(k) != settings[ref].get(k) for k in context):
                 continue
-            pairs = [(by_seed[m[1].get("seed")], m[2]) for m in groups[key] if m[1].get("seed") in by_seed]
+            pairs = [(m[1].get("seed"), by_seed[m[1].get("seed")], m[2]) for m in groups[key] if m[1].get("seed") in by_seed]
             if not pairs:
                 continue
-            cells = []
-            for f in FIELDS:
-                d = [100 * (a[f] - b[f]) for a, b in pairs if a.get(f) is not None and b.get(f) is not None]
-                cells.append((f"{statistics.fmean(d):+.2f}" + (f" ± {statistics.stdev(d):.2f}" if len(d) > 1 else ""))
-                             if d else "–")
-            seeds = ", ".join(str(m[1].get("seed")) for m in groups[key] if m[1].get("seed") in by_seed)
+            diffs = {f: [a[f] - b[f] for _, a, b in pairs if a.get(f) is not None and b.get(f) is not None] for f in FIELDS}
+            cells = [_pct(d, signed=True) if d else "–" for d in diffs.values()]
+            seeds = ", ".join(str(seed) for seed, _, _ in pairs)
             lines.append(f"| {names[ref]} | {names[key]} | {seeds} | " + " | ".join(cells) + " |")
     return lines
 
