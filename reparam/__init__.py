@@ -38,7 +38,7 @@ from .kinds import applicability
 from .layers import FrozenIdentityBN, IdentityBasedConv1x1
 from .changes import StructureChange, apply_to_optimizer
 from ._tree import iter_blocks
-from .expand_merge import FoldedIdentity, expand, merge
+from .expand_merge import SCRATCH_INIT, FoldedIdentity, expand, merge
 from .pairs import ConvScan, find_conv_bn_pairs, find_identity_branches
 from .rep import calibrate_anchors, match_filter_norms, rep_to_local
 from .steps import branch_step_scales
@@ -92,6 +92,7 @@ __all__ = [
     "find_identity_branches",
     "FoldedIdentity",
     "expand",
+    "SCRATCH_INIT",
     "merge",
     "structure",
     "build",

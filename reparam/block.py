@@ -56,7 +56,11 @@ logger = logging.getLogger("reparam")
 DEFAULT_BRANCHES: tuple[str, ...] = default_kinds()
 DEPTHWISE_BRANCHES: tuple[str, ...] = default_kinds(depthwise=True)
 ANCHOR_NORMS: tuple[str, ...] = ("frozen_identity", "calibrated", "batchnorm")
-INITS: tuple[str, ...] = ("zero_gamma", "random_resolve")
+#: new-branch initialisations: "zero_gamma" keeps the function (train and eval mode), "random_resolve"
+#: keeps it in eval mode (ordinary init, anchor re-solved), "random" does not keep it (ordinary init
+#: of every new branch, the anchor untouched: the DBB paper's own training set-up, for a model that
+#: is trained from scratch)
+INITS: tuple[str, ...] = ("zero_gamma", "random_resolve", "random")
 ANCHOR_STATS: tuple[str, ...] = ("keep", "rescale", "adopt", "identity")
 
 
@@ -282,8 +286,9 @@ class DiverseBranchBlock(nn.Module):
                 ``"calibrated"`` (a real BN set from ``calibration_input``, eval-exact up to
                 rounding) or ``"batchnorm"`` (BN reset to γ=1, β=0, μ=0, v=1−eps; eval-exact).
             calibration_input: input batch (or iterable of batches) of ``conv`` for ``"calibrated"``.
-            init: ``"zero_gamma"`` (bit-exact train+eval) or ``"random_resolve"`` (ordinary last-BN
-                init, anchor re-solved; eval-exact only).
+            init: ``"zero_gamma"`` (bit-exact train+eval), ``"random_resolve"`` (ordinary last-BN
+                init, anchor re-solved; eval-exact only) or ``"random"`` (ordinary init, the anchor
+                untouched: the function changes; for a model about to be trained from scratch).
             allow_new_bias: accept a conv without bias and without BN by giving it a zero bias
                 (changes the host layer's parameter set).
             generator: RNG of the new branches' conv initialisation.
@@ -1062,6 +1067,7 @@ class DiverseBranchBlock(nn.Module):
         ``init="zero_gamma"``: the new branch's last BN has ``γ = β = 0``; the block output is
         bit-identical in train and eval mode. ``init="random_resolve"``: ordinary init and the anchor
         re-solved so the eval output is unchanged (eval-exact only; DynamicFL Eq. 16).
+        ``init="random"``: ordinary init, the anchor untouched (the output changes).
 
         Returns:
             StructureChange: the new parameters (each with the anchor parameter of the same kind as

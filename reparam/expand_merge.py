@@ -41,14 +41,15 @@ from torch import Tensor, nn
 from ._tree import (
     _INFO_ATTR, _conv_support, _info, _is_block, _is_bn_like, _is_conv, _is_plain_conv, _set_info, _set_module, iter_blocks,
 )
-from .block import DiverseBranchBlock
+from .block import ANCHOR_NORMS, INITS, DiverseBranchBlock
 from .errors import NotMergeableError, ReparamError, ReparamModeError
 from .geometry import ConvGeometry
+from .kinds import get_kind, is_kind, kind_names
 from .hostforms import ConvForm, NormActTail, as_same_pad, effective_kernel, split_norm_act
 from .pairs import _identity_fits, find_conv_bn_pairs
 from .transforms import bn_impurity, bn_stats, check_identity, fuse_bn, merge_dtype
 
-__all__ = ["FoldedIdentity", "expand", "merge"]
+__all__ = ["SCRATCH_INIT", "FoldedIdentity", "expand", "merge"]
 
 logger = logging.getLogger("reparam")
 
@@ -138,6 +139,70 @@ def _capture_inputs(model: nn.Module, paths: list[str], batches: Any) -> dict[st
     return captured
 
 
+#: the ``init`` of ``expand(..., from_scratch=True)``: the one whose merged models measured best
+#: when trained from scratch (see docs/results.md, "Where re-parameterization pays")
+SCRATCH_INIT = "random"
+
+_PATTERN_HELP = "None, a glob string or an iterable of glob strings"
+
+
+def _check_branches(branches: Any, what: str = "branches") -> None:
+    """Raise at once for a branch request that names no known kind or unknown options (the
+    per-conv expansion would otherwise skip every conv for it, silently)."""
+    names = kind_names()
+    if branches is None or (isinstance(branches, str) and branches in ("default", "all")):
+        return
+    if isinstance(branches, str):
+        if not is_kind(branches):
+            raise ReparamError(
+                f"{what}: unknown branch kind {branches!r}; accepted: None, 'default', 'all', a kind or "
+                f"an iterable of kinds from {names}"
+            )
+        return
+    if isinstance(branches, Mapping):
+        items = list(branches.items())
+    else:
+        try:
+            items = [(k, None) for k in branches]
+        except TypeError:
+            raise ReparamError(f"{what} must be None, 'default', 'all', a kind or an iterable of kinds from "
+                               f"{names}, got {branches!r}") from None
+    for kind, opts in items:
+        if not is_kind(kind):
+            raise ReparamError(f"{what}: unknown branch kind {kind!r}; accepted values: {names}")
+        if opts is not None:
+            if not isinstance(opts, Mapping):
+                raise ReparamError(f"{what}: the options of branch {kind!r} must be a mapping, got {opts!r}")
+            bad = set(opts) - set(get_kind(kind).options)
+            if bad:
+                raise ReparamError(f"{what}: unknown options {sorted(bad)} for branch {kind!r}; "
+                                   f"accepted: {sorted(get_kind(kind).options)}")
+
+
+def _check_expand_arguments(
+    *, branches: Any, init: Any, anchor_norm: Any, include: Any, exclude: Any, generator: Any,
+    flags: Mapping[str, Any],
+) -> None:
+    """Check every argument of :func:`expand` that is not checked per conv: a bad value raises
+    before anything is copied, naming the accepted values."""
+    if init not in INITS:
+        raise ReparamError(f"init must be one of {INITS}, got {init!r}")
+    if anchor_norm not in ANCHOR_NORMS:
+        raise ReparamError(f"anchor_norm must be one of {ANCHOR_NORMS}, got {anchor_norm!r}")
+    for name, value in (("include", include), ("exclude", exclude)):
+        ok = value is None or isinstance(value, str) or (
+            isinstance(value, Iterable) and not isinstance(value, Mapping) and all(isinstance(v, str) for v in value)
+        )
+        if not ok:
+            raise ReparamError(f"{name} must be {_PATTERN_HELP}, got {value!r}")
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise ReparamError(f"generator must be None or a torch.Generator, got {type(generator).__name__}")
+    for name, value in flags.items():
+        if not isinstance(value, bool):
+            raise ReparamError(f"{name} must be True or False, got {value!r}")
+    _check_branches(branches)
+
+
 def expand(
     model: nn.Module,
     plan: Mapping[str, Any] | Callable[[str, nn.Conv2d, nn.Module | None], Any] | None = None,
@@ -148,11 +213,12 @@ def expand(
     calibration_input: Any = None,
     include: str | Iterable[str] | None = None,
     exclude: str | Iterable[str] | None = None,
-    init: str = "zero_gamma",
+    init: str | None = None,
     allow_new_bias: bool = False,
     example_input: Any = None,
     generator: torch.Generator | None = None,
     crop: bool = True,
+    from_scratch: bool = False,
 ) -> nn.Module:
     """Expand the convs of an arbitrary model into Diverse Branch Blocks (bit-exact, train and eval).
 
@@ -166,7 +232,13 @@ def expand(
         anchor_norm, calibration_input: for convs without a following BN (``calibration_input``:
             model input batches, used with ``anchor_norm="calibrated"``).
         include, exclude: module-path globs restricting the convs considered.
-        init, allow_new_bias, generator, crop: passed to :meth:`DiverseBranchBlock.from_conv`
+        init: how new branches start (:data:`reparam.block.INITS`). Default: ``"zero_gamma"``
+            (the function is kept, bit for bit: right for a trained model), or :data:`SCRATCH_INIT`
+            with ``from_scratch=True``.
+        from_scratch: the model is about to be trained from scratch, so there is no function to
+            keep: the default ``init`` becomes :data:`SCRATCH_INIT`, the initialisation whose merged
+            models measured best when trained from scratch (``fedhetero bench reparam-gain``).
+        allow_new_bias, generator, crop: passed to :meth:`DiverseBranchBlock.from_conv`
             (``crop=False``: no input-window branches, the classic rule).
         example_input: input for the forward probe when the model does not trace with ``torch.fx``.
 
@@ -195,6 +267,17 @@ def expand(
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
     if plan is not None and not isinstance(plan, Mapping) and not callable(plan):
         raise TypeError("plan must be None, a mapping of conv path -> kinds, or a callable (path, conv, bn) -> kinds")
+    if init is None:
+        init = SCRATCH_INIT if from_scratch else "zero_gamma"
+    _check_expand_arguments(
+        branches=branches, init=init, anchor_norm=anchor_norm, include=include, exclude=exclude,
+        generator=generator, flags={"inplace": inplace, "allow_new_bias": allow_new_bias, "crop": crop,
+                                    "from_scratch": from_scratch},
+    )
+    if isinstance(plan, Mapping):
+        for kinds in plan.values():
+            if kinds is not None:
+                _check_branches(kinds, "plan values")
     if _is_block(model):
         return model if inplace else copy.deepcopy(model)
     if not inplace:
@@ -468,8 +551,15 @@ def merge(
 
     Idempotent: merging a merged model changes nothing.
     """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
     if target not in ("deploy", "host"):
         raise ReparamError(f"target must be 'deploy' or 'host', got {target!r}")
+    for name, value in (("inplace", inplace), ("require_eval", require_eval)):
+        if not isinstance(value, bool):
+            raise ReparamError(f"{name} must be True or False, got {value!r}")
+    if compute_dtype is not None and not (isinstance(compute_dtype, torch.dtype) and compute_dtype.is_floating_point):
+        raise ReparamError(f"compute_dtype must be None or a floating torch.dtype, got {compute_dtype!r}")
     if _is_block(model):
         blk = model if inplace else copy.deepcopy(model)
         if target == "deploy":

@@ -2,7 +2,7 @@
 
 ``fedhetero train``               run one federated job (with no arguments: the embedded default)
 ``fedhetero compare``             run several algorithms on the same clients, data, budgets and seeds
-``fedhetero bench``               benchmarks: ``reparam``, ``round``, ``memory``, ``engines``, ``selector``
+``fedhetero bench``               benchmarks: ``reparam``, ``reparam-gain``, ``round``, ``memory``, ``engines``, ``selector``
 ``fedhetero dyninit-table``       the DynInit study's transition table
 ``fedhetero dynamicfl-ablation``  DynamicFL against FedAvg and the width baselines, and each of its choices
 ``fedhetero flower``              run on Flower's simulation engine, or write a Flower App for deployment

@@ -1,7 +1,7 @@
-"""``fedhetero bench reparam|round|memory|engines|selector|vectorize``: the lab's benchmarks.
+"""``fedhetero bench reparam|reparam-gain|round|memory|engines|selector|vectorize``: the lab's benchmarks.
 
 The options of every benchmark are declared here; the measuring code is in :mod:`fedhetero.lab`
-(:mod:`~fedhetero.lab.bench_reparam`, :mod:`~fedhetero.lab.bench`, :mod:`~fedhetero.lab.bench_selector`,
+(:mod:`~fedhetero.lab.bench_reparam`, :mod:`~fedhetero.lab.bench_gain`, :mod:`~fedhetero.lab.bench`, :mod:`~fedhetero.lab.bench_selector`,
 :mod:`~fedhetero.lab.bench_vectorize`).
 Those modules import torch (and ``reparam``), so each ``run_*`` imports its module when it runs:
 ``fedhetero --help`` does not pay for them. For the same reason the choices of two options are named
@@ -19,25 +19,29 @@ from typing import Any
 from fedhetero.core.console import make_console
 
 __all__ = [
-    "REPARAM_MODELS", "SELECTORS", "add_parser", "run_engines", "run_memory", "run_reparam", "run_round", "run_selector",
-    "run_vectorize",
+    "GAIN_INITS", "REPARAM_MODELS", "SELECTORS", "add_parser", "run_engines", "run_memory", "run_reparam",
+    "run_reparam_gain", "run_round", "run_selector", "run_vectorize",
 ]
 
 #: ``--model`` of ``bench reparam``: :data:`fedhetero.lab.bench_reparam.MODELS` (not imported here)
 REPARAM_MODELS = ("resnet18", "tv-resnet18")
 #: ``--selectors`` of ``bench selector``: :data:`fedhetero.lab.bench_selector.SELECTORS` (not imported here)
 SELECTORS = ("ensemble_dp", "exhaustive", "random", "genetic")
+#: ``--inits`` of ``bench reparam-gain``: :data:`reparam.block.INITS` (not imported here)
+GAIN_INITS = ("zero_gamma", "random_resolve", "random")
+#: its default ``--epochs`` per data set (digits is small: 20 epochs are 400 steps)
+GAIN_EPOCHS = {"digits": 20}
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Add ``bench`` with its benchmarks to a ``add_subparsers()`` object."""
     parser = subparsers.add_parser(
         "bench",
-        help="benchmarks: reparam | round | memory | engines | selector | vectorize",
+        help="benchmarks: reparam | reparam-gain | round | memory | engines | selector | vectorize",
         description="Benchmarks measured side by side in one run; pass --help after the name for its options.",
     )
     sub = parser.add_subparsers(dest="what", required=True)
-    for add in (_add_reparam, _add_round, _add_memory, _add_engines, _add_selector, _add_vectorize):
+    for add in (_add_reparam, _add_reparam_gain, _add_round, _add_memory, _add_engines, _add_selector, _add_vectorize):
         add(sub)
     return parser
 
@@ -112,6 +116,126 @@ def run_reparam(args: argparse.Namespace) -> int:
     if args.json:
         with open(args.json, "w", encoding="utf-8") as fh:
             json.dump(res, fh, indent=2)
+    return 0
+
+
+# ----------------------------------------------------------------------------------- reparam-gain
+def _floats(text: str) -> list[float]:
+    try:
+        values = [float(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
+    if not values or min(values) <= 0:
+        raise argparse.ArgumentTypeError(f"expected positive numbers, got {text!r}")
+    return values
+
+
+def _names(text: str) -> list[str]:
+    values = [v.strip() for v in text.split(",") if v.strip()]
+    if not values:
+        raise argparse.ArgumentTypeError(f"expected comma-separated names, got {text!r}")
+    return values
+
+
+def _inits(text: str) -> list[str]:
+    values = _names(text)
+    bad = [v for v in values if v not in GAIN_INITS]
+    if bad:
+        raise argparse.ArgumentTypeError(f"unknown init {bad[0]!r}; accepted: {', '.join(GAIN_INITS)}")
+    return values
+
+
+def _add_reparam_gain(sub: Any) -> None:
+    p = sub.add_parser(
+        "reparam-gain",
+        help="accuracy of a model trained expanded and merged vs the same structure trained plain",
+        description="``fedhetero bench reparam-gain``: trains the same deployed structure two ways from the "
+        "same starting weights, with the same data order, epochs, schedule and seed: plain, and expanded into "
+        "Diverse Branch Blocks (default branch kinds) then merged. Reports the merged model's test accuracy "
+        "for each, the paired gain (mean ± std over seeds), the validation gain (choices are made on a "
+        "validation split held out of the training set), the width gain (the plain model at twice the width "
+        "minus at this width: the capacity there is to transfer) and the training MACs of each; then each "
+        "branch kind alone at the width whose validation gain is largest, and the DBB paper's own gains "
+        "beside. Digits (bundled) by default: about 5-10 minutes on an idle 2-core CPU; Fashion-MNIST with "
+        "--dataset fashion_mnist --data-dir DIR. Progress goes to stderr.",
+    )
+    p.add_argument("--dataset", default="digits", help="data set (default digits; e.g. fashion_mnist)")
+    p.add_argument("--data-dir", default=None, metavar="DIR",
+                   help="folder holding the data set's files (default: $FEDHETERO_DATA_DIR or ./data)")
+    p.add_argument("--models", type=_names, default=["lenet5", "cnn"], metavar="NAME,...",
+                   help="zoo models (default lenet5,cnn: LeNet-5 and the FedDUMAP CNN, with BatchNorm), or a "
+                   "model of your own as path/to/file.py:factory or package.module:factory, called with the "
+                   "keywords it takes of num_classes, in_channels, width and input_size")
+    p.add_argument("--widths", type=_floats, default=[0.125, 0.25, 0.5, 1.0], metavar="W,...",
+                   help="width multipliers (default 0.125,0.25,0.5,1)")
+    p.add_argument("--seeds", type=_positive, default=3, help="seeds 0..N-1 (default 3)")
+    p.add_argument("--epochs", type=_positive, default=None,
+                   help="epochs of each arm (default 20 on digits, 3 otherwise)")
+    p.add_argument("--inits", type=_inits, default=None, metavar="INIT,...",
+                   help="branch initialisations of the expanded arm, each measured (default: reparam.SCRATCH_INIT, "
+                   "what expand(from_scratch=True) uses); the first is the summary's 'expanded'. "
+                   f"Accepted: {', '.join(GAIN_INITS)}")
+    p.add_argument("--batch", type=_positive, default=64, help="batch size (default 64)")
+    p.add_argument("--lr", type=float, default=0.05, help="SGD learning rate, cosine to 0 (default 0.05)")
+    p.add_argument("--weight-decay", type=float, default=1e-4, help="weight decay of every parameter (default 1e-4)")
+    p.add_argument("--recalibrate-bn", type=int, default=0, metavar="N",
+                   help="candidate: re-estimate every BatchNorm's statistics over N training batches before "
+                   "evaluating and merging, in both arms (default 0: the running statistics of training)")
+    p.add_argument("--branch-weight-decay", type=float, default=None, metavar="WD",
+                   help="candidate: weight decay of the expanded arm's branches other than the anchor "
+                   "(default: --weight-decay)")
+    p.add_argument("--block-step", choices=("sum", "mean"), default="sum",
+                   help="candidate: how far a block's merged kernel moves in a step: the sum of its branches' "
+                   "steps (default; DBB training) or their mean (reparam.branch_step_scales)")
+    p.add_argument("--train-samples", type=_positive, default=None,
+                   help="train on a stratified subset of this many images (default: the whole training split)")
+    p.add_argument("--no-kinds", action="store_true", help="skip the rows of each branch kind alone")
+    p.add_argument("--threads", type=int, default=2, help="torch threads (default 2; 0 = keep torch's)")
+    p.add_argument("--json", default=None, metavar="PATH", help="also write the results as JSON")
+    p.set_defaults(func=run_reparam_gain)
+
+
+def run_reparam_gain(args: argparse.Namespace) -> int:
+    """Run ``fedhetero bench reparam-gain``; a set-up it cannot run ends in one line, exit 2."""
+    # deferred for start-up time: the benchmark imports torch, reparam and the data sets
+    from fedhetero.data.errors import DataConfigError, DatasetFormatError, DatasetNotFoundError
+    from fedhetero.lab import bench_gain
+    import reparam
+
+    err = make_console(stderr=True, highlight=False)
+    epochs = args.epochs or GAIN_EPOCHS.get(args.dataset, 3)
+    inits = args.inits or [reparam.SCRATCH_INIT]
+    setup = bench_gain.GainSetup(epochs=epochs, batch=args.batch, lr=args.lr, weight_decay=args.weight_decay,
+                                 recalibrate_bn=args.recalibrate_bn, branch_weight_decay=args.branch_weight_decay,
+                                 block_step=args.block_step)
+    err.print(f"fedhetero bench reparam-gain: {', '.join(args.models)} on {args.dataset} at widths "
+              f"{', '.join(f'{w:g}' for w in args.widths)}; {args.seeds} seeds, {epochs} epochs, inits "
+              f"{', '.join(inits)}", markup=False)
+    t0 = time.perf_counter()
+
+    def progress(line: str) -> None:
+        err.print(f"{time.perf_counter() - t0:7.1f} s  {line}", markup=False)
+
+    try:
+        res = bench_gain.run_benchmark(
+            dataset=args.dataset, data_dir=args.data_dir, models=args.models, widths=args.widths,
+            seeds=args.seeds, inits=inits, kinds=not args.no_kinds, setup=setup,
+            train_samples=args.train_samples, threads=args.threads or None, progress=progress,
+        )
+    except (bench_gain.GainError, DataConfigError, DatasetFormatError, DatasetNotFoundError) as exc:
+        err.print(f"fedhetero bench reparam-gain: {' '.join(str(exc).split())}", markup=False)
+        return 2
+    except ValueError as exc:  # an unknown model name
+        if "unknown model" not in str(exc):
+            raise
+        err.print(f"fedhetero bench reparam-gain: {exc}", markup=False)
+        return 2
+    progress("done")
+    bench_gain.print_table(res, make_console())
+    if args.json:
+        path = Path(args.json)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(res, indent=2), encoding="utf-8")
     return 0
 
 

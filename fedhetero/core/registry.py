@@ -12,7 +12,7 @@ import importlib
 import importlib.util
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from fedhetero.core.algorithm import Algorithm
 from fedhetero.core.config import OPTIONS_PATH, ConfigError, from_mapping
@@ -20,7 +20,7 @@ from fedhetero.core.config import OPTIONS_PATH, ConfigError, from_mapping
 if TYPE_CHECKING:  # pragma: no cover
     from fedhetero.core.config import RunConfig
 
-__all__ = ["build_algorithm", "builtin_algorithms", "get_algorithm", "list_algorithms", "register"]
+__all__ = ["IMPORT_ERRORS", "build_algorithm", "builtin_algorithms", "get_algorithm", "import_target", "list_algorithms", "register"]
 
 #: methods registered at run time with :func:`register` (name -> class)
 _REGISTERED: dict[str, type[Algorithm]] = {}
@@ -51,25 +51,35 @@ def list_algorithms() -> list[str]:
     return sorted({*builtin_algorithms(), *_REGISTERED})
 
 
+#: what :func:`import_target` raises for a target it cannot load
+IMPORT_ERRORS = (ImportError, AttributeError, OSError, SyntaxError)
+
+
+def import_target(target: str) -> Any:
+    """``package.module:NAME`` or ``path/to/file.py:NAME`` -> the object (one of
+    :data:`IMPORT_ERRORS` when it cannot be loaded)."""
+    where, _, attr = target.rpartition(":")
+    if where.endswith(".py"):
+        path = Path(where).resolve()
+        mod_name = f"_fedhetero_user_{path.stem}"
+        module = sys.modules.get(mod_name)
+        if module is None:
+            spec = importlib.util.spec_from_file_location(mod_name, path)
+            if spec is None or spec.loader is None or not path.is_file():
+                raise ImportError(f"no such file: {path}")
+            module = importlib.util.module_from_spec(spec)
+            sys.modules[mod_name] = module
+            spec.loader.exec_module(module)
+    else:
+        module = importlib.import_module(where)
+    return getattr(module, attr)
+
+
 def _load(name: str, target: str) -> type[Algorithm]:
     """``package.module:Class`` or ``path/to/file.py:Class`` -> the class."""
-    where, _, attr = target.rpartition(":")
     try:
-        if where.endswith(".py"):
-            path = Path(where).resolve()
-            mod_name = f"_fedhetero_user_{path.stem}"
-            module = sys.modules.get(mod_name)
-            if module is None:
-                spec = importlib.util.spec_from_file_location(mod_name, path)
-                if spec is None or spec.loader is None or not path.is_file():
-                    raise ImportError(f"no such file: {path}")
-                module = importlib.util.module_from_spec(spec)
-                sys.modules[mod_name] = module
-                spec.loader.exec_module(module)
-        else:
-            module = importlib.import_module(where)
-        cls = getattr(module, attr)
-    except (ImportError, AttributeError, OSError, SyntaxError) as exc:
+        cls = import_target(target)
+    except IMPORT_ERRORS as exc:
         raise ConfigError(f"algorithm.name: cannot load {name!r} ({type(exc).__name__}: {exc})") from None
     if not (isinstance(cls, type) and issubclass(cls, Algorithm)):
         raise ConfigError(f"algorithm.name: {name!r} is not a fedhetero.algorithms.Algorithm subclass")

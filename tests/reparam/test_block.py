@@ -512,7 +512,7 @@ def test_invalid_requests_raise_clear_errors(gen) -> None:
     with pytest.raises(ReparamError, match="unknown branch kind"):
         DiverseBranchBlock.from_conv(copy.deepcopy(conv), copy.deepcopy(bn), ["kxk", "3x3"])
     with pytest.raises(ReparamError, match="init"):
-        DiverseBranchBlock.from_conv(copy.deepcopy(conv), copy.deepcopy(bn), init="random")
+        DiverseBranchBlock.from_conv(copy.deepcopy(conv), copy.deepcopy(bn), init="randomly")
     with pytest.raises(NotMergeableError):
         DiverseBranchBlock.from_conv(nn.Conv1d(4, 4, 3), None)
     with pytest.raises(NotMergeableError, match="track_running_stats"):

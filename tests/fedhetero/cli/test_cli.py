@@ -31,6 +31,7 @@ def test_no_command_prints_the_overview(capsys):
 
 BENCH_OPTIONS = {
     "reparam": ["--merge-repeats", "--no-tune-malloc", "tv-resnet18"],
+    "reparam-gain": ["--widths", "--inits", "--no-kinds", "--train-samples"],
     "round": ["--per-round", "--dynamicfl-rounds"],
     "memory": ["--rounds", "--algorithm"],
     "engines": ["--workers", "--no-flower", "--heavy-epochs"],
@@ -91,7 +92,7 @@ def test_an_unknown_option_is_reported_by_its_command(capsys):
 def test_the_parser_leaves_the_heavy_modules_alone():
     """``fedhetero --help`` builds the whole tree without the lab, the engine or Flower."""
     heavy = ["flwr", "fedhetero.core.engine", "fedhetero.core.compare", "fedhetero.lab.ablation",
-             "fedhetero.lab.bench", "fedhetero.lab.bench_reparam", "fedhetero.lab.bench_selector",
+             "fedhetero.lab.bench", "fedhetero.lab.bench_reparam", "fedhetero.lab.bench_gain", "fedhetero.lab.bench_selector",
              "fedhetero.lab.dyninit_table"]
     code = f"import sys; from fedhetero.cli import build_parser; build_parser(); print([m for m in {heavy} if m in sys.modules])"
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
