@@ -191,7 +191,8 @@ def _add_reparam_gain(sub: Any) -> None:
                    help="train on a stratified subset of this many images (default: the whole training split)")
     p.add_argument("--no-kinds", action="store_true", help="skip the rows of each branch kind alone")
     p.add_argument("--threads", type=int, default=2, help="torch threads (default 2; 0 = keep torch's)")
-    p.add_argument("--json", default=None, metavar="PATH", help="also write the results as JSON")
+    p.add_argument("--json", default=None, metavar="PATH",
+                   help="also write the results as JSON (rewritten after every seed, so a stopped run keeps them)")
     p.set_defaults(func=run_reparam_gain)
 
 
@@ -216,11 +217,20 @@ def run_reparam_gain(args: argparse.Namespace) -> int:
     def progress(line: str) -> None:
         err.print(f"{time.perf_counter() - t0:7.1f} s  {line}", markup=False)
 
+    def write(res: dict[str, Any]) -> None:
+        if args.json:
+            path = Path(args.json)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(f".{path.name}.tmp")
+            tmp.write_text(json.dumps(res, indent=2), encoding="utf-8")
+            tmp.replace(path)
+
     try:
         res = bench_gain.run_benchmark(
             dataset=args.dataset, data_dir=args.data_dir, models=args.models, widths=args.widths,
             seeds=args.seeds, inits=inits, kinds=not args.no_kinds, setup=setup,
             train_samples=args.train_samples, threads=args.threads or None, progress=progress,
+            checkpoint=write,
         )
     except (bench_gain.GainError, DataConfigError, DatasetFormatError, DatasetNotFoundError) as exc:
         err.print(f"fedhetero bench reparam-gain: {' '.join(str(exc).split())}", markup=False)
@@ -232,10 +242,7 @@ def run_reparam_gain(args: argparse.Namespace) -> int:
         return 2
     progress("done")
     bench_gain.print_table(res, make_console())
-    if args.json:
-        path = Path(args.json)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(res, indent=2), encoding="utf-8")
+    write(res)
     return 0
 
 

@@ -321,9 +321,12 @@ def run_benchmark(
     train_samples: int | None = None,
     threads: int | None = 2,
     progress: Callable[[str], None] = lambda line: None,
+    checkpoint: Callable[[dict[str, Any]], None] = lambda result: None,
 ) -> dict[str, Any]:
     """Run the grid; see the module docstring. The first of ``inits`` is the ``expanded`` arm of
-    the summary; every init has its own entry under ``inits``."""
+    the summary; every init has its own entry under ``inits``. ``checkpoint`` is called with the
+    result so far after every seed (the seeds of an unfinished model under ``"partial"``), so that
+    a long run stopped early keeps what it measured."""
     if threads:
         torch.set_num_threads(threads)
     if not inits:
@@ -350,8 +353,12 @@ def run_benchmark(
             for seed in seed_list:
                 per_width[width][seed] = train_pair(model_name, width, data, setup, seed, inits=inits)
                 r = per_width[width][seed]
-                progress(f"{model_name} ×{width:g} seed {seed}: plain {r['plain']['test']:.2f} %, "
-                         + ", ".join(f"{i} {r[i]['test']:.2f} %" for i in inits))
+                progress(f"{model_name} ×{width:g} seed {seed}: test (val) plain {r['plain']['test']:.2f} "
+                         f"({r['plain']['val']:.2f}) %, "
+                         + ", ".join(f"{i} {r[i]['test']:.2f} ({r[i]['val']:.2f}) %" for i in inits))
+                partial = result.setdefault("partial", {}).setdefault(model_name, {})
+                partial.setdefault(f"{width:g}", {})[str(seed)] = r
+                checkpoint(result)
         # the plain model at twice the largest width: the width gain of the largest width
         doubled: dict[float, list[float]] = {}
         top = widths[-1]
@@ -382,6 +389,8 @@ def run_benchmark(
             }
             entries[f"{width:g}"] = entry
         result["models"][model_name] = {"widths": entries}
+        result.get("partial", {}).pop(model_name, None)
+        checkpoint(result)
         if kinds:
             # each branch kind alone, at the width whose gain is largest on the validation split
             best = max(widths, key=lambda w: entries[f"{w:g}"]["val"]["gain"])
@@ -402,7 +411,9 @@ def run_benchmark(
                 progress(f"{model_name} ×{best:g} {kind} alone: gain {alone[kind]['gain']:+.2f} "
                          f"± {alone[kind]['gain_std']:.2f}")
             result["models"][model_name]["kinds_alone"] = {"width": best, "kinds": alone}
+            checkpoint(result)
     result["seconds"] = time.perf_counter() - t0
+    result.pop("partial", None)
     return result
 
 

@@ -314,12 +314,13 @@ class DynamicFL(Algorithm):
                 inplace=True,
                 anchor_norm=self.options.anchor_norm,
                 calibration_input=calib,
+                init=self.options.init,
             )
         if self.options.fill_budget and self.options.grow_mode == "nested":
             # a plan cannot hold nested blocks: grow them into what the flat plan left unused
             with ctx.timer("rep"):
                 fill_to_budget(
-                    model, budget, ctx.input_shape, init="zero_gamma",
+                    model, budget, ctx.input_shape, init=self.options.init,
                     sizes=_input_sizes(ctx, run.plain), grow_mode="nested", kinds=kinds,
                 )
         return model

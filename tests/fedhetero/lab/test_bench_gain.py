@@ -26,6 +26,7 @@ def test_reparam_gain_writes_every_field_of_the_grid(tmp_path, capsys):
     assert rc == 0
     res = json.loads(out.read_text())
     assert res["dataset"] == "digits" and res["seeds"] == [0, 1] and res["default_init"] == "random"
+    assert "partial" not in res
     widths = res["models"]["lenet5"]["widths"]
     assert set(widths) == {"0.125", "0.25"}
     for e in widths.values():
@@ -155,3 +156,17 @@ def test_a_model_of_your_own_is_measured_by_its_path(tmp_path, capsys):
     assert rc == 2 and "takes no 'width' argument" in capsys.readouterr().err
     rc = main(["bench", "reparam-gain", "--models", f"{path}:nothing", "--widths", "1", "--seeds", "1"])
     assert rc == 2 and "cannot load the model" in capsys.readouterr().err
+
+
+def test_a_long_run_hands_over_what_it_measured_after_every_seed():
+    snapshots = []
+    res = bench_gain.run_benchmark(models=["lenet5"], widths=[0.125], seeds=2, kinds=False,
+                                   setup=bench_gain.GainSetup(epochs=1), threads=None,
+                                   checkpoint=lambda r: snapshots.append(json.loads(json.dumps(r))))
+    first = snapshots[0]["partial"]["lenet5"]["0.125"]
+    assert list(first) == ["0"] and set(first["0"]) >= {"plain", "random"}
+    assert list(snapshots[1]["partial"]["lenet5"]["0.125"]) == ["0", "1"]
+    assert "lenet5" in snapshots[-1]["models"] and "lenet5" not in snapshots[-1].get("partial", {})
+    assert res["models"]["lenet5"]["widths"]["0.125"]["gains"] == [
+        snapshots[1]["partial"]["lenet5"]["0.125"][s]["random"]["test"]
+        - snapshots[1]["partial"]["lenet5"]["0.125"][s]["plain"]["test"] for s in ("0", "1")]

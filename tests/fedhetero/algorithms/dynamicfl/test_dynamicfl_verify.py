@@ -194,3 +194,30 @@ def test_reset_stored_branches_start_from_zero_and_rep_stays_exact(tmp_path, mon
     assert any(n > 0 for n, _ in zeroed)  # some returning client had branches to reset
     assert all(0 <= c["lossless_in"] <= 1e-5 for c in returning)
     assert res.summary["dropped_clients"] == 0 and res.summary["final_accuracy"] > 0.5
+
+
+def test_init_random_resolve_reaches_the_first_expansion_and_keeps_every_invariant(tmp_path, monkeypatch):
+    """``init`` applies to every branch a client grows, the first expansion's included (it used to
+    apply to DYMM's growth only): with ``random_resolve`` the first-visit client's branches start
+    from an ordinary init (no zero last-BN γ), and the client still starts equal to the global
+    model (eval mode) and uploads what it trained."""
+    seen: list[float] = []
+    real = reparam.expand
+
+    def watch(model, *a, **k):
+        out = real(model, *a, **k)
+        for m in out.modules():
+            if isinstance(m, reparam.DiverseBranchBlock):
+                for name, branch in m.branches.items():
+                    if name != reparam.kinds.anchor_name():
+                        bns = [b for b in branch.modules() if isinstance(b, torch.nn.BatchNorm2d)]
+                        seen.extend(float(bn.weight.abs().min()) for bn in bns[-1:])
+        return out
+
+    monkeypatch.setattr(reparam, "expand", watch)
+    res = Engine(_cfg(init="random_resolve"), tmp_path / "run", progress=False).run()
+    assert seen and min(seen) > 0  # every first-expansion branch has an ordinary γ
+    clients = [c for r in res.metrics for c in r["clients"]]
+    assert res.summary["dropped_clients"] == 0 and res.summary["internal_errors"] == 0
+    assert all(0 <= c["lossless_out"] <= 1e-5 for c in clients)
+    assert all(0 <= c["lossless_in"] <= 1e-5 for c in clients if c["mode"] == "dymm")
