@@ -187,6 +187,9 @@ def _add_reparam_gain(sub: Any) -> None:
     p.add_argument("--block-step", choices=("sum", "mean"), default="sum",
                    help="candidate: how far a block's merged kernel moves in a step: the sum of its branches' "
                    "steps (default; DBB training) or their mean (reparam.branch_step_scales)")
+    p.add_argument("--internal-scale", type=float, default=None, metavar="X",
+                   help="candidate: the internal width of every 1x1_kxk branch, X times the default "
+                   "(the conv's input channels)")
     p.add_argument("--train-samples", type=_positive, default=None,
                    help="train on a stratified subset of this many images (default: the whole training split)")
     p.add_argument("--no-kinds", action="store_true", help="skip the rows of each branch kind alone")
@@ -208,7 +211,7 @@ def run_reparam_gain(args: argparse.Namespace) -> int:
     inits = args.inits or [reparam.SCRATCH_INIT]
     setup = bench_gain.GainSetup(epochs=epochs, batch=args.batch, lr=args.lr, weight_decay=args.weight_decay,
                                  recalibrate_bn=args.recalibrate_bn, branch_weight_decay=args.branch_weight_decay,
-                                 block_step=args.block_step)
+                                 block_step=args.block_step, internal_scale=args.internal_scale)
     err.print(f"fedhetero bench reparam-gain: {', '.join(args.models)} on {args.dataset} at widths "
               f"{', '.join(f'{w:g}' for w in args.widths)}; {args.seeds} seeds, {epochs} epochs, inits "
               f"{', '.join(inits)}", markup=False)

@@ -82,6 +82,9 @@ class GainSetup:
     # kernel moves by the sum of its branches' steps) or "mean" (each block parameter's gradient
     # divided by the block's branch count: reparam.branch_step_scales)
     block_step: str = "sum"
+    # a candidate cause: the internal width of every 1x1_kxk branch, as a multiple of the default
+    # (the host conv's input channels); None: the default
+    internal_scale: float | None = None
 
 
 @dataclass
@@ -249,10 +252,37 @@ def _blocks(model: nn.Module) -> int:
     return sum(isinstance(m, reparam.DiverseBranchBlock) for m in model.modules())
 
 
-def expanded_from(plain: nn.Module, *, init: str, branches: Any, seed: int) -> nn.Module:
+def _internal_plan(scale: float) -> Callable[[str, nn.Conv2d, Any], Any]:
+    """A plan giving every conv the default plan expands its applicable default kinds, with
+    ``1x1_kxk``'s internal width ``scale`` × the default (the conv's input channels; twice that for
+    a depthwise conv), rounded to a multiple of the conv's groups."""
+    from reparam.flops import default_internal
+    from reparam.kinds import default_kinds
+
+    def plan(path: str, conv: nn.Conv2d, bn: Any) -> Any:
+        if not 1 < max(conv.kernel_size) <= 5:
+            return None
+        geometry = reparam.ConvGeometry.from_conv(conv)
+        reasons = reparam.applicability(geometry)
+        kinds: dict[str, dict[str, Any]] = {}
+        for kind in default_kinds(geometry.is_depthwise):
+            if reasons.get(kind) is None and not reparam.get_kind(kind).anchor:
+                kinds[kind] = {}
+        if "1x1_kxk" in kinds:
+            g = conv.groups
+            kinds["1x1_kxk"] = {"internal": max(g, int(round(scale * default_internal(geometry) / g)) * g)}
+        return kinds
+
+    return plan
+
+
+def expanded_from(plain: nn.Module, *, init: str, branches: Any, seed: int,
+                  internal_scale: float | None = None) -> nn.Module:
     """The expanded arm's model: ``plain`` (untrained) expanded, its new branches drawn from a
-    generator of their own."""
+    generator of their own; ``internal_scale`` widens (or narrows) every ``1x1_kxk`` branch."""
     gen = torch.Generator().manual_seed(10_000 + seed)
+    if internal_scale is not None:
+        return reparam.expand(plain, _internal_plan(internal_scale), init=init, generator=gen)
     return reparam.expand(plain, branches=branches, init=init, generator=gen)
 
 
@@ -269,7 +299,8 @@ def train_pair(model_name: str, width: float, data: Splits, setup: GainSetup, se
                         "test": _accuracy(model, data.test_x, data.test_y)}
         out["macs_plain"] = train_macs(base, data.shape)
     for init in inits:
-        big = expanded_from(base, init=init, branches=branches, seed=seed)
+        big = expanded_from(base, init=init, branches=branches, seed=seed,
+                            internal_scale=setup.internal_scale if branches is None else None)
         if _blocks(big) == 0:
             raise GainError(f"{model_name} at width {width} has no conv that reparam expands "
                             f"(branches {branches or 'default'}); nothing to compare")

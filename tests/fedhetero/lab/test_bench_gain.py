@@ -170,3 +170,19 @@ def test_a_long_run_hands_over_what_it_measured_after_every_seed():
     assert res["models"]["lenet5"]["widths"]["0.125"]["gains"] == [
         snapshots[1]["partial"]["lenet5"]["0.125"][s]["random"]["test"]
         - snapshots[1]["partial"]["lenet5"]["0.125"][s]["plain"]["test"] for s in ("0", "1")]
+
+
+def test_the_internal_width_candidate_widens_only_the_1x1_kxk_branches():
+    data = bench_gain.load_splits("digits", None)
+    base = bench_gain._plain("lenet5", 0.25, data, 0)
+    shapes = {}
+    for scale in (None, 2.0):
+        model = bench_gain.expanded_from(base, init="random", branches=None, seed=0, internal_scale=scale)
+        shapes[scale] = {path: (sorted(blk.branches), blk.branches["1x1_kxk"].internal)
+                         for path, blk in reparam._tree.iter_blocks(model)}
+    assert {p: k for p, (k, _) in shapes[None].items()} == {p: k for p, (k, _) in shapes[2.0].items()}
+    assert all(shapes[2.0][p][1] == 2 * shapes[None][p][1] for p in shapes[None])
+    r = bench_gain.train_pair("lenet5", 0.25, data, bench_gain.GainSetup(epochs=1, internal_scale=2.0), 0,
+                              inits=["random"])
+    assert r["macs_expanded"] > bench_gain.train_pair("lenet5", 0.25, data, bench_gain.GainSetup(epochs=1), 0,
+                                                      inits=["random"])["macs_expanded"]
