@@ -156,7 +156,7 @@ def _add_reparam_gain(sub: Any) -> None:
         "validation split held out of the training set), the width gain (the plain model at twice the width "
         "minus at this width: the capacity there is to transfer) and the training MACs of each; then each "
         "branch kind alone at the width whose validation gain is largest, and the DBB paper's own gains "
-        "beside. Digits (bundled) by default: about 5-10 minutes on an idle 2-core CPU; Fashion-MNIST with "
+        "beside. Digits (bundled) by default: about 10-17 minutes on 2 cores (20 epochs); Fashion-MNIST with "
         "--dataset fashion_mnist --data-dir DIR. Progress goes to stderr.",
     )
     p.add_argument("--dataset", default="digits", help="data set (default digits; e.g. fashion_mnist)")
