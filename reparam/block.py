@@ -135,34 +135,51 @@ def _writable_beta(bn: nn.Module) -> bool:
     return not isinstance(bn, FrozenIdentityBN) and getattr(bn, "bias", None) is not None
 
 
-def _normalise_request(main: ConvGeometry, branches: Any) -> tuple[dict[str, dict[str, Any]], bool]:
-    """-> ({kind: options} in forward order without the anchor, explicit?)."""
+def check_request(branches: Any, what: str = "branches") -> None:
+    """Raise :class:`ReparamError` unless ``branches`` is a branch request :meth:`DiverseBranchBlock.from_conv`
+    accepts: ``None``, ``"default"``, ``"all"``, a kind, an iterable of kinds or a mapping ``kind →
+    options`` with known options (``what`` names the argument in the message)."""
     names = kind_names()
-    if branches is None or (isinstance(branches, str) and branches == "default"):
-        return {k: {} for k in default_kinds(main.is_depthwise) if not get_kind(k).anchor}, False
+    if branches is None or (isinstance(branches, str) and branches in ("default", "all")):
+        return
     if isinstance(branches, str):
-        if branches == "all":
-            return {k: {} for k in names if not get_kind(k).anchor}, False
-        if is_kind(branches):
-            branches = [branches]
-        else:
+        if not is_kind(branches):
             raise ReparamError(
-                f"branches must be None, 'default', 'all', a kind or an iterable of kinds from {names}; "
+                f"{what} must be None, 'default', 'all', a kind or an iterable of kinds from {names}; "
                 f"got {branches!r}"
             )
+        return
     if isinstance(branches, Mapping):
-        items = [(k, dict(v or {})) for k, v in branches.items()]
+        items = list(branches.items())
     else:
         try:
-            items = [(k, {}) for k in branches]
-        except TypeError as exc:
-            raise ReparamError(f"branches must be an iterable of kinds from {names}, got {branches!r}") from exc
-    out: dict[str, dict[str, Any]] = {}
-    for k, opts in items:
-        if not is_kind(k):
-            raise ReparamError(f"unknown branch kind {k!r}; accepted values: {names}")
-        if not get_kind(k).anchor:
-            out[k] = opts
+            items = [(k, None) for k in branches]
+        except TypeError:
+            raise ReparamError(f"{what} must be an iterable of kinds from {names}, got {branches!r}") from None
+    for kind, opts in items:
+        if not is_kind(kind):
+            raise ReparamError(f"{what}: unknown branch kind {kind!r}; accepted values: {names}")
+        if opts is not None:
+            if not isinstance(opts, Mapping):
+                raise ReparamError(f"{what}: the options of branch {kind!r} must be a mapping, got {opts!r}")
+            bad = set(opts) - set(get_kind(kind).options)
+            if bad:
+                raise ReparamError(f"{what}: unknown options {sorted(bad)} for branch {kind!r}; "
+                                   f"accepted: {sorted(get_kind(kind).options)}")
+
+
+def _normalise_request(main: ConvGeometry, branches: Any) -> tuple[dict[str, dict[str, Any]], bool]:
+    """-> ({kind: options} in forward order without the anchor, explicit?)."""
+    check_request(branches)
+    names = kind_names()
+    if branches is None or branches == "default":
+        return {k: {} for k in default_kinds(main.is_depthwise) if not get_kind(k).anchor}, False
+    if branches == "all":
+        return {k: {} for k in names if not get_kind(k).anchor}, False
+    if isinstance(branches, str):
+        branches = [branches]
+    items = [(k, dict(v or {})) for k, v in branches.items()] if isinstance(branches, Mapping) else [(k, {}) for k in branches]
+    out = {k: opts for k, opts in items if not get_kind(k).anchor}
     return {k: out[k] for k in names if k in out}, True
 
 

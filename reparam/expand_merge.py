@@ -41,10 +41,9 @@ from torch import Tensor, nn
 from ._tree import (
     _INFO_ATTR, _conv_support, _info, _is_block, _is_bn_like, _is_conv, _is_plain_conv, _set_info, _set_module, iter_blocks,
 )
-from .block import ANCHOR_NORMS, INITS, DiverseBranchBlock
+from .block import ANCHOR_NORMS, INITS, DiverseBranchBlock, check_request
 from .errors import NotMergeableError, ReparamError, ReparamModeError
 from .geometry import ConvGeometry
-from .kinds import get_kind, is_kind, kind_names
 from .hostforms import ConvForm, NormActTail, as_same_pad, effective_kernel, split_norm_act
 from .pairs import _identity_fits, find_conv_bn_pairs
 from .transforms import bn_impurity, bn_stats, check_identity, fuse_bn, merge_dtype
@@ -146,39 +145,6 @@ SCRATCH_INIT = "random"
 _PATTERN_HELP = "None, a glob string or an iterable of glob strings"
 
 
-def _check_branches(branches: Any, what: str = "branches") -> None:
-    """Raise at once for a branch request that names no known kind or unknown options (the
-    per-conv expansion would otherwise skip every conv for it, silently)."""
-    names = kind_names()
-    if branches is None or (isinstance(branches, str) and branches in ("default", "all")):
-        return
-    if isinstance(branches, str):
-        if not is_kind(branches):
-            raise ReparamError(
-                f"{what}: unknown branch kind {branches!r}; accepted: None, 'default', 'all', a kind or "
-                f"an iterable of kinds from {names}"
-            )
-        return
-    if isinstance(branches, Mapping):
-        items = list(branches.items())
-    else:
-        try:
-            items = [(k, None) for k in branches]
-        except TypeError:
-            raise ReparamError(f"{what} must be None, 'default', 'all', a kind or an iterable of kinds from "
-                               f"{names}, got {branches!r}") from None
-    for kind, opts in items:
-        if not is_kind(kind):
-            raise ReparamError(f"{what}: unknown branch kind {kind!r}; accepted values: {names}")
-        if opts is not None:
-            if not isinstance(opts, Mapping):
-                raise ReparamError(f"{what}: the options of branch {kind!r} must be a mapping, got {opts!r}")
-            bad = set(opts) - set(get_kind(kind).options)
-            if bad:
-                raise ReparamError(f"{what}: unknown options {sorted(bad)} for branch {kind!r}; "
-                                   f"accepted: {sorted(get_kind(kind).options)}")
-
-
 def _check_expand_arguments(
     *, branches: Any, init: Any, anchor_norm: Any, include: Any, exclude: Any, generator: Any,
     flags: Mapping[str, Any],
@@ -200,7 +166,7 @@ def _check_expand_arguments(
     for name, value in flags.items():
         if not isinstance(value, bool):
             raise ReparamError(f"{name} must be True or False, got {value!r}")
-    _check_branches(branches)
+    check_request(branches)
 
 
 def expand(
@@ -277,7 +243,7 @@ def expand(
     if isinstance(plan, Mapping):
         for kinds in plan.values():
             if kinds is not None:
-                _check_branches(kinds, "plan values")
+                check_request(kinds, "plan values")
     if _is_block(model):
         return model if inplace else copy.deepcopy(model)
     if not inplace:

@@ -120,14 +120,19 @@ def run_reparam(args: argparse.Namespace) -> int:
 
 
 # ----------------------------------------------------------------------------------- reparam-gain
-def _floats(text: str) -> list[float]:
-    try:
-        values = [float(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
-    if not values or min(values) <= 0:
-        raise argparse.ArgumentTypeError(f"expected positive numbers, got {text!r}")
-    return values
+def _positive_list(cast: Any, what: str) -> Any:
+    """An argparse type: comma-separated positive ``cast`` values (``what`` names them in errors)."""
+
+    def parse(text: str) -> list[Any]:
+        try:
+            values = [cast(v) for v in text.split(",") if v.strip()]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected comma-separated {what}, got {text!r}") from None
+        if not values or min(values) <= 0:
+            raise argparse.ArgumentTypeError(f"expected positive {what}, got {text!r}")
+        return values
+
+    return parse
 
 
 def _names(text: str) -> list[str]:
@@ -166,7 +171,7 @@ def _add_reparam_gain(sub: Any) -> None:
                    help="zoo models (default lenet5,cnn: LeNet-5 and the FedDUMAP CNN, with BatchNorm), or a "
                    "model of your own as path/to/file.py:factory or package.module:factory, called with the "
                    "keywords it takes of num_classes, in_channels, width and input_size")
-    p.add_argument("--widths", type=_floats, default=[0.125, 0.25, 0.5, 1.0], metavar="W,...",
+    p.add_argument("--widths", type=_positive_list(float, "numbers"), default=[0.125, 0.25, 0.5, 1.0], metavar="W,...",
                    help="width multipliers (default 0.125,0.25,0.5,1)")
     p.add_argument("--seeds", type=_positive, default=3, help="seeds 0..N-1 (default 3)")
     p.add_argument("--epochs", type=_positive, default=None,
@@ -394,16 +399,6 @@ def run_selector(args: argparse.Namespace) -> int:
 
 
 # -------------------------------------------------------------------------------------- vectorize
-def _clients_list(text: str) -> list[int]:
-    try:
-        values = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated numbers of clients, got {text!r}") from None
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expected positive numbers of clients, got {text!r}")
-    return values
-
-
 def _positive(text: str) -> int:
     try:
         value = int(text)
@@ -427,7 +422,7 @@ def _add_vectorize(sub: Any) -> None:
         "Fashion-MNIST when its files are found, else synthetic images of its shape. Takes roughly 3-6 "
         "minutes with the defaults on an idle 2-core CPU; progress goes to stderr.",
     )
-    p.add_argument("--clients", type=_clients_list, default=[10, 50, 100], metavar="N,N,...",
+    p.add_argument("--clients", type=_positive_list(int, "numbers of clients"), default=[10, 50, 100], metavar="N,N,...",
                    help="clients per round of the rows, comma-separated (default 10,50,100)")
     p.add_argument("--rounds", type=_positive, default=2,
                    help="rounds per run; the first is a warm-up when > 1 (default 2)")

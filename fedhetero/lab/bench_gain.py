@@ -304,7 +304,8 @@ def train_pair(model_name: str, width: float, data: Splits, setup: GainSetup, se
         if _blocks(big) == 0:
             raise GainError(f"{model_name} at width {width} has no conv that reparam expands "
                             f"(branches {branches or 'default'}); nothing to compare")
-        out.setdefault("macs_expanded", train_macs(big, data.shape))
+        if "macs_expanded" not in out:  # the same structure for every init
+            out["macs_expanded"] = train_macs(big, data.shape)
         _train(big, data, setup, seed)
         big.eval()
         merged = reparam.merge(big)
@@ -328,14 +329,20 @@ def _mean_std(values: Iterable[float]) -> tuple[float, float]:
 def _summarise(rows: dict[int, dict[str, Any]], init: str, split: str = "test") -> dict[str, Any]:
     seeds = sorted(rows)
     gains = [rows[s][init][split] - rows[s]["plain"][split] for s in seeds]
-    g, gs = _mean_std(gains)
+    plain, plain_std = _mean_std(rows[s]["plain"][split] for s in seeds)
+    expanded, expanded_std = _mean_std(rows[s][init][split] for s in seeds)
+    gain, gain_std = _mean_std(gains)
     return {
-        "plain": _mean_std(rows[s]["plain"][split] for s in seeds)[0],
-        "plain_std": _mean_std(rows[s]["plain"][split] for s in seeds)[1],
-        "expanded": _mean_std(rows[s][init][split] for s in seeds)[0],
-        "expanded_std": _mean_std(rows[s][init][split] for s in seeds)[1],
-        "gain": g, "gain_std": gs, "gains": gains,
+        "plain": plain, "plain_std": plain_std, "expanded": expanded, "expanded_std": expanded_std,
+        "gain": gain, "gain_std": gain_std, "gains": gains,
     }
+
+
+def _by_init(rows: dict[int, dict[str, Any]], init: str) -> dict[str, Any]:
+    """One init's test summary (without the plain arm's) and its validation gain."""
+    test, val = _summarise(rows, init), _summarise(rows, init, "val")
+    return {**{k: v for k, v in test.items() if k not in ("plain", "plain_std")},
+            "val_gain": val["gain"], "val_gain_std": val["gain_std"]}
 
 
 def run_benchmark(
@@ -412,12 +419,7 @@ def run_benchmark(
             entry["width_gain"] = (statistics.fmean(plain_twice) - entry["plain"]) if plain_twice else None
             entry["macs_plain"] = rows[seed_list[0]]["macs_plain"]
             entry["macs_expanded"] = rows[seed_list[0]]["macs_expanded"]
-            entry["inits"] = {
-                i: {**{k: v for k, v in _summarise(rows, i).items() if k not in ("plain", "plain_std")},
-                    "val_gain": _summarise(rows, i, "val")["gain"],
-                    "val_gain_std": _summarise(rows, i, "val")["gain_std"]}
-                for i in inits
-            }
+            entry["inits"] = {i: _by_init(rows, i) for i in inits}
             entries[f"{width:g}"] = entry
         result["models"][model_name] = {"widths": entries}
         result.get("partial", {}).pop(model_name, None)
