@@ -1,9 +1,10 @@
 """Fingerprints of a fixed set of short runs, to prove that a change kept every number.
 
-``python -m fedhetero.lab.fingerprint run OUT`` trains the reference runs (the default job, FedAvg
-and SCAFFOLD on the ``local`` and ``process`` back ends, a DynInit session run, a DynaComm run and
-a HeteroFL run, each a few rounds on the bundled digits) into ``OUT`` and writes
-``OUT/fingerprint.json``: per run, the SHA-256 of its metrics without wall-clock fields and of its
+``python -m fedhetero.lab.fingerprint run OUT`` trains the reference runs into ``OUT`` — the
+default job, a DynInit session run, a DynaComm run with persistent momentum, and every built-in
+method three ways (``<name>-local`` one client at a time, ``<name>-process`` on two worker
+processes, ``<name>-batched`` in batched cohorts where the method allows them), each a few rounds
+on the bundled digits — and writes ``OUT/fingerprint.json``: per run, the SHA-256 of its metrics without wall-clock fields and of its
 final model. ``python -m fedhetero.lab.fingerprint compare A.json B.json`` exits 1, naming the
 runs that differ, unless both hold the same fingerprints. Run it before a refactor (from a checkout
 of the old commit) and after it.
@@ -20,6 +21,7 @@ from typing import Any, Sequence
 
 import torch
 
+from fedhetero.algorithms import BUILTIN
 from fedhetero.core.config import load_config
 from fedhetero.core.engine import Engine
 
@@ -37,16 +39,38 @@ _DYNACOMM = [
     "train.optimizer_state=persistent", "train.nesterov=true", "train.clip_grad_norm=1.0", *_SHORT,
 ]
 
+# what a method needs besides the default config to run at all
+_NEEDS: dict[str, list[str]] = {
+    **{m: ["data.public_fraction=0.1"] for m in ("feddf", "fedet", "dsfl")},
+    **{m: ["data.server_fraction=0.1"] for m in (
+        "feddu", "feddu_static", "feddum", "fedduap", "feddumap", "data_sharing", "hybrid_fl",
+        "feddu_sm", "feddu_dm", "feddu_da")},
+}
+_WAYS: dict[str, list[str]] = {
+    "local": ["engine.vectorize=false"],
+    "process": ["engine.backend=process", "engine.workers=2", "engine.vectorize=false"],
+    "batched": ["engine.vectorize=true"],
+}
+
+
+def _method_runs() -> dict[str, list[str]]:
+    runs: dict[str, list[str]] = {}
+    for method in BUILTIN:
+        if method == "dyninit":
+            base = [o for o in _DYNINIT if not o.startswith("threads=")] + ["threads=1"]
+        else:
+            base = [f"algorithm.name={method}", *_NEEDS.get(method, []), *_SHORT]
+        for way, overrides in _WAYS.items():
+            runs[f"{method}-{way}"] = [*base, *overrides]
+    return runs
+
+
 #: name -> overrides of the default config
 RUNS: dict[str, list[str]] = {
     "default": list(_SHORT),
-    "fedavg-local": ["algorithm.name=fedavg", *_SHORT],
-    "fedavg-process": ["algorithm.name=fedavg", "engine.backend=process", "engine.workers=2", *_SHORT],
-    "scaffold-local": ["algorithm.name=scaffold", *_SHORT],
-    "scaffold-process": ["algorithm.name=scaffold", "engine.backend=process", "engine.workers=2", *_SHORT],
     "dyninit-sessions": _DYNINIT,
     "dynacomm": _DYNACOMM,
-    "heterofl": ["algorithm.name=heterofl", *_SHORT],
+    **_method_runs(),
 }
 
 _WALL = ("wall_s", "timers")
@@ -83,7 +107,7 @@ def _run(out: Path, only: Sequence[str]) -> int:
     for name, overrides in RUNS.items():
         if only and name not in only:
             continue
-        print(f"{name}: {' '.join(overrides)}", flush=True)
+        print(f"[{len(result) + 1}] {name}: {' '.join(overrides)}", flush=True)
         Engine(load_config(None, overrides), out / name, progress=False, overwrite=True).run()
         result[name] = fingerprint(out / name)
     (out / "fingerprint.json").write_text(json.dumps(result, indent=2, sort_keys=True))
@@ -104,7 +128,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("run", help="train the reference runs into OUT and write OUT/fingerprint.json")
     p.add_argument("out", type=Path)
-    p.add_argument("--only", default="", help=f"comma-separated names among {', '.join(RUNS)}")
+    p.add_argument("--only", default="", help="comma-separated run names (default: all); names are 'default', "
+                   "'dyninit-sessions', 'dynacomm' and '<method>-local|process|batched'")
     p = sub.add_parser("compare", help="exit 1 unless two fingerprint files hold the same runs and digests")
     p.add_argument("a", type=Path)
     p.add_argument("b", type=Path)
