@@ -59,14 +59,14 @@ class FedAvgM(Algorithm):
         self.global_model.load_state_dict(new)
 
     # ---------------------------------------------------------------- client half
-    def client_update(self, ctx, task: ClientTask, state: dict[str, Any] | None) -> ClientResult:
+    # The default client half builds the model from task.payload["state"] and trains it with the
+    # configured local SGD (one client alone, or a round's clients in batched cohorts); only what
+    # travels back differs: the delta, not the model.
+    def upload(self, ctx, task: ClientTask, model, report: dict[str, Any]) -> ClientResult:
         """Runs on a fresh instance with only the options set: everything comes from the task."""
-        model = ctx.template("model", ctx.build_model)
-        model.load_state_dict(task.payload["state"])
-        report = ctx.train(model, task, ctx.cfg.train.local_epochs)
         trained = model.state_dict()
         sent = task.payload["state"]
         delta = {k: trained[k] - sent[k] for k in trained if trained[k].is_floating_point()}
-        buffers = {k: v for k, v in trained.items() if not v.is_floating_point()}
+        buffers = {k: v.clone() for k, v in trained.items() if not v.is_floating_point()}
         # the task's id, samples, tier and budget, and the bytes both ways, are filled in
         return ClientResult.of(task, delta, payload={"buffers": buffers}, macs=ctx.macs(model), metrics=report)

@@ -19,7 +19,7 @@ from __future__ import annotations
 from fedhetero.core.aggregation import weighted_average
 from fedhetero.core.algorithm import Algorithm
 from fedhetero.core.config import ConfigError, MethodOptions, option, require
-from fedhetero.core.objective import Batch, LocalObjective
+from fedhetero.core.objective import Batch, LocalObjective, LocalPhase, LocalPlan, LocalSGD
 from fedhetero.core.registry import build_algorithm, get_algorithm, list_algorithms, register
 from fedhetero.core.types import ClientInfo, ClientResult, ClientTask, payload_bytes, state_bytes
 
@@ -32,6 +32,9 @@ __all__ = [
     "ClientTask",
     "ConfigError",
     "LocalObjective",
+    "LocalPhase",
+    "LocalPlan",
+    "LocalSGD",
     "MethodOptions",
     "build_algorithm",
     "get_algorithm",

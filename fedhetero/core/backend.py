@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from fedhetero.core.config import BACKENDS, EXTERNAL_BACKENDS, ConfigError, backend_names
+from fedhetero.core.runner import train_cohorts
 from fedhetero.core.types import (
     InjectedFault,
     Outcome,
@@ -129,7 +130,7 @@ def run_together(
     states: dict[int, dict[str, Any] | None],
 ) -> dict[int, Outcome]:
     """The tasks of one exchange that train in vectorised cohorts (``engine.vectorize``; see
-    :mod:`fedhetero.core.cohort` and :meth:`Algorithm.client_update_many`), by client id; the
+    :mod:`fedhetero.core.runner`), by client id; the
     back end runs the others one by one. Nothing is batched when vectorising is off, faults are
     injected or time-outs enforced (both are per client), or the batched run fails (the
     one-by-one run then reports which client failed)."""
@@ -146,7 +147,7 @@ def run_together(
             state, kept = split_optimizer_state(states.get(t.cid))
             private.append(state)
             buffers.append(kept)
-        results = algorithm.client_update_many(ctx, ordered, private, buffers)
+        results = train_cohorts(algorithm, ctx, ordered, private, buffers)
     except Exception as exc:  # run one by one, which attributes the failure to its client
         warnings.warn(f"engine.vectorize: the batched run of {len(ordered)} clients failed "
                       f"({type(exc).__name__}: {exc}); they run one by one", CohortFallbackWarning, stacklevel=2)

@@ -27,16 +27,16 @@ applied to the clients' parameters by the same rule the one-by-one trainer uses;
 client's masks from the stream its own run draws them from (bit for bit on a CPU); momentum
 buffers kept between rounds (``train.optimizer_state: persistent``) come in and go out per client.
 
-Which clients train together (:meth:`~fedhetero.core.algorithm.Algorithm.client_update_many`): a
-method that keeps the default client half and whose local training is plain SGD
-(:meth:`~fedhetero.core.algorithm.Algorithm.local_optimizer`: the configured SGD, or the FedDU
-family's at the server's rate) offers its tasks; they are grouped by model structure
+Which clients train together (:func:`fedhetero.core.runner.train_cohorts`): a task whose method
+states its local training as a plan (:meth:`~fedhetero.core.algorithm.Algorithm.local_plan`: the
+configured SGD, or the FedDU family's at the server's rate, and what it adds) joins; they are
+grouped by model structure
 (:func:`structure_key`: a pruned or narrower model trains with its like), SGD settings and
 objective rules, then by their number of steps (:func:`plan_cohorts`: a cohort steps until its
 longest client is done, so clients of very different lengths go to different cohorts), each
 cohort capped by ``engine.cohort_memory_mb`` (:func:`client_bytes`). With ``engine.vectorize``
 null (the default) a CPU batches cohorts of ``engine.min_cohort`` clients or more, each of
-:data:`~fedhetero.core.algorithm.AUTO_MIN_STEPS` local steps or more (fewer clients, or shorter
+:data:`~fedhetero.core.runner.AUTO_MIN_STEPS` local steps or more (fewer clients, or shorter
 ones, were no faster than one by one), a GPU of two or more. Every other task — augmentation, a client half of
 the method's own, a model the cohort cannot run, too few clients of a kind — runs one by one.
 """
@@ -276,7 +276,7 @@ class Cohort:
     def _schedules(self, given: Sequence[list[torch.Tensor] | None] | None = None) -> list[list[torch.Tensor]]:
         """Each client's batches (as rows of the training set) in the order the one-by-one
         trainer takes them; ``given``: a client's own batches where its method states them
-        (:meth:`~fedhetero.core.algorithm.Algorithm.local_schedule`)."""
+        (``LocalPlan.schedule``)."""
         ctx, t = self.ctx, self.ctx.cfg.train
         bs = t.batch_size
         out = []

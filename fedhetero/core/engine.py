@@ -40,7 +40,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from fedhetero.core import budget as budget_mod
 from fedhetero.core.aggregation import UploadStream
-from fedhetero.core.algorithm import Algorithm
+from fedhetero.core.algorithm import Algorithm, state_tensors
 from fedhetero.core.allocator import tune_malloc
 from fedhetero.core.backend import Backend, drop_kind, make_backend
 from fedhetero.core.config import (
@@ -85,7 +85,7 @@ STRICT_ENV = "FEDHETERO_STRICT"
 SMOOTHING_WINDOW = 39
 
 
-__all__ = ["Engine", "RunResult", "resume_config", "run"]
+__all__ = ["Engine", "RunResult", "resume_config", "run", "streams_uploads"]
 
 @dataclass
 class RunResult:
@@ -234,16 +234,9 @@ class Engine:
 
     # ------------------------------------------------------------------ client tasks
     def _round(self, clients: list[ClientInfo]) -> list[ClientResult]:
-        """One round's exchange: configure → the back end → aggregate → server update, run here;
-        a method with several exchanges per round runs its own :meth:`Algorithm.run_round`, which
-        reaches the back end through ``ctx.execute``."""
-        algorithm = self.algorithm
-        if type(algorithm).run_round is not Algorithm.run_round:
-            return algorithm.run_round(self.ctx, clients)
-        results = self._execute(algorithm, algorithm.configure(self.ctx, clients))
-        algorithm.aggregate(self.ctx, results)
-        algorithm.server_update(self.ctx)
-        return results
+        """One round: the method's :meth:`Algorithm.run_round` (by default configure → the back
+        end → aggregate → server update), which reaches the back end through ``ctx.execute``."""
+        return self.algorithm.run_round(self.ctx, clients)
 
     def _execute(self, algorithm: Algorithm, tasks: list[ClientTask]) -> list[ClientResult]:
         """Run tasks on the back end with each client's private state; keep the new states of the
@@ -251,7 +244,7 @@ class Engine:
         assert self.backend is not None
         states = {t.cid: self.store.get(t.cid, before_round=t.round, prelude=t.prelude) for t in tasks}
         stream = None
-        if getattr(algorithm, "streams_uploads", False):
+        if streams_uploads(algorithm):
             stream = UploadStream(tasks, self.cfg.train.aggregation == "uniform", self.cfg.engine.client_timeout_s)
         progress = self.ctx.on_client_done
 
@@ -320,7 +313,7 @@ class Engine:
         global model would only show as every client's non-finite upload in the next round, and a
         checkpoint of it could not be resumed; so the run stops here, before it is evaluated or
         saved."""
-        names = nonfinite_entries(self.algorithm.state_tensors())
+        names = nonfinite_entries(state_tensors(self.algorithm))
         if names is None:
             return
         hint = type(self.algorithm).divergence_hint
@@ -896,6 +889,14 @@ class _Progress:
                 highlight=False,
                 soft_wrap=True,
             )
+
+
+def streams_uploads(algorithm: Algorithm) -> bool:
+    """Whether the engine accumulates the algorithm's uploads while a round runs: it keeps the
+    default round and aggregation, which consume that mean (an algorithm with a round of its own
+    may average differently, or not at all)."""
+    cls = type(algorithm)
+    return cls.aggregate is Algorithm.aggregate and cls.run_round is Algorithm.run_round
 
 
 def run(cfg: RunConfig, out_dir: str | Path, **kw: Any) -> RunResult:

@@ -4,8 +4,8 @@ Most methods change local training in one of two ways: a term added to every ste
 (FedProx's proximal pull, SCAFFOLD's control variates, FedDyn's linear and proximal terms,
 FedACG's regulariser) or a term added to the loss that compares the model's outputs with those
 of frozen reference models (MOON's contrastive loss, DynInit's distillation from a teacher). A
-method states that term once, as a :class:`LocalObjective` its ``local_objective`` hook returns,
-and the framework applies it to one model (:meth:`~fedhetero.core.context.ClientContext.train`)
+method states that term once, as the :class:`LocalObjective` of the :class:`LocalPlan` its
+``local_plan`` hook returns, and the framework applies it to one model (:meth:`~fedhetero.core.context.ClientContext.train`)
 or to a round's clients trained together (:class:`~fedhetero.core.cohort.Cohort`).
 
 The rules are written for one client and must use elementwise operations only (and reductions
@@ -42,7 +42,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from fedhetero.core.types import ClientResult
 
 __all__ = [
-    "Batch", "GradRule", "LocalObjective", "LocalPhase", "LocalSGD", "LossRule", "Tensors", "cohort_rules", "move_consts", "proximal",
+    "Batch", "GradRule", "LocalObjective", "LocalPhase", "LocalPlan", "LocalSGD", "LossRule", "Tensors", "cohort_rules", "move_consts", "proximal",
     "rules_key", "stack_consts",
 ]
 
@@ -54,7 +54,7 @@ LossRule = Callable[["Batch"], torch.Tensor]
 @dataclass(frozen=True)
 class LocalSGD:
     """The plain SGD a method's local training runs, stated so that a cohort of clients can run it
-    too (:meth:`~fedhetero.core.algorithm.Algorithm.local_optimizer`): what
+    too (``LocalPlan.sgd``): what
     :class:`torch.optim.SGD` gets (``lr``, ``momentum``, ``weight_decay``, ``nesterov``; no
     dampening), or with ``momentum_form="ema"`` the ``(1−β)``-dampened buffer started at zero
     (``m ← β·m + (1−β)·d``, so the first step moves by ``lr·(1−β)·d``: the FedDU family's device
@@ -63,10 +63,10 @@ class LocalSGD:
     (``train.optimizer_state: persistent``). ``classes``: the cross-entropy sees only these
     classes' logits, the others replaced by ``class_fill`` (HeteroFL's masked loss; per client,
     so clients with different sets still share a cohort). ``carried``: the momentum buffers start
-    from those the method hands the client (:meth:`~fedhetero.core.algorithm.Algorithm.local_momentum`)
+    from those the method hands the client (``LocalPlan.momentum``)
     and the trained ones are reported (FedDA's transmitted momentum). ``masked``: the parameters
     are multiplied by the masks the method hands the client
-    (:meth:`~fedhetero.core.algorithm.Algorithm.local_masks`) before the first step and after
+    (``LocalPlan.masks``) before the first step and after
     every step, so masked entries stay zero (IMC's pruning masks). With ``carried`` and
     ``persistent`` the buffers start from the client's kept ones where the method hands it none,
     and ``keep`` says whether the trained ones are kept for its next round (else the kept ones
@@ -98,7 +98,7 @@ class LocalSGD:
 class LocalPhase:
     """A phase of plain SGD that a client runs before its local training, on other inputs than
     its own data with soft targets (DS-FL's distillation towards the server's soft labels on
-    open data; :meth:`~fedhetero.core.algorithm.Algorithm.local_prelude`): ``sgd`` (its report's
+    open data; ``LocalPlan.prelude``): ``sgd`` (its report's
     loss is ``sgd.loss_over``'s), the phase's ``images`` and the ``targets`` (one probability
     vector per image) its loss is ``KL(target ‖ softmax(output))`` towards (batch mean), the
     ``schedule`` of batches as rows of ``images``, and ``report``: the name the loss is reported
@@ -131,6 +131,41 @@ class LocalObjective:
     representation: Literal["logits", "features"] = "logits"
     finish: Callable[["ClientResult"], None] | None = None
     own: Any = None
+
+
+@dataclass(frozen=True)
+class LocalPlan:
+    """A client's local training as a value (:meth:`Algorithm.local_plan
+    <fedhetero.core.algorithm.Algorithm.local_plan>`): what one client trains alone and a round's
+    clients train together in batched cohorts (:mod:`fedhetero.core.runner`).
+
+    ``sgd``: the plain SGD it runs (:class:`LocalSGD`). ``objective``: what it adds to the
+    cross-entropy (:class:`LocalObjective`). ``members``: the independent members of the model
+    that train on their own cross-entropy on the client's batches (SplitMix's bases), as a
+    function of the model; None: the model is one. ``masks``: by parameter name, what the
+    parameters are multiplied by before and after every step (with ``sgd.masked``; IMC's pruning
+    masks). ``schedule``: the batches, as rows of the training set in the order they are taken,
+    when they are not the client's own data's epochs (Data-sharing's shared samples, DynaComm's
+    window); its report's loss is the steps' the shared trainer reports. ``prelude``: a phase of
+    SGD on other inputs before it (:class:`LocalPhase`, DS-FL's distillation). ``momentum``: the
+    buffers by parameter name the SGD starts from (with ``sgd.carried``; FedDA's transmitted
+    momentum), the trained ones reported under ``momentum``."""
+
+    sgd: LocalSGD
+    objective: LocalObjective | None = None
+    members: Callable[[nn.Module], Sequence[nn.Module]] | None = None
+    masks: Mapping[str, torch.Tensor] | None = None
+    schedule: Sequence[torch.Tensor] | None = None
+    prelude: LocalPhase | None = None
+    momentum: Mapping[str, torch.Tensor] | None = None
+
+    def __post_init__(self) -> None:
+        if self.sgd.masked and self.masks is None:
+            raise ValueError("LocalPlan: sgd.masked needs the masks")
+        if self.masks is not None and not self.sgd.masked:
+            raise ValueError("LocalPlan: masks are applied only with sgd.masked")
+        if self.momentum is not None and not self.sgd.carried:
+            raise ValueError("LocalPlan: momentum handed over needs sgd.carried")
 
 
 class Batch:

@@ -41,7 +41,8 @@ _DYNACOMM = [
 
 # what a method needs besides the default config to run at all
 _NEEDS: dict[str, list[str]] = {
-    **{m: ["data.public_fraction=0.1"] for m in ("feddf", "fedet", "dsfl")},
+    **{m: ["data.public_fraction=0.1"] for m in ("fedet", "dsfl")},
+    "feddf": ["data.public_fraction=0.1", "algorithm.options.kd_steps=40"],  # 10,000 server steps a round by default
     **{m: ["data.server_fraction=0.1"] for m in (
         "feddu", "feddu_static", "feddum", "fedduap", "feddumap", "data_sharing", "hybrid_fl",
         "feddu_sm", "feddu_dm", "feddu_da")},

@@ -32,10 +32,11 @@ import torch
 from fedhetero.core.aggregation import weighted_average
 from fedhetero.core.algorithm import Algorithm
 from fedhetero.core.config import MethodOptions, option
-from fedhetero.core.objective import LocalObjective, proximal
+from fedhetero.core.objective import LocalObjective, LocalPlan, proximal
 from fedhetero.core.types import ClientInfo, ClientResult, ClientTask
 
 if TYPE_CHECKING:  # pragma: no cover
+
     from fedhetero.core.context import ClientContext, Context
 
 __all__ = ["FedACG", "FedACGOptions", "lookahead_state"]
@@ -98,6 +99,6 @@ class FedACG(Algorithm):
         self.momentum = {k: self.momentum[k].to(v.device, v.dtype) for k, v in like.items()}
 
     # ---------------------------------------------------------------- client half
-    def local_objective(self, ctx: "ClientContext", task: ClientTask, state: dict[str, Any] | None) -> LocalObjective:
+    def local_plan(self, ctx: "ClientContext", task: ClientTask, state: dict[str, Any] | None) -> LocalPlan:
         # the regulariser's anchor θ₀ is the state the task carries, where every client starts
-        return LocalObjective(grad=proximal(float(self.options.beta)), consts={"anchor": task.payload["state"]})
+        return LocalPlan(ctx.configured_sgd(), objective=LocalObjective(grad=proximal(float(self.options.beta)), consts={"anchor": task.payload["state"]}))

@@ -32,10 +32,11 @@ import torch
 from fedhetero.algorithms.classic._common import objective_weights, split_average, zeros_like_params
 from fedhetero.core.algorithm import Algorithm
 from fedhetero.core.config import MethodOptions, option
-from fedhetero.core.objective import GradRule, LocalObjective, Tensors
+from fedhetero.core.objective import GradRule, LocalObjective, LocalPlan, Tensors
 from fedhetero.core.types import ClientResult, ClientTask
 
 if TYPE_CHECKING:  # pragma: no cover
+
     from fedhetero.core.context import ClientContext, Context
 
 __all__ = ["FedDyn", "FedDynOptions"]
@@ -89,7 +90,7 @@ class FedDyn(Algorithm):
         self.global_model.load_state_dict(new)
 
     # ---------------------------------------------------------------- client half
-    def local_objective(self, ctx: "ClientContext", task: ClientTask, state: dict[str, Any] | None) -> LocalObjective:
+    def local_plan(self, ctx: "ClientContext", task: ClientTask, state: dict[str, Any] | None) -> LocalPlan:
         alpha = float(self.options.alpha)
         sent = task.payload["state"]
         if state and "grad" in state:
@@ -104,7 +105,7 @@ class FedDyn(Algorithm):
                 new_g[n] = (g_n.to(torch.float64) - alpha * drift).to(g_n.dtype)
             result.client_state = {"grad": new_g}
 
-        return LocalObjective(grad=_dynamic(alpha), consts={"anchor": sent, "g": g}, finish=finish)
+        return LocalPlan(ctx.configured_sgd(), objective=LocalObjective(grad=_dynamic(alpha), consts={"anchor": sent, "g": g}, finish=finish))
 
 
 def _dynamic(alpha: float) -> GradRule:

@@ -13,10 +13,11 @@ from typing import TYPE_CHECKING, Any
 
 from fedhetero.core.algorithm import Algorithm
 from fedhetero.core.config import MethodOptions, option
-from fedhetero.core.objective import LocalObjective, proximal
+from fedhetero.core.objective import LocalObjective, LocalPlan, proximal
 from fedhetero.core.types import ClientTask
 
 if TYPE_CHECKING:  # pragma: no cover
+
     from fedhetero.core.context import ClientContext
 
 __all__ = ["FedProx", "FedProxOptions"]
@@ -38,6 +39,6 @@ class FedProx(Algorithm):
     paper = "Li et al., MLSys 2020"
     Options = FedProxOptions
 
-    def local_objective(self, ctx: "ClientContext", task: ClientTask, state: dict[str, Any] | None) -> LocalObjective:
-        return LocalObjective(grad=proximal(float(self.options.mu)), consts={"anchor": task.payload["state"]})
+    def local_plan(self, ctx: "ClientContext", task: ClientTask, state: dict[str, Any] | None) -> LocalPlan:
+        return LocalPlan(ctx.configured_sgd(), objective=LocalObjective(grad=proximal(float(self.options.mu)), consts={"anchor": task.payload["state"]}))
 

@@ -43,7 +43,7 @@ from torch import nn
 from fedhetero.core.algorithm import Algorithm
 from fedhetero.core.config import MethodOptions, option
 from fedhetero.core.features import has_hidden_layers, penultimate
-from fedhetero.core.objective import Batch, LocalObjective, LossRule
+from fedhetero.core.objective import Batch, LocalObjective, LocalPlan, LossRule
 from fedhetero.core.types import ClientResult, ClientTask
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -91,7 +91,7 @@ class Moon(Algorithm):
     paper = "Li, He, Song; CVPR 2021"
     Options = MoonOptions
 
-    def local_objective(self, ctx: "ClientContext", task: ClientTask, state: dict[str, Any] | None) -> LocalObjective:
+    def local_plan(self, ctx: "ClientContext", task: ClientTask, state: dict[str, Any] | None) -> LocalPlan:
         """The contrastive term against the global model (positive) and the client's previous
         model (negative); a client without a previous model trains plain cross-entropy (its term
         is weighted by zero, so a cohort may mix both kinds of client)."""
@@ -100,13 +100,13 @@ class Moon(Algorithm):
         def finish(result: ClientResult) -> None:
             result.client_state = dict(result.state)  # this round's local model is next round's z_prev
 
-        return LocalObjective(
+        return LocalPlan(ctx.configured_sgd(), objective=LocalObjective(
             loss=_contrastive(float(self.options.mu), float(self.options.tau)),
             consts={"has_previous": 1.0 if state else 0.0},
             references={"global": sent, "previous": state or sent},
             representation="features",
             finish=finish,
-        )
+        ))
 
 
 def _contrastive(mu: float, tau: float) -> LossRule:

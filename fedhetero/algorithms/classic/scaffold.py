@@ -36,10 +36,11 @@ import torch
 from fedhetero.algorithms.classic._common import objective_weights, split_average, zeros_like_params
 from fedhetero.core.algorithm import Algorithm
 from fedhetero.core.config import MethodOptions, option
-from fedhetero.core.objective import LocalObjective, Tensors
+from fedhetero.core.objective import LocalObjective, LocalPlan, Tensors
 from fedhetero.core.types import ClientInfo, ClientResult, ClientTask
 
 if TYPE_CHECKING:  # pragma: no cover
+
     from fedhetero.core.context import ClientContext, Context
 
 __all__ = ["Scaffold", "ScaffoldOptions"]
@@ -126,7 +127,7 @@ class Scaffold(Algorithm):
         self.global_model.load_state_dict(new)
 
     # ---------------------------------------------------------------- client half
-    def local_objective(self, ctx: "ClientContext", task: ClientTask, state: dict[str, Any] | None) -> LocalObjective:
+    def local_plan(self, ctx: "ClientContext", task: ClientTask, state: dict[str, Any] | None) -> LocalPlan:
         c = task.payload["c"]
         c_i = state["c_i"] if state and "c_i" in state else {n: torch.zeros_like(v, device="cpu") for n, v in c.items()}
         lr = ctx.lr_at()
@@ -138,8 +139,8 @@ class Scaffold(Algorithm):
             result.client_state = {"c_i": new_c_i}
 
         if self.options.variant != "standard":  # the DynInit authors' variant: plain local SGD
-            return LocalObjective(finish=finish)
-        return LocalObjective(grad=_corrected, consts={"correction": {n: c[n] - c_i[n] for n in c}}, finish=finish)
+            return LocalPlan(ctx.configured_sgd(), objective=LocalObjective(finish=finish))
+        return LocalPlan(ctx.configured_sgd(), objective=LocalObjective(grad=_corrected, consts={"correction": {n: c[n] - c_i[n] for n in c}}, finish=finish))
 
 
 def _corrected(params: Tensors, grads: Tensors, c: dict[str, Any]) -> None:

@@ -73,7 +73,7 @@ from fedhetero.algorithms.dynacomm import selection as dc
 from fedhetero.core.aggregation import weighted_average
 from fedhetero.core.algorithm import Algorithm
 from fedhetero.core.config import OPTIONS_PATH, MethodOptions, option, require
-from fedhetero.core.objective import LocalSGD
+from fedhetero.core.objective import LocalPlan
 from fedhetero.core.types import ClientInfo, ClientResult, ClientTask, state_bytes
 from fedhetero.data import num_batches
 
@@ -424,9 +424,9 @@ class DynaComm(Algorithm):
 
     # ---------------------------------------------------------------- client half
     # The default client half (client_model → local_train → upload), so that the clients of an
-    # exchange whose window is plain SGD train as one cohort (local_optimizer, local_schedule,
-    # local_momentum); the summed-gradient mode runs one by one.
-    def local_train(self, ctx, task: ClientTask, model) -> dict[str, Any]:
+    # exchange whose window is plain SGD train as one cohort (local_plan: the window's SGD,
+    # batches and carried momentum); the summed-gradient mode runs one by one.
+    def local_train(self, ctx, task: ClientTask, model, plan: LocalPlan | None) -> dict[str, Any]:
         """Run ``payload["steps"]`` local steps from ``payload["state"]``, continuing the
         client's batch stream at step ``payload["start"]`` of the round and its momentum buffer
         from ``payload["momentum"]`` (the one it had at its last sync in this round); in
@@ -456,16 +456,18 @@ class DynaComm(Algorithm):
             ctx.train(model, task, 0, optimizer=opt)
         return {"loss": loss_sum / seen if seen else math.nan, "steps": steps, "momentum": buffers}
 
-    def local_optimizer(self, ctx, task: ClientTask) -> LocalSGD | None:
-        """A window's local SGD for a cohort: the configured SGD, its momentum carried in from the
-        client's last sync of the round (else, with ``persistent``, from its last round) and out
-        again, kept to its next round only after the round's last exchange; the loss over the
-        whole window. None in gradient mode."""
+    def local_plan(self, ctx, task: ClientTask, state: dict[str, Any] | None) -> LocalPlan | None:
+        """A window's local SGD for a cohort: the configured SGD on the window's batches
+        (:meth:`_schedule`), its momentum carried in from the client's last sync of the round
+        (else, with ``persistent``, from its last round) and out again, kept to its next round
+        only after the round's last exchange; the loss over the whole window. None in gradient
+        mode."""
         if task.payload.get("mode") == "gradient":
             return None
-        return replace(ctx.configured_sgd(), carried=True, keep=bool(task.payload.get("final")), loss_over="all")
+        sgd = replace(ctx.configured_sgd(), carried=True, keep=bool(task.payload.get("final")), loss_over="all")
+        return LocalPlan(sgd, schedule=self._schedule(ctx, task), momentum=task.payload.get("momentum"))
 
-    def local_schedule(self, ctx, task: ClientTask) -> list[torch.Tensor]:
+    def _schedule(self, ctx, task: ClientTask) -> list[torch.Tensor]:
         """The window's batches as rows of the training set: step ``s`` of the round takes batch
         ``s mod P`` of pass ``⌊s/P⌋`` (as :meth:`_steps` does)."""
         p = task.payload
@@ -481,8 +483,6 @@ class DynaComm(Algorithm):
             out.append(passes[pss][pos * bs: (pos + 1) * bs])
         return out
 
-    def local_momentum(self, ctx, task: ClientTask) -> dict[str, torch.Tensor] | None:
-        return task.payload.get("momentum")
 
     def upload(self, ctx, task: ClientTask, model, result: dict[str, Any]) -> ClientResult:
         """The trained model (with the momentum buffers to relay through the server, which count

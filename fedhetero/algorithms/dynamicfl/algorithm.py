@@ -271,6 +271,11 @@ class DynamicFL(Algorithm):
         model = self._client_model(run, state)
         return self._upload(run, self._local_train(run, model))
 
+    def local_plan(self, ctx: ClientContext, task: ClientTask, state: dict[str, Any] | None) -> None:
+        """None: REP, Algorithm 1's epochs with DYMM and the merged upload run in
+        :meth:`client_update`, one client at a time."""
+        return None
+
     def client_model(self, ctx: ClientContext, task: ClientTask, state: dict[str, Any] | None = None) -> nn.Module:
         """The model this client would train on ``task`` from its private ``state`` (what
         :meth:`client_update` starts local training from)."""

@@ -55,7 +55,7 @@ from torch import nn
 from fedhetero.algorithms import get_algorithm
 from fedhetero.core.algorithm import Algorithm
 from fedhetero.core.config import OPTIONS_PATH, MethodOptions, from_mapping, option, require
-from fedhetero.core.objective import Batch, LocalObjective, LossRule
+from fedhetero.core.objective import Batch, LocalObjective, LocalPlan, LossRule
 from fedhetero.core.sessions import transition_accuracy
 from fedhetero.core.types import ClientInfo, ClientResult, ClientTask
 
@@ -412,27 +412,39 @@ class DynInit(Algorithm):
         self.session = int(state["session"])
 
     # ------------------------------------------------------------------ client half
-    def default_client_half(self) -> bool:
-        return self.host_cls(self.host_options).default_client_half()
+    # The host's client half (its model, plan, training and upload), or Continuous's distillation
+    # (FedAvg's training with the KL term of the teacher's plan); a gradient round's task keeps
+    # the client's state.
+    _host_client: Algorithm | None = None
+
+    def _client_host(self) -> Algorithm:
+        """The host method's client half, one instance per client-half instance."""
+        host = self._host_client
+        if host is None:
+            host = self._host_client = self.host_cls(self.host_options)
+        return host
 
     def client_update(self, ctx, task: ClientTask, state: dict[str, Any] | None) -> ClientResult:
-        """The host's client half, or Continuous's distillation (FedAvg's training with the KL
-        term of :meth:`local_objective`); a gradient round's task keeps the client's state."""
-        if "teacher" in task.payload or self.default_client_half():
+        if "teacher" in task.payload:
             return super().client_update(ctx, task, state)
-        result = self.host_cls(self.host_options).client_update(ctx, task, state)
+        result = self._client_host().client_update(ctx, task, state)
         if task.payload.get("keep_client_state"):
             result.client_state = None
         return result
 
-    def local_objective(self, ctx, task: ClientTask, state: dict[str, Any] | None) -> LocalObjective | None:
+    def client_model(self, ctx, task: ClientTask, state: dict[str, Any] | None = None) -> nn.Module:
+        if "teacher" in task.payload:
+            return super().client_model(ctx, task, state)
+        return self._client_host().client_model(ctx, task, state)
+
+    def local_plan(self, ctx, task: ClientTask, state: dict[str, Any] | None) -> LocalPlan | None:
         if "teacher" in task.payload:  # Continuous: CE + κ·KL(p_teacher ‖ p); bytes down: the model and the teacher
-            return LocalObjective(loss=_distillation(float(self.options.continuous_kl_coef)),
-                                  references={"teacher": task.payload["teacher"]})
-        objective = self.host_cls(self.host_options).local_objective(ctx, task, state)
-        if not task.payload.get("keep_client_state"):
-            return objective
-        objective = objective if objective is not None else LocalObjective()
+            return LocalPlan(ctx.configured_sgd(), objective=LocalObjective(
+                loss=_distillation(float(self.options.continuous_kl_coef)), references={"teacher": task.payload["teacher"]}))
+        plan = self._client_host().local_plan(ctx, task, state)
+        if plan is None or not task.payload.get("keep_client_state"):
+            return plan
+        objective = plan.objective if plan.objective is not None else LocalObjective()
         host_finish = objective.finish
 
         def finish(result: ClientResult) -> None:
@@ -440,4 +452,9 @@ class DynInit(Algorithm):
                 host_finish(result)
             result.client_state = None
 
-        return replace(objective, finish=finish)
+        return replace(plan, objective=replace(objective, finish=finish))
+
+    def upload(self, ctx, task: ClientTask, model: nn.Module, result: dict[str, Any]) -> ClientResult:
+        if "teacher" in task.payload:
+            return super().upload(ctx, task, model, result)
+        return self._client_host().upload(ctx, task, model, result)

@@ -34,7 +34,7 @@ from torch import Tensor, nn
 
 from fedhetero.core.algorithm import Algorithm
 from fedhetero.core.config import OPTIONS_PATH, MethodOptions, option, require
-from fedhetero.core.objective import LocalSGD
+from fedhetero.core.objective import LocalPlan, LocalSGD
 from fedhetero.core.types import ClientInfo, ClientResult, ClientTask
 from fedhetero.data.batches import iterate_batches, num_batches
 from fedhetero.data.server import non_iid_degree
@@ -445,22 +445,17 @@ class ServerDataAlgorithm(Algorithm):
             return torch.optim.SGD(params, lr=lr, momentum=beta, dampening=beta, weight_decay=wd)
         return DampedMomentumSGD(params, lr=lr, beta=beta, weight_decay=wd)
 
-    def local_train(self, ctx: "ClientContext", task: ClientTask, model: nn.Module) -> dict[str, Any]:
+    def local_train(self, ctx: "ClientContext", task: ClientTask, model: nn.Module, plan: LocalPlan | None) -> dict[str, Any]:
         opt = self.device_optimizer(ctx, task, model)
         return dict(ctx.train(model, task, ctx.cfg.train.local_epochs, optimizer=opt))
 
-    def local_optimizer(self, ctx: "ClientContext", task: ClientTask) -> LocalSGD | None:
+    def local_plan(self, ctx: "ClientContext", task: ClientTask, state: dict[str, Any] | None) -> LocalPlan | None:
         """:meth:`local_train`'s SGD at the round's ``η_t``: plain, or with the device momentum of
-        Formula 11 (``exact``: the dampened buffer from zero, restarted every round). One by one
-        with ``torch_sgd`` momentum or another local training or device optimiser."""
-        return self.device_sgd(ctx, task) if self.trains_as(ServerDataAlgorithm) else None
-
-    def trains_as(self, owner: "type[ServerDataAlgorithm]") -> bool:
-        """Whether :meth:`local_train` and :meth:`device_optimizer` are still ``owner``'s, so that
-        the :meth:`local_optimizer` ``owner`` states describes them (a subclass that trains
-        otherwise states its own, or runs one by one)."""
-        cls = type(self)
-        return cls.local_train is owner.local_train and cls.device_optimizer is owner.device_optimizer
+        Formula 11 (``exact``: the dampened buffer from zero, restarted every round). None (one
+        by one) with ``torch_sgd`` momentum. A subclass that trains otherwise (another
+        :meth:`local_train` or :meth:`device_optimizer`) states its own plan."""
+        sgd = self.device_sgd(ctx, task)
+        return None if sgd is None else LocalPlan(sgd)
 
     def device_sgd(self, ctx: "ClientContext", task: ClientTask, given_buffer: bool = False) -> LocalSGD | None:
         """:meth:`device_optimizer` as a :class:`LocalSGD`, with the configured clipping. None for

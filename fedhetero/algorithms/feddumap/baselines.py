@@ -58,7 +58,7 @@ from fedhetero.algorithms.feddumap.feddum import FedDUM, FedDUMOptions
 from fedhetero.algorithms.pruning.rates import magnitude_threshold
 from fedhetero.core.aggregation import weighted_average
 from fedhetero.core.config import option
-from fedhetero.core.objective import LocalSGD
+from fedhetero.core.objective import LocalPlan
 from fedhetero.core.types import ClientInfo, ClientResult, ClientTask, state_bytes
 from fedhetero.data.batches import epoch_order
 
@@ -145,7 +145,7 @@ class DataSharing(ServerDataAlgorithm):
         return updates
 
     # ------------------------------------------------------------------ client half
-    def local_train(self, ctx: "ClientContext", task: ClientTask, model: nn.Module) -> dict[str, Any]:
+    def local_train(self, ctx: "ClientContext", task: ClientTask, model: nn.Module, plan: LocalPlan | None) -> dict[str, Any]:
         t = ctx.cfg.train
         opt = self.device_optimizer(ctx, task, model)
         return sgd_epochs(ctx, model, self._local_indices(ctx, task), t.local_epochs, opt, concern="data",
@@ -157,12 +157,12 @@ class DataSharing(ServerDataAlgorithm):
         shared = np.asarray(task.payload["shared"], dtype=np.int64)
         return np.concatenate([np.asarray(ctx.data.client_indices[task.cid], dtype=np.int64), shared])
 
-    def local_optimizer(self, ctx: "ClientContext", task: ClientTask) -> LocalSGD | None:
-        """The device SGD of :meth:`local_train`, for a cohort whose batches are
-        :meth:`local_schedule`'s."""
-        return self.device_sgd(ctx, task) if self.trains_as(DataSharing) else None
+    def local_plan(self, ctx: "ClientContext", task: ClientTask, state: dict[str, Any] | None) -> LocalPlan | None:
+        """The device SGD of :meth:`local_train` on its batches (:meth:`_schedule`)."""
+        sgd = self.device_sgd(ctx, task)
+        return None if sgd is None else LocalPlan(sgd, schedule=self._schedule(ctx, task))
 
-    def local_schedule(self, ctx: "ClientContext", task: ClientTask) -> list[Tensor] | None:
+    def _schedule(self, ctx: "ClientContext", task: ClientTask) -> list[Tensor]:
         """:meth:`local_train`'s batches: every pass a fresh order of the device's own and shared
         samples, from the stream of (round, device, pass); ``train.local_epochs`` passes, or
         ``train.local_steps`` steps."""
@@ -316,25 +316,22 @@ class FedDUDA(FedDU):
             opt.state[p]["momentum_buffer"] = start[n].to(device=p.device, dtype=p.dtype).clone()
         return opt
 
-    def local_train(self, ctx: "ClientContext", task: ClientTask, model: nn.Module) -> dict[str, Any]:
+    def local_train(self, ctx: "ClientContext", task: ClientTask, model: nn.Module, plan: LocalPlan | None) -> dict[str, Any]:
         opt = self.device_optimizer(ctx, task, model)
         res = dict(ctx.train(model, task, ctx.cfg.train.local_epochs, optimizer=opt))
         res["momentum"] = {n: opt.state[p]["momentum_buffer"].detach().clone()
                            for n, p in model.named_parameters() if p.requires_grad}
         return res
 
-    def local_optimizer(self, ctx: "ClientContext", task: ClientTask) -> LocalSGD | None:
+    def local_plan(self, ctx: "ClientContext", task: ClientTask, state: dict[str, Any] | None) -> LocalPlan | None:
         """Formula 10's device SGD for a cohort: the dampened buffer started at the global one and
         carried back up. Both ``device_momentum_impl`` forms step alike from a given buffer
         (``m ← β'·m + (1−β')·d``); without momentum the uploaded buffer is the last step's
         direction, which only :meth:`local_train` keeps (one by one)."""
-        if not self.trains_as(FedDUDA) or float(self.options.device_momentum) == 0.0:
+        if float(self.options.device_momentum) == 0.0:
             return None
         sgd = self.device_sgd(ctx, task, given_buffer=True)
-        return None if sgd is None else replace(sgd, carried=True)
-
-    def local_momentum(self, ctx: "ClientContext", task: ClientTask) -> dict[str, Tensor] | None:
-        return task.payload["momentum"]
+        return None if sgd is None else LocalPlan(replace(sgd, carried=True), momentum=task.payload.get("momentum"))
 
     def upload(self, ctx: "ClientContext", task: ClientTask, model: nn.Module, result: dict[str, Any]) -> ClientResult:
         """Model and final momentum go up; ``bytes_down`` (the payload: model and global momentum)
@@ -477,14 +474,14 @@ class IMC(ServerDataAlgorithm):
             opt.register_step_post_hook(lambda *_: _apply_masks(model, masks))
         return opt
 
-    def local_optimizer(self, ctx: "ClientContext", task: ClientTask) -> LocalSGD | None:
+    def local_plan(self, ctx: "ClientContext", task: ClientTask, state: dict[str, Any] | None) -> LocalPlan | None:
         """The family's device SGD, with the masks (:meth:`device_optimizer`'s post-step hook)
         applied before and after every step once the model is pruned."""
-        sgd = self.device_sgd(ctx, task) if self.trains_as(IMC) else None
-        return None if sgd is None else replace(sgd, masked=bool(task.payload.get("masks")))
-
-    def local_masks(self, ctx: "ClientContext", task: ClientTask) -> dict[str, Tensor] | None:
-        return task.payload.get("masks") or None
+        sgd = self.device_sgd(ctx, task)
+        if sgd is None:
+            return None
+        masks = task.payload.get("masks") or None
+        return LocalPlan(replace(sgd, masked=masks is not None), masks=masks)
 
     def upload(self, ctx: "ClientContext", task: ClientTask, model: nn.Module, result: dict[str, Any]) -> ClientResult:
         """With masks, ``bytes_up`` / ``bytes_down`` count the unmasked entries only (a sparse

@@ -54,7 +54,7 @@ from fedhetero.algorithms.kd._common import (
 from fedhetero.core import budget as budget_mod
 from fedhetero.core.algorithm import Algorithm
 from fedhetero.core.config import MethodOptions, option
-from fedhetero.core.objective import LocalPhase, LocalSGD
+from fedhetero.core.objective import LocalPhase, LocalPlan, LocalSGD
 from fedhetero.core.types import ClientInfo, ClientResult, ClientTask
 from fedhetero.core.widths import narrowest_width_macs
 
@@ -172,7 +172,7 @@ class DSFL(Algorithm):
             model.load_state_dict(state["state"])
         return model
 
-    def local_train(self, ctx: "ClientContext", client: ClientTask, model: nn.Module) -> dict[str, Any]:
+    def local_train(self, ctx: "ClientContext", client: ClientTask, model: nn.Module, plan: LocalPlan | None) -> dict[str, Any]:
         out: dict[str, Any] = {}
         p = client.payload
         if "prev_q" in p and "prev_indices" in p:
@@ -190,16 +190,13 @@ class DSFL(Algorithm):
 
     # A cohort runs the same two phases (fedhetero.core.cohort): the distillation as a prelude
     # of plain SGD towards q_{t−1}, then the configured local SGD.
-    def local_optimizer(self, ctx: "ClientContext", task: ClientTask) -> LocalSGD | None:
-        return ctx.configured_sgd()
-
-    def local_prelude(self, ctx: "ClientContext", task: ClientTask, model: nn.Module) -> LocalPhase | None:
-        """The distillation on ``S_{t−1}`` towards ``q_{t−1}``: SGD at ``kd_lr`` without momentum,
-        ``kd_epochs`` passes in the client's order; the same open images and soft labels for
-        every client of the round."""
+    def local_plan(self, ctx: "ClientContext", task: ClientTask, state: dict[str, Any] | None) -> LocalPlan:
+        """The configured SGD, after the distillation on ``S_{t−1}`` towards ``q_{t−1}`` when
+        the task carries them: SGD at ``kd_lr`` without momentum, ``kd_epochs`` passes in the
+        client's order; the same open images and soft labels for every client of the round."""
         p = task.payload
         if "prev_q" not in p or "prev_indices" not in p:
-            return None
+            return LocalPlan(ctx.configured_sgd())
         indices = p["prev_indices"]
         opts = self.options
         order = public_positions(len(indices), opts.kd_batch_size, self._kd_generator(ctx, task))
@@ -209,8 +206,9 @@ class DSFL(Algorithm):
         if held is None or held[0] != key:  # the round's open images, gathered once per process
             images = public_source(ctx).images
             held = ctx.cache["dsfl-prelude"] = (key, images[indices.to(images.device)])
-        return LocalPhase(sgd=LocalSGD(lr=opts.kd_lr, loss_over="steps"), images=held[1],
-                          targets=p["prev_q"], schedule=schedule, report="kd_loss", key=key)
+        prelude = LocalPhase(sgd=LocalSGD(lr=opts.kd_lr, loss_over="steps"), images=held[1],
+                             targets=p["prev_q"], schedule=schedule, report="kd_loss", key=key)
+        return LocalPlan(ctx.configured_sgd(), prelude=prelude)
 
     def upload(
         self, ctx: "ClientContext", client: ClientTask, model: nn.Module, result: dict[str, Any]

@@ -60,7 +60,7 @@ from fedhetero.core.features import classifier_of
 from fedhetero.core.aggregation import weighted_average
 from fedhetero.core.algorithm import Algorithm
 from fedhetero.core.config import MethodOptions, option
-from fedhetero.core.objective import Batch, LocalObjective
+from fedhetero.core.objective import Batch, LocalObjective, LocalPlan
 from fedhetero.core.types import ClientInfo, ClientResult, ClientTask
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -227,14 +227,14 @@ class FedGen(Algorithm):
         out.bytes_up += int(counts.numel() * counts.element_size())
         return out
 
-    def local_objective(self, ctx: "ClientContext", task: ClientTask, state: dict[str, Any] | None) -> LocalObjective | None:
+    def local_plan(self, ctx: "ClientContext", task: ClientTask, state: dict[str, Any] | None) -> LocalPlan:
         """From round 2 (the generator is in the payload): the generated-feature cross-entropy
         through the client's own classifier and the KL towards its prediction on features
         generated for the batch's labels (module docstring). Noise and labels are drawn from the
         client's own generator, step by step, in the order: the batch's noise, the drawn labels,
         their noise."""
         if "generator" not in task.payload:
-            return None
+            return LocalPlan(ctx.configured_sgd())
         o = self.options
         head_key, head = classifier_of(self.client_model(ctx, task), ctx.num_classes)
         feature_dim = head.in_features
@@ -276,4 +276,4 @@ class FedGen(Algorithm):
             batch.record("latent_loss", latent)
             return alpha * ratio * teacher + beta * latent
 
-        return LocalObjective(loss=loss, own=ctx.torch_generator("algorithm", task.round, task.cid))
+        return LocalPlan(ctx.configured_sgd(), objective=LocalObjective(loss=loss, own=ctx.torch_generator("algorithm", task.round, task.cid)))

@@ -61,7 +61,7 @@ from torch import nn
 from fedhetero.core import budget as budget_mod
 from fedhetero.core.algorithm import Algorithm
 from fedhetero.core.config import MethodOptions, option
-from fedhetero.core.objective import LocalSGD
+from fedhetero.core.objective import LocalPlan
 from fedhetero.core.submodel import (
     SubmodelAggregator,
     SubmodelSpec,
@@ -356,26 +356,25 @@ class WidthSlicedAlgorithm(Algorithm):
         self._client["hooks"] = self._scale(model, width)  # the Scaler is on while the model trains
         return model
 
-    def local_optimizer(self, ctx: "ClientContext", task: ClientTask) -> LocalSGD | None:
+    def local_plan(self, ctx: "ClientContext", task: ClientTask, state: dict[str, Any] | None) -> LocalPlan | None:
         """The configured SGD with the method's clipping and masked loss, when the client trains
         one model all round (no budget drop that prunes it mid-way) and the method's clipping is
         the only one (both clip one by one)."""
-        if type(self).local_train is not WidthSlicedAlgorithm.local_train:
-            return None
-        info, opts, sgd = self._client, self.options, ctx.configured_sgd()
+        opts, sgd = self.options, ctx.configured_sgd()
         after = task.budget_after_change
-        if not (after is None or ctx.cfg.train.local_epochs <= _CHANGE_AT or info["macs"] <= after * (1 + 1e-9)):
+        if not (after is None or ctx.cfg.train.local_epochs <= _CHANGE_AT
+                or ctx.macs(width_model(ctx, float(task.payload["width"]), opts.bn == "fedavg")) <= after * (1 + 1e-9)):
             return None
         if opts.clip_grad is not None and sgd.clip is not None:
             return None
-        labels = tuple(int(v) for v in info["labels"]) if "labels" in info else None
-        return replace(sgd, clip=opts.clip_grad if opts.clip_grad is not None else sgd.clip, classes=labels,
-                       class_fill=float(opts.mask_fill))
+        labels = tuple(int(v) for v in ctx.data.client_label_set(task.cid)) if opts.mask_classifier else None
+        return LocalPlan(replace(sgd, clip=opts.clip_grad if opts.clip_grad is not None else sgd.clip, classes=labels,
+                                 class_fill=float(opts.mask_fill)))
 
     def _scale(self, model: nn.Module, width: float) -> list[Any]:
         return attach_scaler(model, width / self._client["global_width"]) if self.options.scaler else []
 
-    def local_train(self, ctx: "ClientContext", client: ClientTask, model: nn.Module) -> dict[str, Any]:
+    def local_train(self, ctx: "ClientContext", client: ClientTask, model: nn.Module, plan: LocalPlan | None) -> dict[str, Any]:
         info = self._client
         opts = self.options
         loss_fn = None

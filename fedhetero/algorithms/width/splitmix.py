@@ -50,7 +50,7 @@ from fedhetero.core import budget as budget_mod
 from fedhetero.core.aggregation import weighted_average
 from fedhetero.core.algorithm import Algorithm
 from fedhetero.core.config import MethodOptions, option
-from fedhetero.core.objective import LocalSGD
+from fedhetero.core.objective import LocalPlan
 from fedhetero.core.types import ClientInfo, ClientResult, ClientTask
 from fedhetero.core.widths import WidthPlanner, narrowest_width_macs
 
@@ -190,7 +190,7 @@ class SplitMix(Algorithm):
         self._client = {"over_budget": bool(p["over_budget"]), "macs": ctx.macs(model)}
         return model
 
-    def local_train(self, ctx: "ClientContext", client: ClientTask, model: nn.Module) -> dict[str, Any]:
+    def local_train(self, ctx: "ClientContext", client: ClientTask, model: nn.Module, plan: LocalPlan | None) -> dict[str, Any]:
         assert isinstance(model, BaseEnsemble)
         info = self._client
         epochs = ctx.cfg.train.local_epochs
@@ -215,16 +215,14 @@ class SplitMix(Algorithm):
         finally:
             model.stack_outputs = False
 
-    def local_optimizer(self, ctx: "ClientContext", task: ClientTask) -> LocalSGD | None:
-        """The configured SGD, which :meth:`local_train` runs on every base, unless the budget
-        changes during the round (bases are then dropped mid-way: one by one)."""
-        return ctx.configured_sgd() if task.budget_after_change is None else None
-
-    def local_members(self, ctx: "ClientContext", task: ClientTask, model: nn.Module) -> list[nn.Module] | None:
-        """The bases: each trains on its own cross-entropy (:func:`ensemble_loss`), so a cohort
-        trains each as a trainee of its own on the client's batches."""
-        assert isinstance(model, BaseEnsemble)
-        return list(model.bases)
+    def local_plan(self, ctx: "ClientContext", task: ClientTask, state: dict[str, Any] | None) -> LocalPlan | None:
+        """The configured SGD, which :meth:`local_train` runs on every base, each base a member
+        trained on its own cross-entropy (:func:`ensemble_loss`), so a cohort trains each as a
+        trainee of its own on the client's batches; None when the budget changes during the
+        round (bases are then dropped mid-way: one by one)."""
+        if task.budget_after_change is not None:
+            return None
+        return LocalPlan(ctx.configured_sgd(), members=_bases)
 
     def upload(
         self, ctx: "ClientContext", client: ClientTask, model: nn.Module, result: dict[str, Any]
@@ -288,3 +286,9 @@ class SplitMix(Algorithm):
             b.load_state_dict(s)
         self._queue = [int(i) for i in state["queue"].tolist()]
         self._refills = int(state["refills"])
+
+
+def _bases(model: nn.Module) -> list[nn.Module]:
+    """The independent members of a client's ensemble: its bases."""
+    assert isinstance(model, BaseEnsemble)
+    return list(model.bases)

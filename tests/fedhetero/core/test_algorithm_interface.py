@@ -108,3 +108,23 @@ def test_no_import_circle_between_engine_and_algorithms():
         assert "fedhetero.core.engine" not in _modules_after_import(algo), algo
     assert "fedhetero.algorithms.feddumap.feddum" not in _modules_after_import("fedhetero.algorithms.feddumap.feddu")
 
+
+
+def test_the_method_interface_is_small_and_has_no_hidden_flags():
+    """``Algorithm`` defines at most 20 methods, and no method decides what to do by checking
+    whether another method was overridden (``type(self).x is Base.x``): local training is a value
+    (``local_plan``), not a set of overrides to detect."""
+    import ast
+    import re
+
+    from fedhetero.algorithms import Algorithm
+
+    methods = [n for n, v in vars(Algorithm).items() if callable(v) and not isinstance(v, type) and n != "__init__"]
+    assert len(methods) <= 20, methods
+    identity = re.compile(r"\bis(?: not)? [A-Z]\w*\.[a-z_]\w*\b")
+    for path in [*(ROOT / "fedhetero" / "algorithms").rglob("*.py"), ROOT / "fedhetero" / "core" / "algorithm.py",
+                 ROOT / "fedhetero" / "core" / "runner.py", ROOT / "examples" / "my_algorithm.py"]:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Compare) and any(isinstance(op, (ast.Is, ast.IsNot)) for op in node.ops):
+                src = ast.unparse(node)
+                assert not identity.search(src), f"{path.name}: {src}"

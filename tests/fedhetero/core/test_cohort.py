@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from fedhetero.core.engine import Engine
-from _util import SESSION_BASE, session_cfg
+from _util import ROOT, SESSION_BASE, session_cfg
 
 
 BASE = SESSION_BASE
@@ -362,7 +362,7 @@ def _spied(monkeypatch) -> list[int]:
 )
 def test_more_methods_and_models_train_as_cohorts(tmp_path, monkeypatch, name, over):
     """Dropout, persistent momentum and the FedDU family (whose devices run plain SGD at the
-    server's rate, stated by ``local_optimizer``) give each client its one-by-one numbers in a
+    server's rate, stated by ``local_plan``) give each client its one-by-one numbers in a
     cohort (float64, up to the order of sums)."""
     sizes = _spied(monkeypatch)
     a = Engine(_fedavg_like(name, **over, **{"engine.vectorize": False}), tmp_path / "one", progress=False).run()
@@ -559,3 +559,53 @@ def test_a_resumed_cohort_run_equals_the_uninterrupted_one_bit_for_bit(tmp_path)
     assert [r.get("accuracy") for r in resumed.metrics] == [r.get("accuracy") for r in full.metrics]
     a, b = _final(tmp_path / "full"), _final(tmp_path / "cut")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+# ---------------------------------------------------------------------------- local training as a value
+def test_a_method_that_trains_itself_builds_each_client_model_once(tmp_path, monkeypatch):
+    """A method whose plan is None (DynamicFL: REP, DYMM and the merged upload in its own client
+    half) costs the batched path nothing: every client's model is built once, by its own run."""
+    from fedhetero.algorithms.dynamicfl.algorithm import DynamicFL
+
+    built: list[int] = []
+    real = DynamicFL._client_model
+    monkeypatch.setattr(DynamicFL, "_client_model", lambda self, run, state: built.append(run.task.cid) or real(self, run, state))
+    sizes = _spied(monkeypatch)
+    res = Engine(_fedavg_like("dynamicfl", **{"engine.vectorize": True, "dtype": "float32", "train.rounds": 1}),
+                 tmp_path / "d", progress=False).run()
+    clients = [c["cid"] for c in res.metrics[0]["clients"]]
+    assert sizes == [] and sorted(built) == sorted(clients) and len(clients) == 6
+
+
+def test_the_guides_example_trains_in_cohorts_with_its_one_by_one_numbers(tmp_path, monkeypatch):
+    """The guide's FedAvgM keeps the default model and training and uploads a delta: its clients
+    batch, and the run equals the one-by-one run up to the order of float sums (float64)."""
+    name = f"{ROOT / 'examples' / 'my_algorithm.py'}:FedAvgM"
+    a = Engine(_fedavg_like(name, **{"engine.vectorize": False}), tmp_path / "one", progress=False).run()
+    sizes = _spied(monkeypatch)
+    b = Engine(_fedavg_like(name, **{"engine.vectorize": True}), tmp_path / "many", progress=False).run()
+    assert sizes and max(sizes) >= 2
+    for ra, rb in zip(a.metrics, b.metrics):
+        assert ra["accuracy"] == pytest.approx(rb["accuracy"], abs=1e-9)
+        assert ra["loss"] == pytest.approx(rb["loss"], rel=1e-9)
+
+
+@settings(max_examples=60, deadline=None)
+@given(masked=st.booleans(), masks=st.booleans(), carried=st.booleans(), momentum=st.booleans())
+def test_a_local_plan_refuses_what_it_cannot_train(masked, masks, carried, momentum):
+    """A plan's masks come with ``sgd.masked`` and only with it; handed-over momentum needs
+    ``sgd.carried``."""
+    import dataclasses
+
+    from fedhetero.core.objective import LocalPlan, LocalSGD
+
+    sgd = LocalSGD(lr=0.1, masked=masked, carried=carried)
+    kw = {"masks": {"w": torch.ones(2)} if masks else None, "momentum": {"w": torch.zeros(2)} if momentum else None}
+    ok = masked == masks and (carried or not momentum)
+    if ok:
+        plan = LocalPlan(sgd, **kw)
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            plan.sgd = sgd  # type: ignore[misc]  # frozen: a plan is a value
+    else:
+        with pytest.raises(ValueError, match="LocalPlan"):
+            LocalPlan(sgd, **kw)

@@ -30,10 +30,10 @@ from fedhetero.algorithms.classic.fedavg import FedAvg
 class Buggy(FedAvg):
     """FedAvg whose client 3 hits a bug in the method's own code."""
 
-    def local_train(self, ctx, client, model):
+    def local_plan(self, ctx, client, state):
         if client.cid == 3:
             raise IndexError("a bug in the method")
-        return super().local_train(ctx, client, model)
+        return super().local_plan(ctx, client, state)
 '''
 
 

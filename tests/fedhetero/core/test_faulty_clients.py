@@ -137,7 +137,7 @@ def test_a_non_finite_server_update_stops_the_run_at_its_round(tmp_path, monkeyp
 
 def test_state_tensors_walk_every_checkpointed_field():
     """The finiteness check sees modules, tensors and dicts or lists of them, by dotted name."""
-    from fedhetero.core.algorithm import Algorithm
+    from fedhetero.core.algorithm import Algorithm, state_tensors
 
     class Two(Algorithm):
         state_fields = ("global_model", "c", "tiers", "count")
@@ -147,7 +147,7 @@ def test_state_tensors_walk_every_checkpointed_field():
     alg.c = {"w": torch.zeros(3), "nested": [torch.ones(1), torch.tensor([1, 2])]}
     alg.tiers = {"small": torch.nn.BatchNorm1d(2)}
     alg.count = 7
-    got = alg.state_tensors()
+    got = state_tensors(alg)
     assert set(got) == {
         "global_model.weight", "global_model.bias", "c.w", "c.nested.0", "c.nested.1",
         "tiers.small.weight", "tiers.small.bias", "tiers.small.running_mean", "tiers.small.running_var",

@@ -17,7 +17,7 @@ from fedhetero.algorithms.classic.fedprox import FedProx
 from fedhetero.algorithms.classic.moon import Moon
 from fedhetero.algorithms.classic.scaffold import Scaffold
 from fedhetero.algorithms.dyninit.algorithm import DynInit
-from fedhetero.core.objective import Batch, LocalObjective, cohort_rules, move_consts, stack_consts
+from fedhetero.core.objective import Batch, LocalObjective, LocalSGD, cohort_rules, move_consts, stack_consts
 from fedhetero.core.types import ClientResult
 
 SHAPES = {"w": (3, 4), "b": (3,)}
@@ -45,7 +45,12 @@ GRAD_METHODS = {
     "scaffold": lambda: Scaffold(),
     "feddyn": lambda: FedDyn(FedDyn.Options(alpha=0.1)),
 }
-_CTX = SimpleNamespace(lr_at=lambda: 0.1)
+_CTX = SimpleNamespace(lr_at=lambda: 0.1, configured_sgd=lambda: LocalSGD(lr=0.1))
+
+
+def _objective(algo, ctx, task, state):
+    """The objective of ``algo``'s local plan for ``task``."""
+    return algo.local_plan(ctx or _CTX, task, state).objective
 
 
 @settings(max_examples=40, deadline=None)
@@ -56,7 +61,7 @@ def test_gradient_rules_are_the_same_alone_and_stacked(method, clients, seed):
     objectives, params, grads = [], [], []
     for _ in range(clients):
         task, state = _client(method, g)
-        objectives.append(algo.local_objective(_CTX, task, state))
+        objectives.append(_objective(algo, _CTX, task, state))
         params.append(_tensors(g))
         grads.append(_tensors(g))
     shared = cohort_rules(objectives)
@@ -89,11 +94,11 @@ def test_loss_rules_are_the_same_alone_and_stacked(method, clients, batch, seed)
     k = 4
     if method == "moon":
         algo = Moon(Moon.Options(mu=0.7, tau=0.5))
-        objectives = [algo.local_objective(None, SimpleNamespace(payload={"state": {}}), {"x": 1} if i % 2 else None)
+        objectives = [_objective(algo, None, SimpleNamespace(payload={"state": {}}), {"x": 1} if i % 2 else None)
                       for i in range(clients)]
     else:
         algo = DynInit(DynInit.Options(init="continuous", continuous_kl_coef=0.4))
-        objectives = [algo.local_objective(None, SimpleNamespace(payload={"state": {}, "teacher": {}}), None)
+        objectives = [_objective(algo, None, SimpleNamespace(payload={"state": {}, "teacher": {}}), None)
                       for _ in range(clients)]
     rule = objectives[0].loss
     names = sorted(objectives[0].references)
@@ -118,8 +123,8 @@ def test_moon_term_is_the_published_loss_and_zero_without_a_previous_model():
     g = torch.Generator().manual_seed(3)
     z, zg, zp = (torch.randn(5, 6, generator=g, dtype=torch.float64) for _ in range(3))
     algo = Moon(Moon.Options(mu=2.0, tau=0.5))
-    with_prev = algo.local_objective(None, SimpleNamespace(payload={"state": {}}), {"p": 1})
-    fresh = algo.local_objective(None, SimpleNamespace(payload={"state": {}}), None)
+    with_prev = _objective(algo, None, SimpleNamespace(payload={"state": {}}), {"p": 1})
+    fresh = _objective(algo, None, SimpleNamespace(payload={"state": {}}), None)
     refs = {"global": zg, "previous": zp}
     records: dict = {}
     term = with_prev.loss(Batch(z, move_consts(with_prev.consts, {"w": z}), refs.__getitem__, torch.mean, records))
@@ -135,7 +140,7 @@ def test_scaffold_finish_counts_the_control_delta_and_keeps_the_new_variate():
     g = torch.Generator().manual_seed(1)
     task, state = _client("scaffold", g)
     task.payload["state"] = {n: v.float() for n, v in task.payload["state"].items()}
-    objective = Scaffold().local_objective(_CTX, task, state)
+    objective = _objective(Scaffold(), _CTX, task, state)
     trained = {n: v + 0.5 for n, v in task.payload["state"].items()}
     result = ClientResult(cid=0, num_samples=1, state=trained, bytes_up=100, metrics={"steps": 5})
     objective.finish(result)
@@ -148,12 +153,12 @@ def test_scaffold_finish_counts_the_control_delta_and_keeps_the_new_variate():
 
 
 def test_objectives_that_differ_do_not_share_a_cohort():
-    prox = FedProx().local_objective(None, SimpleNamespace(payload={"state": {}}), None)
-    acg = FedACG().local_objective(None, SimpleNamespace(payload={"state": {}}), None)
+    prox = _objective(FedProx(), None, SimpleNamespace(payload={"state": {}}), None)
+    acg = _objective(FedACG(), None, SimpleNamespace(payload={"state": {}}), None)
     assert cohort_rules([None, None]) is None
     assert cohort_rules([prox, None]) is False
     assert isinstance(cohort_rules([prox, prox]), LocalObjective)
     # the same rule code with the same constants: FedProx and FedACG share the proximal rule
     assert isinstance(cohort_rules([prox, acg]), LocalObjective)
-    moon = Moon().local_objective(None, SimpleNamespace(payload={"state": {}}), None)
+    moon = _objective(Moon(), None, SimpleNamespace(payload={"state": {}}), None)
     assert cohort_rules([prox, moon]) is False

@@ -22,7 +22,7 @@ from fedhetero.core.types import ClientResult
 from fedhetero.algorithms.classic.fedacg import FedACG, FedACGOptions, lookahead_state
 from fedhetero.algorithms.classic.fedensemble import EnsembleModel
 from fedhetero.algorithms.classic.moon import moon_contrastive_loss
-from fedhetero.core.objective import move_consts
+from fedhetero.core.objective import LocalSGD, move_consts
 from fedhetero.core.config import ConfigError
 from fedhetero.core.engine import Engine
 from fedhetero.core.registry import build_algorithm
@@ -153,7 +153,8 @@ def test_fedacg_lookahead_momentum_and_regulariser_follow_the_formulas():
     # client: each step's gradient gains β·(θ − θ₀)
     model = nn.Linear(3, 2)
     sent = {k: v + 1.0 for k, v in model.state_dict().items()}
-    objective = algo.local_objective(None, SimpleNamespace(payload={"state": sent}), None)
+    ctx = SimpleNamespace(configured_sgd=lambda: LocalSGD(lr=0.1))
+    objective = algo.local_plan(ctx, SimpleNamespace(payload={"state": sent}), None).objective
     params = dict(model.named_parameters())
     seen = {k: torch.full_like(q, 0.25) for k, q in params.items()}
     with torch.no_grad():
