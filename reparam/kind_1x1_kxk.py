@@ -9,7 +9,7 @@ convolution where that is faster (:func:`compose_by_conv`).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Mapping, cast
+from typing import Any, Mapping, cast
 
 import torch
 import torch.nn.functional as F
@@ -18,13 +18,11 @@ from torch import Tensor, nn
 from . import fused
 from .errors import ReparamError
 from .geometry import ConvGeometry
-from .kinds import BranchKind, builtin_kind
+from .kinds import BranchKind, builtin_kind, Fusion
 from .layers import IdentityBasedConv1x1, kaiming_, new_bn, pad_intermediate
 from .merge_algebra import acc_shape, add_term, bn_scale_shift, conv_kernel_bias, full_acc, take_rows
 from .transforms import fuse_bn, merge_1x1_kxk
 
-if TYPE_CHECKING:
-    from .fused import FusedForward
 
 __all__ = ["OneByOneKxKBranch", "OneByOneKxKKind", "compose_by_conv", "default_internal"]
 
@@ -337,5 +335,5 @@ class OneByOneKxKKind(BranchKind):
     ) -> Tensor:
         return cast(OneByOneKxKBranch, branch).accumulate_(acc, bias, geometry, rows, terms)
 
-    def fused_forward(self, branch: nn.Module, x: Tensor, fusion: "FusedForward") -> Tensor | None:
+    def fused_forward(self, branch: nn.Module, x: Tensor, fusion: "Fusion") -> Tensor | None:
         return fused.one_by_one_kxk(branch, x, fusion.moments)

@@ -3,7 +3,7 @@ depthwise conv ``pad → AvgPool(K, s) → BN``; merged by transform V (the pool
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Mapping, cast
+from typing import Any, Mapping, cast
 
 import torch
 import torch.fx
@@ -13,13 +13,11 @@ from torch import Tensor, nn
 from . import fused
 from .errors import ReparamError
 from .geometry import ConvGeometry
-from .kinds import BranchKind, builtin_kind
+from .kinds import BranchKind, builtin_kind, Fusion
 from .layers import PAD_MODE, box_mean, kaiming_, new_bn, pad_intermediate
 from .merge_algebra import acc_shape, bn_scale_shift, conv_kernel_bias, take_rows
 from .transforms import avg_kernel, bn_stats, fuse_bn
 
-if TYPE_CHECKING:
-    from .fused import FusedForward
 
 __all__ = ["AvgBranch", "AvgKind"]
 
@@ -213,5 +211,5 @@ class AvgKind(BranchKind):
     ) -> Tensor:
         return cast(AvgBranch, branch).accumulate_(acc, bias, geometry, rows, terms)
 
-    def fused_forward(self, branch: nn.Module, x: Tensor, fusion: "FusedForward") -> Tensor | None:
+    def fused_forward(self, branch: nn.Module, x: Tensor, fusion: "Fusion") -> Tensor | None:
         return fused.avg(branch, x, fusion.moments)

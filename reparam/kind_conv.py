@@ -18,7 +18,7 @@ merge exact in eval mode). ``crop=False`` restores the classic rule that refuses
 from __future__ import annotations
 
 import abc
-from typing import TYPE_CHECKING, Any, Mapping, cast
+from typing import Any, Mapping, cast
 
 import torch
 import torch.fx
@@ -26,13 +26,11 @@ from torch import Tensor, nn
 
 from .errors import AlignmentError, ReparamError
 from .geometry import ConvGeometry
-from .kinds import BranchKind, builtin_kind, get_kind, is_kind
+from .kinds import BranchKind, builtin_kind, Fusion, get_kind, is_kind
 from .layers import kaiming_, new_bn, normalise_window
 from .merge_algebra import acc_shape, bn_scale_shift, conv_kernel_bias, full_acc, take_rows
 from .transforms import Window, check_alignment, embed_kernel, fuse_bn, window_input
 
-if TYPE_CHECKING:
-    from .fused import FusedForward
 
 __all__ = [
     "ConvBNBranch",
@@ -283,7 +281,7 @@ class CentredConvKind(_ConvBNKind):
         kh, kw = self.branch_kernel(_kernel_pair(geometry))
         return out_hw[0] * out_hw[1] * int(geometry.out_channels) * (int(geometry.in_channels) // int(geometry.groups)) * kh * kw
 
-    def fused_forward(self, branch: nn.Module, x: Tensor, fusion: "FusedForward") -> Tensor | None:
+    def fused_forward(self, branch: nn.Module, x: Tensor, fusion: "Fusion") -> Tensor | None:
         br = cast(ConvBNBranch, branch)
         return fusion.conv_bn(br, br.conv, br.bn, br.window, br.padding_mode)
 

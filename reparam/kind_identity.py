@@ -8,7 +8,7 @@ branch reads the input window the main conv's centre taps read (a crop, or extra
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Mapping, cast
+from typing import Any, Mapping, cast
 
 import torch
 import torch.fx
@@ -16,13 +16,11 @@ from torch import Tensor, nn
 
 from .errors import AlignmentError
 from .geometry import ConvGeometry
-from .kinds import BranchKind, builtin_kind
+from .kinds import BranchKind, builtin_kind, Fusion
 from .layers import new_bn, normalise_window
 from .merge_algebra import acc_shape, bn_scale_shift, full_acc, take_rows
 from .transforms import Window, bn_stats, branch_window, check_identity, fuse_bn, identity_kernel, window_input
 
-if TYPE_CHECKING:
-    from .fused import FusedForward
 
 __all__ = ["IdentityBranch", "IdentityKind", "identity_window"]
 
@@ -144,6 +142,6 @@ class IdentityKind(BranchKind):
     ) -> Tensor:
         return cast(IdentityBranch, branch).accumulate_(acc, bias, geometry, rows, terms)
 
-    def fused_forward(self, branch: nn.Module, x: Tensor, fusion: "FusedForward") -> Tensor | None:
+    def fused_forward(self, branch: nn.Module, x: Tensor, fusion: "Fusion") -> Tensor | None:
         br = cast(IdentityBranch, branch)
         return fusion.identity_bn(br, br.bn, br.window, br.padding_mode)

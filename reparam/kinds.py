@@ -44,7 +44,7 @@ from __future__ import annotations
 import abc
 import contextlib
 import itertools
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, TypeVar, cast
+from typing import Any, Callable, Iterator, Mapping, Protocol, TypeVar, cast
 
 import torch
 from torch import Tensor, nn
@@ -52,8 +52,6 @@ from torch import Tensor, nn
 from .errors import AlignmentError, ReparamError
 from .geometry import ConvGeometry
 
-if TYPE_CHECKING:  # the fused forward imports this module, not the other way round
-    from .fused import FusedForward
 
 __all__ = [
     "BranchKind",
@@ -72,6 +70,21 @@ __all__ = [
 ]
 
 HW = tuple[int, int]
+
+
+class Fusion(Protocol):
+    """What a kind's :meth:`BranchKind.fused_forward` may hand its computation to: one fused
+    training forward of a block (:class:`reparam.fused.FusedForward`, which imports this module,
+    not the other way round). ``moments``: the block input's channel moments, or None when BN
+    folding does not pay off."""
+
+    moments: Any
+
+    def conv_bn(self, branch: nn.Module, conv: nn.Module, bn: nn.Module, window: Any, padding_mode: str) -> Tensor | None:
+        """A ``conv → bn`` branch folded into the block's shared 1×1 conv, or run as its own."""
+
+    def identity_bn(self, branch: nn.Module, bn: nn.Module, window: Any, padding_mode: str) -> Tensor | None:
+        """A BN on the block input, folded, or run as ``branch(x)``."""
 
 
 class BranchKind(abc.ABC):
@@ -192,7 +205,7 @@ class BranchKind(abc.ABC):
             return acc + k
         return acc.add_(k)
 
-    def fused_forward(self, branch: nn.Module, x: Tensor, fusion: "FusedForward") -> Tensor | None:
+    def fused_forward(self, branch: nn.Module, x: Tensor, fusion: "Fusion") -> Tensor | None:
         """The branch's output in the fused training forward of its block (:mod:`reparam.fused`),
         or ``None`` when the branch handed its computation to ``fusion`` (which adds it to the
         block output). Must equal ``branch(x)`` up to rounding. Default: ``branch(x)``."""

@@ -65,3 +65,51 @@ def test_every_package_is_placed_in_a_layer():
                    if (p.suffix == ".py" and p.stem != "__init__") or (p.is_dir() and (p / "__init__.py").is_file())}
         named = {n.strip() for layer in c["layers"] for n in layer.split("|")}
         assert named == on_disk, (c["containers"], named ^ on_disk)
+
+
+def _circles(*packages: str) -> list[list[str]]:
+    """The import circles among ``packages``' modules (strongly connected components of more than
+    one module), counting every import: deferred ones inside functions and type-only ones under
+    ``TYPE_CHECKING`` too."""
+    import grimp  # import-linter's import graph
+
+    graph = grimp.build_graph(*packages, cache_dir=None)
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:  # Tarjan's algorithm
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph.find_modules_directly_imported_by(v) & graph.modules):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for module in sorted(graph.modules):
+        if module not in index:
+            visit(module)
+    return found
+
+
+def test_no_import_circle_anywhere(monkeypatch):
+    """No module of the project reaches itself through its imports, deferred and type-only
+    imports included (the layer contracts only forbid upward imports between layers)."""
+    monkeypatch.syspath_prepend(str(ROOT))  # the zoo folder as a package of its own
+    assert _circles("fedhetero", "reparam") == []
+    assert _circles("models") == []

@@ -34,6 +34,7 @@ __all__ = [
     "BudgetConfig",
     "ConfigError",
     "EXTERNAL_BACKENDS",
+    "LOGGERS",
     "MethodOptions",
     "OPTIONS_PATH",
     "RESUMABLE",
@@ -46,6 +47,7 @@ __all__ = [
     "TrainConfig",
     "apply_overrides",
     "backend_names",
+    "logger_names",
     "check_fields",
     "config_hash",
     "config_hashes",
@@ -279,10 +281,18 @@ def _model_names() -> list[str]:
     return list_models()
 
 
-def _logger_names() -> tuple[str, ...]:
-    from fedhetero.core.loggers import logger_names  # deferred: that module imports this one
+#: Loggers a run may name in ``loggers``: name -> ``"module:Class"`` of a built-in one (a name, not
+#: an import: the module is loaded when a run uses it), or the class
+#: :func:`fedhetero.core.loggers.register_logger` added.
+LOGGERS: dict[str, Any] = {
+    "tensorboard": "fedhetero.core.loggers:TensorBoardLogger",
+    "mlflow": "fedhetero.core.loggers:MLflowLogger",
+}
 
-    return logger_names()
+
+def logger_names() -> tuple[str, ...]:
+    """Every name the config field ``loggers`` accepts."""
+    return tuple(LOGGERS)
 
 
 #: Back ends the engine builds: name -> ``"module:Class"`` (the class takes ``(cfg, data)``);
@@ -486,7 +496,7 @@ class RunConfig:
     sessions: SessionsConfig = option(default_factory=SessionsConfig, added_later="count")
     # experiment loggers beside metrics.jsonl (fedhetero.core.loggers: tensorboard, mlflow; extra
     # fedhetero[loggers]); they change no number, so they are not hashed and may change on resume
-    loggers: tuple[str, ...] = option((), choices=_logger_names)
+    loggers: tuple[str, ...] = option((), choices=logger_names)
 
 
 # ---------------------------------------------------------------------------- conversion

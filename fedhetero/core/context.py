@@ -39,7 +39,6 @@ from fedhetero.data import build_federated_data, iterate_batches
 from fedhetero.models import build_model
 
 if TYPE_CHECKING:  # pragma: no cover
-    from fedhetero.core.algorithm import Algorithm
     from fedhetero.core.objective import LocalSGD
     from fedhetero.core.store import ClientStateStore
     from fedhetero.core.types import ClientInfo, ClientResult, ClientTask
@@ -507,7 +506,7 @@ class Context(RunContext):
         data: Any,
         store: "ClientStateStore",
         device: torch.device,
-        executor: "Callable[[Algorithm, list[ClientTask]], list[ClientResult]] | None" = None,
+        executor: "Callable[[Any, list[ClientTask]], list[ClientResult]] | None" = None,
     ) -> None:
         super().__init__(cfg, data, device)
         self.store = store
@@ -535,9 +534,11 @@ class Context(RunContext):
         stream, self.stream = self.stream, None
         return None if stream is None else stream.mean_of(updates, weights)
 
-    def execute(self, algorithm: "Algorithm", tasks: "list[ClientTask]") -> "list[ClientResult]":
-        """Run client tasks on the back end; the results of the clients that succeeded, sorted by
-        client id (failed clients are recorded by the engine and left out)."""
+    def execute(self, algorithm: Any, tasks: "list[ClientTask]") -> "list[ClientResult]":
+        """Run client tasks of ``algorithm`` (the run's :class:`~fedhetero.core.algorithm.Algorithm`,
+        whose client halves they are; not imported here, as the method interface imports this
+        module) on the back end; the results of the clients that succeeded, sorted by client id
+        (failed clients are recorded by the engine and left out)."""
         if self._executor is None:  # pragma: no cover - the engine always sets one
             raise RuntimeError("this context has no back end to run client tasks")
         return self._executor(algorithm, tasks)

@@ -430,17 +430,17 @@ class Engine:
 
     def _save_model(self, name: str) -> None:
         """The global model as a weights-only file that :func:`fedhetero.load_model` rebuilds."""
-        save_global_model(self, name)
+        save_global_model(self.out_dir, self.cfg, self.ctx, self.algorithm, name)
 
     def _keep_best(self) -> None:
         """Hold the current global model as the best one; written with the next checkpoint (a
         resume restarts from a checkpoint, so the file need not run ahead of it; writing it in the
         round cost as much as a LeNet-5 client's training)."""
-        self._best_state = global_model_state(self)
+        self._best_state = global_model_state(self.algorithm, self.ctx)
 
     def _write_best(self) -> None:
         if self._best_state is not None:
-            save_global_model(self, "best", self._best_state)
+            save_global_model(self.out_dir, self.cfg, self.ctx, self.algorithm, "best", self._best_state)
             self._best_state = None
 
     def run(self) -> RunResult:

@@ -26,7 +26,9 @@ from fedhetero.core.store import atomic_save
 from fedhetero.models import build_model
 
 if TYPE_CHECKING:  # pragma: no cover
-    from fedhetero.core.engine import Engine
+    from fedhetero.core.algorithm import Algorithm
+    from fedhetero.core.config import RunConfig
+    from fedhetero.core.context import Context
 
 __all__ = ["load_model", "save_global_model"]
 
@@ -39,12 +41,11 @@ def _build(recipe: dict[str, Any]) -> nn.Module:
     return model.to(getattr(torch, recipe.get("dtype", "float32")))
 
 
-def _recipe(engine: "Engine", state: dict[str, torch.Tensor]) -> dict[str, Any] | None:
+def _recipe(cfg: "RunConfig", ctx: "Context", algorithm: "Algorithm", state: dict[str, torch.Tensor]) -> dict[str, Any] | None:
     """The first recipe whose model takes ``state`` with ``strict=True`` (None if none does)."""
-    cfg, ctx = engine.cfg, engine.ctx
     widths = [cfg.model.width]
     for attr in ("global_width", "width"):
-        w = getattr(engine.algorithm, attr, None)
+        w = getattr(algorithm, attr, None)
         if isinstance(w, (int, float)) and w not in widths:
             widths.insert(0, float(w))
     for width in widths:
@@ -66,23 +67,23 @@ def _recipe(engine: "Engine", state: dict[str, torch.Tensor]) -> dict[str, Any] 
     return None
 
 
-def global_model_state(engine: "Engine") -> dict[str, torch.Tensor]:
-    """A CPU copy of the engine's current global model state (what ``<which>_model.pt`` holds)."""
-    model = engine.algorithm.eval_models(engine.ctx)["global"]
+def global_model_state(algorithm: "Algorithm", ctx: "Context") -> dict[str, torch.Tensor]:
+    """A CPU copy of the algorithm's current global model state (what ``<which>_model.pt`` holds)."""
+    model = algorithm.eval_models(ctx)["global"]
     return {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
 
 
-def save_global_model(engine: "Engine", which: str, state: dict[str, torch.Tensor] | None = None) -> None:
-    """Write ``<which>_model.pt`` (and ``model.json``) for the engine's current global model, or for
-    ``state`` taken earlier with :func:`global_model_state`."""
+def save_global_model(out: Path, cfg: "RunConfig", ctx: "Context", algorithm: "Algorithm", which: str,
+                      state: dict[str, torch.Tensor] | None = None) -> None:
+    """Write ``<which>_model.pt`` (and ``model.json``) into the run directory ``out`` for the
+    algorithm's current global model, or for ``state`` taken earlier with :func:`global_model_state`."""
     if state is None:
-        state = global_model_state(engine)
-    out = engine.out_dir
+        state = global_model_state(algorithm, ctx)
     recipe_path = out / "model.json"
     if not recipe_path.is_file():
-        recipe = _recipe(engine, state)
+        recipe = _recipe(cfg, ctx, algorithm, state)
         info = recipe if recipe is not None else {
-            "model": engine.cfg.model.name,
+            "model": cfg.model.name,
             "form": None,
             "note": "this algorithm's global model has no zoo recipe; load the state dict into your own module",
         }

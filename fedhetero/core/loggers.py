@@ -49,7 +49,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from fedhetero.core.config import ConfigError, RunConfig, config_hash, dump_config, to_dict
+from fedhetero.core.config import LOGGERS, ConfigError, RunConfig, config_hash, dump_config, logger_names, to_dict
 from fedhetero.core.rundir import LOGGER_DIRS
 
 __all__ = [
@@ -58,6 +58,7 @@ __all__ = [
     "MLflowLogger",
     "RunLoggers",
     "TensorBoardLogger",
+    "logger_class",
     "logger_names",
     "register_logger",
     "round_scalars",
@@ -103,12 +104,10 @@ class Logger:
         """Release what the logger holds (files, connections); called once, also after an error."""
 
 
-#: Logger names -> classes: the names the config field ``loggers`` accepts.
-LOGGERS: dict[str, type[Logger]] = {}
-
-
 def register_logger(name: str) -> Callable[[type[Logger]], type[Logger]]:
-    """Class decorator: make a :class:`Logger` subclass available as ``loggers: [name]``."""
+    """Class decorator: make a :class:`Logger` subclass available as ``loggers: [name]`` (the
+    names live in :data:`fedhetero.core.config.LOGGERS`, so the config checks them without
+    importing this module)."""
 
     def add(cls: type[Logger]) -> type[Logger]:
         if not (isinstance(cls, type) and issubclass(cls, Logger)):
@@ -119,9 +118,14 @@ def register_logger(name: str) -> Callable[[type[Logger]], type[Logger]]:
     return add
 
 
-def logger_names() -> tuple[str, ...]:
-    """Every name the config field ``loggers`` accepts."""
-    return tuple(LOGGERS)
+def logger_class(name: str) -> type[Logger]:
+    """The :class:`Logger` subclass registered as ``name`` (a built-in one is imported here)."""
+    entry = LOGGERS[name]
+    if isinstance(entry, str):
+        module, _, attr = entry.partition(":")
+        entry = getattr(importlib.import_module(module), attr)
+    assert isinstance(entry, type) and issubclass(entry, Logger), name
+    return entry
 
 
 def _missing(packages: Iterable[str]) -> list[str]:
@@ -145,9 +149,9 @@ class RunLoggers:
     def __init__(self, cfg: RunConfig, out_dir: Path) -> None:
         self.loggers: list[Logger] = []
         for i, name in enumerate(cfg.loggers):
-            cls = LOGGERS.get(name)
-            if cls is None:  # the config checks the names; a registry changed since
+            if name not in LOGGERS:  # the config checks the names; a registry changed since
                 raise ConfigError(f"loggers[{i}]: must be one of {', '.join(map(repr, LOGGERS))}, got {name!r}")
+            cls = logger_class(name)
             missing = _missing(cls.requires)
             if missing:
                 raise ConfigError(
@@ -247,7 +251,6 @@ def _last_step(summary: Row) -> int:
 _EVENT_FILE = LOGGER_DIRS["tensorboard"]
 
 
-@register_logger("tensorboard")
 class TensorBoardLogger(Logger):
     """TensorBoard event files in ``<run dir>/tensorboard/``, written with TensorBoard's own
     writer: each scalar of :func:`round_scalars` with the round as step, the resolved config as
@@ -405,7 +408,6 @@ def _new_store(db: Path) -> None:
     os.replace(tmp, db)
 
 
-@register_logger("mlflow")
 class MLflowLogger(Logger):
     """An MLflow tracking store in ``<run dir>/mlflow/mlflow.db`` (SQLite; MLflow's file store is
     in maintenance mode and refuses to open by default): one MLflow run, named after the run

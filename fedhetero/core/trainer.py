@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from typing import TYPE_CHECKING, Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -23,16 +23,40 @@ from fedhetero.data import iterate_batches, num_batches
 from fedhetero.data.batches import epoch_order
 
 if TYPE_CHECKING:  # pragma: no cover
-    from fedhetero.core.context import ClientContext
+    from fedhetero.core.config import RunConfig
     from fedhetero.core.types import ClientInfo
+    from fedhetero.data import FederatedData
 
 __all__ = ["LocalTrainer"]
+
+
+class TrainerContext(Protocol):
+    """What the trainer reads from the client context that owns it
+    (:class:`~fedhetero.core.context.ClientContext`, which builds the trainer, so it is named here
+    by what it offers rather than imported)."""
+
+    cfg: "RunConfig"
+    data: "FederatedData"
+    device: torch.device
+    dtype: torch.dtype
+    num_classes: int
+    round: int
+    current_client: "ClientInfo | None"
+
+    def lr_at(self, rnd: int | None = None) -> float:
+        """The learning rate of round ``rnd`` (default: the current one)."""
+
+    def local_momentum(self) -> float:
+        """The momentum of the local SGD."""
+
+    def torch_generator(self, concern: str, *keys: int) -> torch.Generator:
+        """A generator seeded from the run's seed, the concern and the keys."""
 
 
 class LocalTrainer:
     """Local SGD for the client its context runs (see the module docstring)."""
 
-    def __init__(self, ctx: "ClientContext") -> None:
+    def __init__(self, ctx: TrainerContext) -> None:
         self.ctx = ctx
         # train.optimizer_state: persistent — the current client's momentum buffers by parameter
         # name, and the optimizers made here whose buffers are kept

@@ -14,14 +14,31 @@ width-planned methods: the MACs of the narrowest width the planner can choose.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 from torch import nn
 
 from fedhetero.core import budget as budget_mod
 
 if TYPE_CHECKING:  # pragma: no cover
-    from fedhetero.core.context import RunContext
+    from fedhetero.core.config import RunConfig
+
+
+class WidthContext(Protocol):
+    """What width planning reads from the run's context
+    (:class:`~fedhetero.core.context.RunContext`, which holds a planner, so it is named here by
+    what it offers rather than imported)."""
+
+    cfg: "RunConfig"
+    cache: dict[Any, Any]
+    input_shape: tuple[int, int, int]
+
+    @property
+    def plain_macs(self) -> float:
+        """The plain model's forward MACs per sample."""
+
+    def build_model(self, width: float | None = None, **overrides: Any) -> nn.Module:
+        """The configured model at ``width``."""
 
 __all__ = ["WidthPlanner", "narrowest_width", "narrowest_width_macs"]
 
@@ -37,7 +54,7 @@ class WidthPlanner:
     """
 
     def __init__(
-        self, ctx: "RunContext", builder: Callable[[float], nn.Module] | None = None, step: float = 1 / 16
+        self, ctx: WidthContext, builder: Callable[[float], nn.Module] | None = None, step: float = 1 / 16
     ) -> None:
         self._ctx = ctx
         self._builder = builder if builder is not None else (lambda w: ctx.build_model(width=w))
@@ -81,13 +98,13 @@ class WidthPlanner:
         return self._macs[w]
 
 
-def narrowest_width(ctx: "RunContext") -> float:
+def narrowest_width(ctx: WidthContext) -> float:
     """The narrowest width a :class:`WidthPlanner` of ``ctx`` searches (``model.width / 16``)."""
     return min(WidthPlanner(ctx).grid(float(ctx.plain_macs)))
 
 
 def narrowest_width_macs(
-    ctx: "RunContext", builder: Callable[[float], nn.Module] | None = None, width: float | None = None
+    ctx: WidthContext, builder: Callable[[float], nn.Module] | None = None, width: float | None = None
 ) -> float:
     """Forward MACs per sample of the family member at ``width`` (default: the narrowest width
     the planner can choose), built by ``builder`` (default: the configured model): the smallest

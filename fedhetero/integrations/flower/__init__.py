@@ -18,20 +18,7 @@ from __future__ import annotations
 
 from typing import Any
 
-_MISSING = (
-    "fedhetero's Flower back end needs Flower: pip install \"fedhetero[flower]\" "
-    "(or: pip install \"flwr[simulation]>=1.21,<2\")"
-)
-
-
-def require_flwr() -> None:
-    """Raise an :class:`ImportError` that says what to install when Flower is missing."""
-    try:  # deferred: this is the check whether flwr, the optional "flower" extra, is installed
-        import flwr  # noqa: F401
-        from flwr.app import Message  # noqa: F401  (the Message API: flwr >= 1.21)
-    except ImportError as exc:
-        raise ImportError(_MISSING) from exc
-
+from fedhetero.integrations.flower.requirement import require_flwr
 
 __all__ = ["FlowerBackend", "require_flwr", "simulate", "write_app"]
 

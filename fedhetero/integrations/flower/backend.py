@@ -35,9 +35,9 @@ import torch
 try:
     from flwr.app import Message, MessageType, RecordDict
 except ImportError as exc:  # pragma: no cover - depends on the environment
-    from fedhetero.integrations.flower import _MISSING
+    from fedhetero.integrations.flower.requirement import MISSING
 
-    raise ImportError(_MISSING) from exc
+    raise ImportError(MISSING) from exc
 
 from fedhetero.core.algorithm import Algorithm
 from fedhetero.core.backend import Backend

@@ -133,7 +133,7 @@ def test_mlflow_names_keep_what_mlflow_accepts():
 def test_the_registry_is_the_one_list_of_names():
     assert set(L.logger_names()) >= {"tensorboard", "mlflow"}
     for name in L.logger_names():
-        folder = getattr(L.LOGGERS[name], "folder", None)
+        folder = getattr(L.logger_class(name), "folder", None)
         assert folder is None or (folder in LOGGER_DIRS and folder in RUN_ENTRIES), name
     with pytest.raises(TypeError, match="not a Logger subclass"):
         L.register_logger("x")(dict)  # type: ignore[arg-type]
