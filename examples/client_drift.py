@@ -26,12 +26,12 @@ from pathlib import Path
 import torch
 
 import reparam
-from fedhetero.core.aggregation import weighted_average
-from fedhetero.core.config import load_config
-from fedhetero.core.context import client_context
-from fedhetero.core.engine import Engine
-from fedhetero.core.store import ClientStateStore
-from fedhetero.core.types import ClientResult
+from fedhetero.core.exchange.aggregation import weighted_average
+from fedhetero.core.common.config import load_config
+from fedhetero.core.local.context import client_context
+from fedhetero.core.run.engine import Engine
+from fedhetero.core.exchange.store import ClientStateStore
+from fedhetero.core.exchange.types import ClientResult
 
 
 def drift(run_dir: Path, clients_per_tier: int) -> dict:

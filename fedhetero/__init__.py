@@ -2,7 +2,7 @@
 
 Clients get models sized to their FLOPs budget: bigger than the global model by lossless
 structural re-parameterization (:mod:`reparam`), smaller by structured pruning. See the README for
-the quick start and :mod:`fedhetero.core.engine` for the round loop.
+the quick start and :mod:`fedhetero.core.run.engine` for the round loop.
 """
 
 from typing import TYPE_CHECKING, Any
@@ -11,23 +11,23 @@ __version__ = "0.1.0"
 __all__ = ["__version__"]
 
 if TYPE_CHECKING:  # pragma: no cover - for type checkers; at run time module __getattr__ imports them
-    from fedhetero.core.api import CompareResult as CompareResult
-    from fedhetero.core.api import RunResult as RunResult
-    from fedhetero.core.api import compare as compare
-    from fedhetero.core.api import run as run
+    from fedhetero.core.run.api import CompareResult as CompareResult
+    from fedhetero.core.run.api import RunResult as RunResult
+    from fedhetero.core.run.api import compare as compare
+    from fedhetero.core.run.api import run as run
 
 
 def load_model(run_dir, which="final"):  # type: ignore[no-untyped-def]
-    """The trained global model of a run directory, rebuilt and loaded (see :mod:`fedhetero.core.export`)."""
+    """The trained global model of a run directory, rebuilt and loaded (see :mod:`fedhetero.core.run.export`)."""
     # deferred: every `fedhetero.*` import runs this file first, so it stays free of torch
-    from fedhetero.core.export import load_model as _load
+    from fedhetero.core.run.export import load_model as _load
 
     return _load(run_dir, which)
 
 
 __all__ += ["load_model"]
 
-#: the Python API (:mod:`fedhetero.core.api`), imported on first use: ``import fedhetero`` (and so
+#: the Python API (:mod:`fedhetero.core.run.api`), imported on first use: ``import fedhetero`` (and so
 #: ``fedhetero --help``) imports no torch
 _API = ("run", "compare", "RunResult", "CompareResult")
 __all__ += list(_API)
@@ -36,7 +36,7 @@ __all__ += list(_API)
 def __getattr__(name: str) -> Any:
     if name in _API:
         # deferred: the API imports the engine, and so torch
-        from fedhetero.core import api
+        from fedhetero.core.run import api
 
         return getattr(api, name)
     raise AttributeError(f"module 'fedhetero' has no attribute {name!r}")

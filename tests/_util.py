@@ -77,7 +77,7 @@ def live_children(parent: int | None = None) -> set[int]:
 def budget_method_cfg(algorithm: str, options: dict[str, Any], **over: dict[str, Any]) -> Any:
     """A small synthetic run of a budget-sized method (six LeNet-5 clients at width 1/4, two
     rounds, a public split for the distillation methods); ``over``: sections to update."""
-    from fedhetero.core.config import from_dict
+    from fedhetero.core.common.config import from_dict
 
     base: dict[str, Any] = {
         "seed": 5,
@@ -108,7 +108,7 @@ def run_within_budgets(tmp_path: Path, cfg: Any) -> tuple[Any, list[dict[str, An
     MACs trained per tier (a larger tier trains a larger model)."""
     import math
 
-    from fedhetero.core.engine import Engine
+    from fedhetero.core.run.engine import Engine
 
     engine = Engine(cfg, tmp_path, progress=False, shared_splits=True)
     res = engine.run()
@@ -151,7 +151,7 @@ class SharedRuns:
         self.done: dict[str, tuple[Any, Any]] = {}
 
     def get(self, tag: str, cfg: Any, **kw: Any) -> tuple[Any, Any]:
-        from fedhetero.core.engine import Engine
+        from fedhetero.core.run.engine import Engine
 
         if tag not in self.done:
             eng = Engine(cfg, self.root / tag, progress=False, **kw)
@@ -176,7 +176,7 @@ def session_cfg(**over: Any) -> Any:
     """:data:`SESSION_BASE` with dotted overrides (``train.rounds=10``)."""
     import json
 
-    from fedhetero.core.config import from_dict
+    from fedhetero.core.common.config import from_dict
 
     data = json.loads(json.dumps(SESSION_BASE))
     for key, value in over.items():
@@ -192,7 +192,7 @@ def fedavg_cfg(name: str = "fedavg", backend: str = "local", rounds: int = 3, op
     """Ten digits clients, 40 % sampled, ``rounds`` rounds of one local epoch, checkpoints every
     round, on ``backend`` with the ``engine`` options (clients one by one unless they say
     otherwise) and the method's ``options``."""
-    from fedhetero.core.config import from_dict
+    from fedhetero.core.common.config import from_dict
 
     return from_dict(
         {
@@ -216,9 +216,9 @@ def client_half_from_the_task_alone(cfg: Any, tmp_path: Any, keeps_client_state:
 
     import torch
 
-    from fedhetero.core.context import client_context
-    from fedhetero.core.engine import Engine
-    from fedhetero.core.types import payload_bytes
+    from fedhetero.core.local.context import client_context
+    from fedhetero.core.run.engine import Engine
+    from fedhetero.core.exchange.types import payload_bytes
 
     engine = Engine(cfg, tmp_path, progress=False, shared_splits=True)
     engine.setup()
@@ -248,7 +248,7 @@ def client_half_from_the_task_alone(cfg: Any, tmp_path: Any, keeps_client_state:
 def local_cfg(name: str = "fedavg", rounds: int = 3, options: Any = None, train: Any = None, data: Any = None,
               **top: Any) -> Any:
     """Eight digits clients, half sampled, one local epoch, checkpoints every round."""
-    from fedhetero.core.config import from_dict
+    from fedhetero.core.common.config import from_dict
 
     return from_dict(
         {
@@ -266,7 +266,7 @@ def local_cfg(name: str = "fedavg", rounds: int = 3, options: Any = None, train:
 
 def run_engine(tmp_path: Path, cfg: Any, tag: str, **kw: Any) -> tuple[Any, Any]:
     """The engine of a run in ``tmp_path / tag`` and the run's result."""
-    from fedhetero.core.engine import Engine
+    from fedhetero.core.run.engine import Engine
 
     eng = Engine(cfg, tmp_path / tag, progress=False, **kw)
     return eng, eng.run()

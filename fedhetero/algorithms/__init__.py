@@ -9,19 +9,19 @@
 * ``dynamicfl/``, ``dynacomm/`` (with its selectors), ``dyninit/`` — one method each;
 * ``pruning/`` and ``features`` — structural tools several families share.
 
-:data:`BUILTIN` names every built-in method; :func:`fedhetero.core.registry.get_algorithm` loads
+:data:`BUILTIN` names every built-in method; :func:`fedhetero.core.method.registry.get_algorithm` loads
 one on demand. A method of your own subclasses :class:`Algorithm` and needs nothing but the names
 this package exports (see the guide).
 """
 
 from __future__ import annotations
 
-from fedhetero.core.aggregation import weighted_average
-from fedhetero.core.algorithm import Algorithm
-from fedhetero.core.config import ConfigError, MethodOptions, option, require
-from fedhetero.core.objective import Batch, LocalObjective, LocalPhase, LocalPlan, LocalSGD
-from fedhetero.core.registry import build_algorithm, get_algorithm, list_algorithms, register
-from fedhetero.core.types import ClientInfo, ClientResult, ClientTask, payload_bytes, state_bytes
+from fedhetero.core.exchange.aggregation import weighted_average
+from fedhetero.core.method.algorithm import Algorithm
+from fedhetero.core.common.config import ConfigError, MethodOptions, option, require
+from fedhetero.core.local.objective import Batch, LocalObjective, LocalPhase, LocalPlan, LocalSGD
+from fedhetero.core.method.registry import build_algorithm, get_algorithm, list_algorithms, register
+from fedhetero.core.exchange.types import ClientInfo, ClientResult, ClientTask, payload_bytes, state_bytes
 
 __all__ = [
     "Algorithm",

@@ -7,9 +7,9 @@ from typing import Any
 
 import torch
 
-from fedhetero.core.backend import Backend, run_tasks
-from fedhetero.core.config import RunConfig
-from fedhetero.core.context import ClientContext
+from fedhetero.core.run.backend import Backend, run_tasks
+from fedhetero.core.common.config import RunConfig
+from fedhetero.core.local.context import ClientContext
 
 __all__ = ["LocalBackend"]
 

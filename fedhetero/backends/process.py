@@ -11,7 +11,7 @@ over a socket pair it inherits: no forked OpenMP or allocator state, nothing lef
 system, and the caller's ``__main__`` is never re-imported, so scripts need no
 ``if __name__ == "__main__"`` guard; messages travel as :class:`~fedhetero.backends.wire.Channel`
 writes them, tensor data through a shared-memory ring where the platform has one). It builds the
-data set and a :class:`~fedhetero.core.context.ClientContext` from the config alone, and then runs the
+data set and a :class:`~fedhetero.core.local.context.ClientContext` from the config alone, and then runs the
 client tasks it is sent. Tasks are dealt in client-id order, round-robin; outcomes come back in
 any order and are returned sorted by client id, so the server reduces them in exactly the
 order of the ``local`` back end and the numbers are the same bit for bit (on CPU, with the same
@@ -45,12 +45,12 @@ import numpy as np
 import torch
 
 from fedhetero.backends.wire import Channel
-from fedhetero.core.allocator import tune_malloc
-from fedhetero.core.backend import Backend, run_task, run_together
-from fedhetero.core.config import ConfigError, RunConfig, from_dict, to_dict
-from fedhetero.core.context import RunError, client_context
-from fedhetero.core.registry import build_algorithm
-from fedhetero.core.types import Outcome
+from fedhetero.core.run.allocator import tune_malloc
+from fedhetero.core.run.backend import Backend, run_task, run_together
+from fedhetero.core.common.config import ConfigError, RunConfig, from_dict, to_dict
+from fedhetero.core.local.context import RunError, client_context
+from fedhetero.core.method.registry import build_algorithm
+from fedhetero.core.exchange.types import Outcome
 
 __all__ = ["ProcessBackend"]
 

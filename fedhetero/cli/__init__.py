@@ -24,9 +24,9 @@ from typing import Any, Iterable, Sequence
 
 import fedhetero
 from fedhetero.cli import ablation, bench, compare, dyninit_table, info, train
-from fedhetero.core.config import ConfigError
-from fedhetero.core.reports import default_out_dir, print_summary
-from fedhetero.core.rundir import RunDirError
+from fedhetero.core.common.config import ConfigError
+from fedhetero.core.run.reports import default_out_dir, print_summary
+from fedhetero.core.common.rundir import RunDirError
 from fedhetero.integrations.flower import cli as flower
 
 __all__ = ["CommandParser", "build_parser", "default_out_dir", "main", "print_summary"]
@@ -82,7 +82,7 @@ def _report(exc: Exception) -> int | None:
     error to re-raise (with ``FEDHETERO_DEBUG`` set)."""
     # deferred for start-up time: both modules import torch (a command failing with their errors
     # has imported them already)
-    from fedhetero.core.context import RunError
+    from fedhetero.core.local.context import RunError
     from fedhetero.data.errors import DataConfigError, DatasetFormatError
 
     if isinstance(exc, ConfigError):

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from fedhetero.core.console import make_console
+from fedhetero.core.common.console import make_console
 
 __all__ = [
     "GAIN_INITS", "REPARAM_MODELS", "SELECTORS", "add_parser", "run_engines", "run_memory", "run_reparam",

@@ -7,8 +7,8 @@ from pathlib import Path
 from typing import Any
 
 from fedhetero.cli._lists import names
-from fedhetero.core.config import ConfigError
-from fedhetero.core.console import make_console
+from fedhetero.core.common.config import ConfigError
+from fedhetero.core.common.console import make_console
 
 __all__ = ["add_parser", "run"]
 
@@ -41,7 +41,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> int:
     """Run ``fedhetero compare``; sets ``args.resume_hint``."""
     # deferred for start-up time: the comparison imports torch
-    from fedhetero.core.compare import run_comparison
+    from fedhetero.core.run.compare import run_comparison
 
     if args.resume and args.overwrite:
         raise ConfigError("--resume and --overwrite: choose one (continue the comparison, or replace it)")

@@ -17,10 +17,10 @@ from typing import TYPE_CHECKING, Any
 from rich.text import Text
 
 import fedhetero
-from fedhetero.core.console import make_console
+from fedhetero.core.common.console import make_console
 
 if TYPE_CHECKING:  # pragma: no cover
-    from fedhetero.core.algorithm import Algorithm
+    from fedhetero.core.method.algorithm import Algorithm
 
 __all__ = ["DATASET_NOTES", "MODEL_NOTES", "add_parser", "algorithm_line", "budget_support", "run"]
 
@@ -73,7 +73,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 def budget_support(cls: type[Algorithm]) -> str:
     """The budgets ``cls`` declares it follows: its scenarios (:attr:`Algorithm.adapts_to`, in the
     config's order) and every ``supports_*`` flag it sets."""
-    from fedhetero.core.config import SCENARIOS
+    from fedhetero.core.common.config import SCENARIOS
 
     scenarios = [s for s in SCENARIOS if s in cls.adapts_to] + sorted(set(cls.adapts_to) - set(SCENARIOS))
     parts = [", ".join(scenarios)]

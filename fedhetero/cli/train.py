@@ -9,9 +9,9 @@ from typing import Any
 
 from rich.text import Text
 
-from fedhetero.core.config import ConfigError, config_hash, load_config
-from fedhetero.core.console import make_console
-from fedhetero.core.reports import plot_run, print_summary
+from fedhetero.core.common.config import ConfigError, config_hash, load_config
+from fedhetero.core.common.console import make_console
+from fedhetero.core.run.reports import plot_run, print_summary
 
 __all__ = ["add_parser", "run"]
 
@@ -38,7 +38,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> int:
     """Run ``fedhetero train``; sets ``args.resume_hint`` once the run directory is known."""
     # deferred for start-up time: the engine imports torch
-    from fedhetero.core.api import build_engine
+    from fedhetero.core.run.api import build_engine
 
     console = make_console(highlight=False)
     # the run directory, its lock and --resume / --overwrite as fedhetero.run does them

@@ -1,3 +1,10 @@
-"""The core: the method interface, the round loop, contexts, config, state store, run directory,
-export and reports. It imports no method, back end, integration, lab module or command
-(docs/architecture.md lists its modules in order)."""
+"""The core, in rooms, each importing only the rooms below it (checked by import-linter):
+
+* :mod:`.run` — the round loop, back ends, the run's outputs, comparisons, the Python API;
+* :mod:`.method` — the method SDK: ``Algorithm``, method names, the client runner;
+* :mod:`.local` — local training: the contexts, the trainer, local plans and objectives, cohorts;
+* :mod:`.exchange` — what travels between server and clients, averaging, the client-state store;
+* :mod:`.hetero` — MACs, budgets, widths, sub-models, device sessions and time;
+* :mod:`.common` — the config, the console, run-directory integrity.
+
+It imports no method, back end, integration, lab module or command (docs/architecture.md)."""

@@ -29,9 +29,9 @@ from typing import Any
 
 import numpy as np
 
-from fedhetero.core.config import load_config
-from fedhetero.core.console import make_console
-from fedhetero.core.rundir import finite_json
+from fedhetero.core.common.config import load_config
+from fedhetero.core.common.console import make_console
+from fedhetero.core.common.rundir import finite_json
 from fedhetero.lab.grid import run_grid
 
 __all__ = ["CHOICES", "METHODS", "build_tables", "plan", "run_ablation"]

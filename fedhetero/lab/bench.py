@@ -30,9 +30,9 @@ import torch.nn.functional as F
 from rich.table import Table
 
 from fedhetero.backends.process import ProcessBackend
-from fedhetero.core.config import RunConfig, from_dict, to_dict
-from fedhetero.core.console import make_console
-from fedhetero.core.engine import Engine
+from fedhetero.core.common.config import RunConfig, from_dict, to_dict
+from fedhetero.core.common.console import make_console
+from fedhetero.core.run.engine import Engine
 from fedhetero.data import iterate_batches
 
 __all__ = ["bare_fedavg", "engines_benchmark", "memory_benchmark", "round_benchmark"]
@@ -139,8 +139,8 @@ def round_benchmark(*, clients: int, per_round: int, rounds: int, repeats: int, 
 
 _MEM_CHILD = r"""
 import json, resource, sys, tempfile
-from fedhetero.core.config import from_dict
-from fedhetero.core.engine import Engine
+from fedhetero.core.common.config import from_dict
+from fedhetero.core.run.engine import Engine
 clients, rate, rounds, algo = int(sys.argv[1]), float(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
 cfg = from_dict({"seed": 0, "threads": 1,
     "data": {"dataset": "synthetic", "synthetic_size": 12000, "num_clients": clients, "partition": "iid", "min_partition_size": 1},

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 import reparam
-from fedhetero.core.registry import IMPORT_ERRORS, import_target
+from fedhetero.core.method.registry import IMPORT_ERRORS, import_target
 from fedhetero.data.datasets import load_dataset
 from fedhetero.models import build_model
 from reparam.flops import train_macs

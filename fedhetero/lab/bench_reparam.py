@@ -28,7 +28,7 @@ Rows:
 * inference time (eval mode, ``no_grad``) of the merged, the expanded and the plain original model;
 * training-step time (forward, backward, SGD step) of the expanded and the plain model, next to
   their forward-MAC ratio, and the overhead per MAC = step-time ratio ÷ MAC ratio. Measured twice:
-  first with the C allocator as the process found it, then after :func:`fedhetero.core.allocator.tune_malloc`
+  first with the C allocator as the process found it, then after :func:`fedhetero.core.run.allocator.tune_malloc`
   (the ``fedhetero`` trainer runs this way), where the expanded model is also timed with the
   per-branch forward (:func:`reparam.fused.fused_training` off). The target row is the tuned one.
 
@@ -52,8 +52,8 @@ from rich.table import Table
 from torch import nn
 
 import reparam
-from fedhetero.core import allocator
-from fedhetero.core.console import make_console
+from fedhetero.core.run import allocator
+from fedhetero.core.common.console import make_console
 from fedhetero.models import build_model
 from reparam import AvgBranch, ConvBNBranch, IdentityBasedConv1x1, IdentityBranch, OneByOneKxKBranch, flops, fused
 from reparam._compat import import_torchvision
@@ -431,7 +431,7 @@ def run_benchmark(
         model: a plain model (input ``3 × input_size²``), or a name from :data:`MODELS`
             (default ``"resnet18"``, the zoo's CIFAR ResNet-18).
         seed: seed of the random data and of the perturbation.
-        tune_allocator: also time training after :func:`fedhetero.core.allocator.tune_malloc` (the target
+        tune_allocator: also time training after :func:`fedhetero.core.run.allocator.tune_malloc` (the target
             row); with ``False`` the allocator is left alone and the first measurement is the target.
         progress: called with one line per step (``[k/n] what``, with an estimate of the
             training steps' time once inference is timed) and one per timed repeat.

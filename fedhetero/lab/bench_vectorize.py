@@ -6,9 +6,9 @@ clients per round, side by side in one process:
 
 * **one after another**: the ``local`` back end, ``engine.vectorize: false``;
 * **batched**: the same back end with ``engine.vectorize: true``, which trains the round's clients as
-  one :class:`~fedhetero.core.cohort.Cohort` when the cohort can batch the model and falls back to one
+  one :class:`~fedhetero.core.local.cohort.Cohort` when the cohort can batch the model and falls back to one
   client after another when it cannot. Which of the two happened is not guessed from the times:
-  :func:`count_cohort_calls` wraps :meth:`Cohort.train <fedhetero.core.cohort.Cohort.train>` in this
+  :func:`count_cohort_calls` wraps :meth:`Cohort.train <fedhetero.core.local.cohort.Cohort.train>` in this
   process for the run and records every round it trained, and the row says "fell back to
   one-by-one" instead of a speedup when no timed round ran as a cohort;
 * **Flower's simulation engine**: Flower's own FedAvg strategy on the same job
@@ -52,10 +52,10 @@ import torch.nn.functional as F
 from rich.console import Console
 from rich.table import Table
 
-from fedhetero.core.cohort import Cohort
-from fedhetero.core.config import ConfigError, RunConfig, apply_overrides, from_dict, to_dict
-from fedhetero.core.console import make_console
-from fedhetero.core.engine import Engine
+from fedhetero.core.local.cohort import Cohort
+from fedhetero.core.common.config import ConfigError, RunConfig, apply_overrides, from_dict, to_dict
+from fedhetero.core.common.console import make_console
+from fedhetero.core.run.engine import Engine
 from fedhetero.data import load_dataset
 from fedhetero.data.datasets import resolve_data_dir
 from fedhetero.data.errors import DatasetNotFoundError

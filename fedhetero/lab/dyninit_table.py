@@ -9,7 +9,7 @@ Runs (or reuses) every cell of the grid label overlap × Dirichlet α × host al
 * ``table_time_to_accuracy.md``: rounds to reach ρ × DynInit's best accuracy in the session
   (main-training rounds; "charged" adds DynInit's extra gradient rounds), the speed-up, the
   accumulated accuracy gain of DynInit over each baseline, and the latency and energy those rounds
-  cost under the wireless model of :class:`fedhetero.core.sessions.EnergyModel`;
+  cost under the wireless model of :class:`fedhetero.core.hetero.sessions.EnergyModel`;
 * ``results.json`` (every number) and, with matplotlib, ``accuracy_sessions.png`` (accuracy over
   rounds of the four methods for the first cell, session boundaries marked).
 
@@ -27,11 +27,11 @@ from typing import Any
 
 import numpy as np
 
-from fedhetero.core.config import load_config
-from fedhetero.core.console import make_console
-from fedhetero.core.context import client_context
-from fedhetero.core.rundir import finite_json
-from fedhetero.core.sessions import EnergyModel
+from fedhetero.core.common.config import load_config
+from fedhetero.core.common.console import make_console
+from fedhetero.core.local.context import client_context
+from fedhetero.core.common.rundir import finite_json
+from fedhetero.core.hetero.sessions import EnergyModel
 from fedhetero.lab.grid import run_grid
 
 __all__ = ["METHODS", "PAPER_FMNIST", "build_table", "plan_runs", "run_table"]

@@ -22,8 +22,8 @@ from typing import Any, Sequence
 import torch
 
 from fedhetero.algorithms import BUILTIN
-from fedhetero.core.config import load_config
-from fedhetero.core.engine import Engine
+from fedhetero.core.common.config import load_config
+from fedhetero.core.run.engine import Engine
 
 __all__ = ["RUNS", "fingerprint", "main"]
 

@@ -17,9 +17,9 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
-from fedhetero.core.config import config_hashes, load_config
-from fedhetero.core.engine import Engine, changed_options
-from fedhetero.core.registry import build_algorithm
+from fedhetero.core.common.config import config_hashes, load_config
+from fedhetero.core.run.engine import Engine, changed_options
+from fedhetero.core.method.registry import build_algorithm
 
 __all__ = ["FINISHED_ELSEWHERE", "pending", "run_grid", "run_one"]
 

@@ -7,9 +7,9 @@ import pytest
 import torch
 from torch import nn
 
-from fedhetero.core.budget import count_params, fvcore_macs, macs
-from fedhetero.core.config import ModelConfig
-from fedhetero.core.submodel import extract_state, prefix_spec, submodel_from
+from fedhetero.core.hetero.budget import count_params, fvcore_macs, macs
+from fedhetero.core.common.config import ModelConfig
+from fedhetero.core.hetero.submodel import extract_state, prefix_spec, submodel_from
 from fedhetero.models import build_model, canonical_name
 from fedhetero.models.groups import CLASSES, INPUT, ChannelGroups
 from reparam.flops import model_macs as hook_macs
@@ -181,8 +181,8 @@ def test_unknown_norm_lists_groupnorm1() -> None:
 
 @pytest.mark.parametrize("model", ["lenet5", "preact_resnet18"])  # configs take canonical names
 def test_engine_trains_groupnorm_models(tmp_path, model: str) -> None:
-    from fedhetero.core.config import from_dict
-    from fedhetero.core.engine import Engine
+    from fedhetero.core.common.config import from_dict
+    from fedhetero.core.run.engine import Engine
 
     cfg = from_dict({
         "seed": 1, "threads": 1,

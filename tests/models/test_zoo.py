@@ -7,9 +7,9 @@ import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from fedhetero.core.budget import count_params, fvcore_macs, macs
+from fedhetero.core.hetero.budget import count_params, fvcore_macs, macs
 from reparam.flops import model_macs as hook_macs  # the closed-form (hook) counter
-from fedhetero.core.submodel import extract_state, prefix_spec
+from fedhetero.core.hetero.submodel import extract_state, prefix_spec
 from fedhetero.models import build_model, list_models
 from fedhetero.models.groups import CLASSES, INPUT, ChannelGroups, scale_channels
 

@@ -13,11 +13,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from fedhetero.core.aggregation import weighted_average
-from fedhetero.core.types import ClientResult
+from fedhetero.core.exchange.aggregation import weighted_average
+from fedhetero.core.exchange.types import ClientResult
 
 if TYPE_CHECKING:  # pragma: no cover
-    from fedhetero.core.context import RunContext
+    from fedhetero.core.local.context import RunContext
 
 __all__ = ["objective_weights", "param_names", "split_average", "zeros_like_params"]
 

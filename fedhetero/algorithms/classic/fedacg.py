@@ -29,15 +29,15 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from fedhetero.core.aggregation import weighted_average
-from fedhetero.core.algorithm import Algorithm
-from fedhetero.core.config import MethodOptions, option
-from fedhetero.core.objective import LocalObjective, LocalPlan, proximal
-from fedhetero.core.types import ClientInfo, ClientResult, ClientTask
+from fedhetero.core.exchange.aggregation import weighted_average
+from fedhetero.core.method.algorithm import Algorithm
+from fedhetero.core.common.config import MethodOptions, option
+from fedhetero.core.local.objective import LocalObjective, LocalPlan, proximal
+from fedhetero.core.exchange.types import ClientInfo, ClientResult, ClientTask
 
 if TYPE_CHECKING:  # pragma: no cover
 
-    from fedhetero.core.context import ClientContext, Context
+    from fedhetero.core.local.context import ClientContext, Context
 
 __all__ = ["FedACG", "FedACGOptions", "lookahead_state"]
 

@@ -10,14 +10,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from fedhetero.core import budget as budget_mod
-from fedhetero.core.algorithm import Algorithm
-from fedhetero.core.config import MethodOptions, option
-from fedhetero.core.types import ClientInfo, ClientTask
-from fedhetero.core.widths import narrowest_width_macs
+from fedhetero.core.hetero import budget as budget_mod
+from fedhetero.core.method.algorithm import Algorithm
+from fedhetero.core.common.config import MethodOptions, option
+from fedhetero.core.exchange.types import ClientInfo, ClientTask
+from fedhetero.core.hetero.widths import narrowest_width_macs
 
 if TYPE_CHECKING:  # pragma: no cover
-    from fedhetero.core.context import Context, RunContext
+    from fedhetero.core.local.context import Context, RunContext
 
 __all__ = ["FedAvg", "FedAvgSmall"]
 

@@ -30,14 +30,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from fedhetero.algorithms.classic._common import objective_weights, split_average, zeros_like_params
-from fedhetero.core.algorithm import Algorithm
-from fedhetero.core.config import MethodOptions, option
-from fedhetero.core.objective import GradRule, LocalObjective, LocalPlan, Tensors
-from fedhetero.core.types import ClientResult, ClientTask
+from fedhetero.core.method.algorithm import Algorithm
+from fedhetero.core.common.config import MethodOptions, option
+from fedhetero.core.local.objective import GradRule, LocalObjective, LocalPlan, Tensors
+from fedhetero.core.exchange.types import ClientResult, ClientTask
 
 if TYPE_CHECKING:  # pragma: no cover
 
-    from fedhetero.core.context import ClientContext, Context
+    from fedhetero.core.local.context import ClientContext, Context
 
 __all__ = ["FedDyn", "FedDynOptions"]
 

@@ -28,13 +28,13 @@ import numpy as np
 import torch
 from torch import nn
 
-from fedhetero.core.aggregation import weighted_average
-from fedhetero.core.algorithm import Algorithm
-from fedhetero.core.config import MethodOptions, option
-from fedhetero.core.types import ClientInfo, ClientResult, ClientTask
+from fedhetero.core.exchange.aggregation import weighted_average
+from fedhetero.core.method.algorithm import Algorithm
+from fedhetero.core.common.config import MethodOptions, option
+from fedhetero.core.exchange.types import ClientInfo, ClientResult, ClientTask
 
 if TYPE_CHECKING:  # pragma: no cover
-    from fedhetero.core.context import Context
+    from fedhetero.core.local.context import Context
 
 __all__ = ["EnsembleModel", "FedEnsemble", "FedEnsembleOptions"]
 

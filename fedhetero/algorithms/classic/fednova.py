@@ -23,11 +23,11 @@ import torch
 from torch import nn
 
 from fedhetero.algorithms.classic._common import param_names, split_average
-from fedhetero.core.algorithm import Algorithm
-from fedhetero.core.types import ClientResult, ClientTask
+from fedhetero.core.method.algorithm import Algorithm
+from fedhetero.core.exchange.types import ClientResult, ClientTask
 
 if TYPE_CHECKING:  # pragma: no cover
-    from fedhetero.core.context import ClientContext, Context
+    from fedhetero.core.local.context import ClientContext, Context
 
 __all__ = ["FedNova", "normalizing_factor"]
 

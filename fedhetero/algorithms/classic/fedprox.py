@@ -11,14 +11,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from fedhetero.core.algorithm import Algorithm
-from fedhetero.core.config import MethodOptions, option
-from fedhetero.core.objective import LocalObjective, LocalPlan, proximal
-from fedhetero.core.types import ClientTask
+from fedhetero.core.method.algorithm import Algorithm
+from fedhetero.core.common.config import MethodOptions, option
+from fedhetero.core.local.objective import LocalObjective, LocalPlan, proximal
+from fedhetero.core.exchange.types import ClientTask
 
 if TYPE_CHECKING:  # pragma: no cover
 
-    from fedhetero.core.context import ClientContext
+    from fedhetero.core.local.context import ClientContext
 
 __all__ = ["FedProx", "FedProxOptions"]
 

@@ -13,7 +13,7 @@ started from (the positive pair) and the client's own model from the last round 
 Choices for the zoo models:
 
 * the representation is the input of the model's final classifier (the penultimate features;
-  :mod:`fedhetero.core.features` finds it with a hook). The zoo models have no projection
+  :mod:`fedhetero.core.local.features` finds it with a hook). The zoo models have no projection
   head, so MOON's head is not added: the contrastive loss acts on the features the classifier
   reads. A model that is its classifier alone (logistic regression) has no features but its input,
   which is the same for all three models; there the logits are the representation, as in the
@@ -40,14 +40,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fedhetero.core.algorithm import Algorithm
-from fedhetero.core.config import MethodOptions, option
-from fedhetero.core.features import has_hidden_layers, penultimate
-from fedhetero.core.objective import Batch, LocalObjective, LocalPlan, LossRule
-from fedhetero.core.types import ClientResult, ClientTask
+from fedhetero.core.method.algorithm import Algorithm
+from fedhetero.core.common.config import MethodOptions, option
+from fedhetero.core.local.features import has_hidden_layers, penultimate
+from fedhetero.core.local.objective import Batch, LocalObjective, LocalPlan, LossRule
+from fedhetero.core.exchange.types import ClientResult, ClientTask
 
 if TYPE_CHECKING:  # pragma: no cover
-    from fedhetero.core.context import ClientContext
+    from fedhetero.core.local.context import ClientContext
 
 __all__ = ["Moon", "MoonOptions", "contrastive_per_sample", "moon_contrastive_loss", "representation"]
 

@@ -34,14 +34,14 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 
 from fedhetero.algorithms.classic._common import objective_weights, split_average, zeros_like_params
-from fedhetero.core.algorithm import Algorithm
-from fedhetero.core.config import MethodOptions, option
-from fedhetero.core.objective import LocalObjective, LocalPlan, Tensors
-from fedhetero.core.types import ClientInfo, ClientResult, ClientTask
+from fedhetero.core.method.algorithm import Algorithm
+from fedhetero.core.common.config import MethodOptions, option
+from fedhetero.core.local.objective import LocalObjective, LocalPlan, Tensors
+from fedhetero.core.exchange.types import ClientInfo, ClientResult, ClientTask
 
 if TYPE_CHECKING:  # pragma: no cover
 
-    from fedhetero.core.context import ClientContext, Context
+    from fedhetero.core.local.context import ClientContext, Context
 
 __all__ = ["Scaffold", "ScaffoldOptions"]
 

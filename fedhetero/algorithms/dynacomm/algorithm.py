@@ -70,11 +70,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from fedhetero.algorithms.dynacomm import selection as dc
-from fedhetero.core.aggregation import weighted_average
-from fedhetero.core.algorithm import Algorithm
-from fedhetero.core.config import OPTIONS_PATH, MethodOptions, option, require
-from fedhetero.core.objective import LocalPlan
-from fedhetero.core.types import ClientInfo, ClientResult, ClientTask, state_bytes
+from fedhetero.core.exchange.aggregation import weighted_average
+from fedhetero.core.method.algorithm import Algorithm
+from fedhetero.core.common.config import OPTIONS_PATH, MethodOptions, option, require
+from fedhetero.core.local.objective import LocalPlan
+from fedhetero.core.exchange.types import ClientInfo, ClientResult, ClientTask, state_bytes
 from fedhetero.data import num_batches
 
 __all__ = ["DynaComm", "DynaCommOptions"]

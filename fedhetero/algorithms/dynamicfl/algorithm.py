@@ -46,11 +46,11 @@ from torch import nn
 import reparam
 from fedhetero.algorithms.pruning.rates import kept_count
 from fedhetero.algorithms.pruning.surgery import ChannelMacs, plan_for_budget, prunable_groups
-from fedhetero.core.aggregation import weighted_average
-from fedhetero.core.algorithm import Algorithm
-from fedhetero.core.config import OPTIONS_PATH, MethodOptions, option, require
-from fedhetero.core.submodel import SubmodelAggregator, SubmodelSpec, submodel_from
-from fedhetero.core.types import ClientResult, ClientTask, state_bytes
+from fedhetero.core.exchange.aggregation import weighted_average
+from fedhetero.core.method.algorithm import Algorithm
+from fedhetero.core.common.config import OPTIONS_PATH, MethodOptions, option, require
+from fedhetero.core.hetero.submodel import SubmodelAggregator, SubmodelSpec, submodel_from
+from fedhetero.core.exchange.types import ClientResult, ClientTask, state_bytes
 from reparam.changes import StructureChange, apply_to_optimizer
 from reparam.dymm import dymm, shrink_to_budget
 from reparam.invariants import anchor_filter_norms, check_anchor_scale, check_gradients, check_optimizer, check_same_function
@@ -59,7 +59,7 @@ from reparam.planning import expandable_convs, fill_to_budget, first_plan, grow_
 from reparam.saliency import SaliencyMeter
 
 if TYPE_CHECKING:  # pragma: no cover
-    from fedhetero.core.context import ClientContext, Context, RunContext
+    from fedhetero.core.local.context import ClientContext, Context, RunContext
 
 __all__ = ["DynamicFL", "DynamicFLOptions"]
 

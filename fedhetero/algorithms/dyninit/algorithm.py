@@ -53,11 +53,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from fedhetero.algorithms import get_algorithm
-from fedhetero.core.algorithm import Algorithm
-from fedhetero.core.config import OPTIONS_PATH, MethodOptions, from_mapping, option, require
-from fedhetero.core.objective import Batch, LocalObjective, LocalPlan, LossRule
-from fedhetero.core.sessions import transition_accuracy
-from fedhetero.core.types import ClientInfo, ClientResult, ClientTask
+from fedhetero.core.method.algorithm import Algorithm
+from fedhetero.core.common.config import OPTIONS_PATH, MethodOptions, from_mapping, option, require
+from fedhetero.core.local.objective import Batch, LocalObjective, LocalPlan, LossRule
+from fedhetero.core.hetero.sessions import transition_accuracy
+from fedhetero.core.exchange.types import ClientInfo, ClientResult, ClientTask
 
 __all__ = [
     "DynInit",

@@ -11,7 +11,7 @@ over a set of samples (:func:`sgd_epochs`), the options every member shares
 (:class:`DampedMomentumSGD`). The method modules import from here (and re-export what they always
 exported); nothing here imports them.
 
-Server half and client half (:mod:`fedhetero.core.algorithm`): the server decides everything a
+Server half and client half (:mod:`fedhetero.core.method.algorithm`): the server decides everything a
 device needs for the round — the global model's state, the round's learning rate ``η_t``, and what
 a member adds (FedAP's kept channels, FedDA's global momentum, IMC's masks, the shared-data
 indices) — and sends it in the task payload (:meth:`ServerDataAlgorithm.round_payload`,
@@ -32,15 +32,15 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from fedhetero.core.algorithm import Algorithm
-from fedhetero.core.config import OPTIONS_PATH, MethodOptions, option, require
-from fedhetero.core.objective import LocalPlan, LocalSGD
-from fedhetero.core.types import ClientInfo, ClientResult, ClientTask
+from fedhetero.core.method.algorithm import Algorithm
+from fedhetero.core.common.config import OPTIONS_PATH, MethodOptions, option, require
+from fedhetero.core.local.objective import LocalPlan, LocalSGD
+from fedhetero.core.exchange.types import ClientInfo, ClientResult, ClientTask
 from fedhetero.data.batches import iterate_batches, num_batches
 from fedhetero.data.server import non_iid_degree
 
 if TYPE_CHECKING:  # pragma: no cover
-    from fedhetero.core.context import ClientContext, Context, RunContext
+    from fedhetero.core.local.context import ClientContext, Context, RunContext
 
 __all__ = [
     "FPRIMES",

@@ -56,14 +56,14 @@ from fedhetero.algorithms.feddumap.fedap import PruneOptions, PruningMixin, Rate
 from fedhetero.algorithms.feddumap.feddu import FedDU, FedDUOptions
 from fedhetero.algorithms.feddumap.feddum import FedDUM, FedDUMOptions
 from fedhetero.algorithms.pruning.rates import magnitude_threshold
-from fedhetero.core.aggregation import weighted_average
-from fedhetero.core.config import option
-from fedhetero.core.objective import LocalPlan
-from fedhetero.core.types import ClientInfo, ClientResult, ClientTask, state_bytes
+from fedhetero.core.exchange.aggregation import weighted_average
+from fedhetero.core.common.config import option
+from fedhetero.core.local.objective import LocalPlan
+from fedhetero.core.exchange.types import ClientInfo, ClientResult, ClientTask, state_bytes
 from fedhetero.data.batches import epoch_order
 
 if TYPE_CHECKING:  # pragma: no cover
-    from fedhetero.core.context import ClientContext, Context
+    from fedhetero.core.local.context import ClientContext, Context
 
 __all__ = [
     "DataSharing",

@@ -58,13 +58,13 @@ from fedhetero.algorithms.pruning.rates import (
     magnitude_threshold,
 )
 from fedhetero.algorithms.pruning.surgery import fedap_prune, group_producers, prunable_groups
-from fedhetero.core.config import MethodOptions, option
-from fedhetero.core.submodel import SubmodelSpec, channel_groups_of, submodel_from
-from fedhetero.core.types import ClientInfo, ClientTask
+from fedhetero.core.common.config import MethodOptions, option
+from fedhetero.core.hetero.submodel import SubmodelSpec, channel_groups_of, submodel_from
+from fedhetero.core.exchange.types import ClientInfo, ClientTask
 from fedhetero.data.batches import random_crop_flip
 
 if TYPE_CHECKING:  # pragma: no cover
-    from fedhetero.core.context import ClientContext, Context
+    from fedhetero.core.local.context import ClientContext, Context
 
 __all__ = [
     "RateOptions",

@@ -52,10 +52,10 @@ from fedhetero.algorithms.feddumap._common import (
     server_steps,
     sgd_epochs,
 )
-from fedhetero.core.config import option
+from fedhetero.core.common.config import option
 
 if TYPE_CHECKING:  # pragma: no cover
-    from fedhetero.core.context import Context
+    from fedhetero.core.local.context import Context
 
 __all__ = [
     "FPRIMES",

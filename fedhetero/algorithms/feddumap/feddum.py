@@ -37,10 +37,10 @@ from torch import Tensor
 
 from fedhetero.algorithms.feddumap._common import DampedMomentumSGD, ServerDataAlgorithm
 from fedhetero.algorithms.feddumap.feddu import FedDUOptions
-from fedhetero.core.config import option
+from fedhetero.core.common.config import option
 
 if TYPE_CHECKING:  # pragma: no cover
-    from fedhetero.core.context import Context
+    from fedhetero.core.local.context import Context
 
 __all__ = [
     "MOMENTUM_INITS",

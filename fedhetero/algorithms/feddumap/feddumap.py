@@ -31,7 +31,7 @@ from fedhetero.algorithms.feddumap.fedap import PruneOptions, PruningMixin
 from fedhetero.algorithms.feddumap.feddu import FedDU, FedDUOptions
 from fedhetero.algorithms.feddumap.feddum import FedDUM, FedDUMOptions
 from fedhetero.algorithms.pruning.surgery import slice_tensors
-from fedhetero.core.submodel import SubmodelSpec
+from fedhetero.core.hetero.submodel import SubmodelSpec
 
 __all__ = ["FedDUAPOptions", "FedDUMAPOptions", "FedDUAP", "FedDUMAP"]
 

@@ -30,11 +30,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fedhetero.core.types import ClientInfo, ClientResult, ClientTask
-from fedhetero.core.widths import WidthPlanner
+from fedhetero.core.exchange.types import ClientInfo, ClientResult, ClientTask
+from fedhetero.core.hetero.widths import WidthPlanner
 
 if TYPE_CHECKING:  # pragma: no cover
-    from fedhetero.core.context import ClientContext, Context, RunContext
+    from fedhetero.core.local.context import ClientContext, Context, RunContext
 
 __all__ = [
     "FamilyMember",

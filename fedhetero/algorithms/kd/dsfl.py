@@ -51,15 +51,15 @@ from fedhetero.algorithms.kd._common import (
     public_source,
     soft_kd_loss,
 )
-from fedhetero.core import budget as budget_mod
-from fedhetero.core.algorithm import Algorithm
-from fedhetero.core.config import MethodOptions, option
-from fedhetero.core.objective import LocalPhase, LocalPlan, LocalSGD
-from fedhetero.core.types import ClientInfo, ClientResult, ClientTask
-from fedhetero.core.widths import narrowest_width_macs
+from fedhetero.core.hetero import budget as budget_mod
+from fedhetero.core.method.algorithm import Algorithm
+from fedhetero.core.common.config import MethodOptions, option
+from fedhetero.core.local.objective import LocalPhase, LocalPlan, LocalSGD
+from fedhetero.core.exchange.types import ClientInfo, ClientResult, ClientTask
+from fedhetero.core.hetero.widths import narrowest_width_macs
 
 if TYPE_CHECKING:  # pragma: no cover
-    from fedhetero.core.context import ClientContext, Context, RunContext
+    from fedhetero.core.local.context import ClientContext, Context, RunContext
 
 __all__ = ["DSFL", "DSFLOptions", "era"]
 
@@ -188,7 +188,7 @@ class DSFL(Algorithm):
         """The order of the client's distillation batches, from (round, client)."""
         return ctx.torch_generator("client", task.round, task.cid, 1)
 
-    # A cohort runs the same two phases (fedhetero.core.cohort): the distillation as a prelude
+    # A cohort runs the same two phases (fedhetero.core.local.cohort): the distillation as a prelude
     # of plain SGD towards q_{t−1}, then the configured local SGD.
     def local_plan(self, ctx: "ClientContext", task: ClientTask, state: dict[str, Any] | None) -> LocalPlan:
         """The configured SGD, after the distillation on ``S_{t−1}`` towards ``q_{t−1}`` when

@@ -57,16 +57,16 @@ from fedhetero.algorithms.kd._common import (
     public_batches,
     public_indices,
 )
-from fedhetero.core import budget as budget_mod
-from fedhetero.core.aggregation import weighted_average
-from fedhetero.core.algorithm import Algorithm
-from fedhetero.core.config import MethodOptions, option
-from fedhetero.core.submodel import channel_groups_of
-from fedhetero.core.types import ClientInfo, ClientResult, ClientTask
-from fedhetero.core.widths import narrowest_width_macs
+from fedhetero.core.hetero import budget as budget_mod
+from fedhetero.core.exchange.aggregation import weighted_average
+from fedhetero.core.method.algorithm import Algorithm
+from fedhetero.core.common.config import MethodOptions, option
+from fedhetero.core.hetero.submodel import channel_groups_of
+from fedhetero.core.exchange.types import ClientInfo, ClientResult, ClientTask
+from fedhetero.core.hetero.widths import narrowest_width_macs
 
 if TYPE_CHECKING:  # pragma: no cover
-    from fedhetero.core.context import ClientContext, Context, RunContext
+    from fedhetero.core.local.context import ClientContext, Context, RunContext
 
 __all__ = ["FedET", "FedETOptions", "SharedHeadModel", "consensus_targets", "with_shared_head"]
 

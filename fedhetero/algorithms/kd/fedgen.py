@@ -2,7 +2,7 @@
 
 The global model is trained and averaged as in FedAvg. Besides it the server keeps a lightweight
 conditional generator ``G(y, ε)`` that maps a label and uniform noise to a point in the model's
-feature space (the input of the final classifier, see :mod:`fedhetero.core.features`):
+feature space (the input of the final classifier, see :mod:`fedhetero.core.local.features`):
 ``[ε, onehot(y)] → Linear → BatchNorm → ReLU → Linear → z``.
 
 **Server, after the clients of round t returned** (ensemble distillation into the generator):
@@ -56,15 +56,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fedhetero.core.features import classifier_of
-from fedhetero.core.aggregation import weighted_average
-from fedhetero.core.algorithm import Algorithm
-from fedhetero.core.config import MethodOptions, option
-from fedhetero.core.objective import Batch, LocalObjective, LocalPlan
-from fedhetero.core.types import ClientInfo, ClientResult, ClientTask
+from fedhetero.core.local.features import classifier_of
+from fedhetero.core.exchange.aggregation import weighted_average
+from fedhetero.core.method.algorithm import Algorithm
+from fedhetero.core.common.config import MethodOptions, option
+from fedhetero.core.local.objective import Batch, LocalObjective, LocalPlan
+from fedhetero.core.exchange.types import ClientInfo, ClientResult, ClientTask
 
 if TYPE_CHECKING:  # pragma: no cover
-    from fedhetero.core.context import ClientContext, Context
+    from fedhetero.core.local.context import ClientContext, Context
 
 __all__ = ["FedGen", "FedGenOptions", "Generator", "diversity_loss"]
 

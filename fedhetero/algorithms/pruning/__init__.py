@@ -2,7 +2,7 @@
 spectrum, Taylor and magnitude criteria, FLOPs-budgeted plans and physical channel surgery.
 
 Submodules: :mod:`.hessian` (HVP, power iteration, Lanczos, SLQ), :mod:`.hrank`, :mod:`.rates`,
-:mod:`.taylor`, :mod:`.surgery`. Plans are :class:`fedhetero.core.submodel.SubmodelSpec` objects; a pruned
+:mod:`.taylor`, :mod:`.surgery`. Plans are :class:`fedhetero.core.hetero.submodel.SubmodelSpec` objects; a pruned
 model is ``submodel_from(model, spec)``.
 """
 

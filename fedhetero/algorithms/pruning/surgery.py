@@ -1,6 +1,6 @@
-"""Structured channel surgery and pruning plans on top of :mod:`fedhetero.core.submodel`.
+"""Structured channel surgery and pruning plans on top of :mod:`fedhetero.core.hetero.submodel`.
 
-A pruning plan is a :class:`fedhetero.core.submodel.SubmodelSpec` (channel group → kept indices, sorted,
+A pruning plan is a :class:`fedhetero.core.hetero.submodel.SubmodelSpec` (channel group → kept indices, sorted,
 relative to the parent model); the pruned model is ``submodel_from(model, spec)``, which slices conv
 and linear weights on both sides (a linear layer after a flatten loses the ``H·W`` columns of each
 removed channel; a layer after a concat loses the right piece), and copies BN weights, biases **and
@@ -31,7 +31,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from fedhetero.core.submodel import SubmodelSpec, channel_groups_of, submodel_from
+from fedhetero.core.hetero.submodel import SubmodelSpec, channel_groups_of, submodel_from
 from fedhetero.models.groups import ChannelGroups
 from reparam.flops import layer_macs, model_macs
 
@@ -500,7 +500,7 @@ def prune(model: nn.Module, spec: SubmodelSpec | Mapping[str, Any]) -> tuple[nn.
     Returns ``(pruned_model, spec)``; the pruned model is a new module (``model`` is untouched) whose
     state equals ``extract_state(model.state_dict(), spec)`` exactly (conv/linear slices on both sides,
     BN weights, biases and running statistics), in the same train/eval mode. In eval mode its output
-    equals ``model`` loaded with :func:`fedhetero.core.submodel.masked_state` (pruned channels silenced at
+    equals ``model`` loaded with :func:`fedhetero.core.hetero.submodel.masked_state` (pruned channels silenced at
     their producers). Indices are relative to ``model``; compose successive prunings with
     ``parent_spec.compose(spec)``.
     """

@@ -34,11 +34,11 @@ from typing import TYPE_CHECKING, Callable, Literal
 import torch
 
 from fedhetero.algorithms.width.heterofl import WidthSlicedAlgorithm
-from fedhetero.core.config import MethodOptions, option
-from fedhetero.core.types import ClientInfo, ClientResult
+from fedhetero.core.common.config import MethodOptions, option
+from fedhetero.core.exchange.types import ClientInfo, ClientResult
 
 if TYPE_CHECKING:  # pragma: no cover
-    from fedhetero.core.context import Context
+    from fedhetero.core.local.context import Context
 
 __all__ = ["FedRolex", "FedRolexOptions", "rolling_window"]
 

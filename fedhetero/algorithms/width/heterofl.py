@@ -4,7 +4,7 @@
 Global model and sub-models (absolute FLOPs budgets, the same for every method): the global model
 is the configured architecture widened to the largest width that fits the largest tier's budget
 (the largest width fitting ``ctx.max_budget_macs()``, ≈ √3 × for a 1:2:3 tier set; HeteroFL's
-r_g; searched by :class:`~fedhetero.core.widths.WidthPlanner` on a 1/16 grid that extends above
+r_g; searched by :class:`~fedhetero.core.hetero.widths.WidthPlanner` on a 1/16 grid that extends above
 width 1). A client with budget ``B`` trains the nested **prefix** sub-model at the largest width whose
 forward MACs fit ``B`` (never wider than the global model): for every channel group the first
 ``C_sub`` channels, where ``C_sub`` are the hidden sizes of the zoo model built at that width, so
@@ -58,23 +58,23 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fedhetero.core import budget as budget_mod
-from fedhetero.core.algorithm import Algorithm
-from fedhetero.core.config import MethodOptions, option
-from fedhetero.core.objective import LocalPlan
-from fedhetero.core.submodel import (
+from fedhetero.core.hetero import budget as budget_mod
+from fedhetero.core.method.algorithm import Algorithm
+from fedhetero.core.common.config import MethodOptions, option
+from fedhetero.core.local.objective import LocalPlan
+from fedhetero.core.hetero.submodel import (
     SubmodelAggregator,
     SubmodelSpec,
     channel_groups_of,
     extract_state,
     submodel_from,
 )
-from fedhetero.core.types import ClientInfo, ClientResult, ClientTask, state_bytes
-from fedhetero.core.widths import WidthPlanner, narrowest_width_macs
+from fedhetero.core.exchange.types import ClientInfo, ClientResult, ClientTask, state_bytes
+from fedhetero.core.hetero.widths import WidthPlanner, narrowest_width_macs
 from fedhetero.data import iterate_batches
 
 if TYPE_CHECKING:  # pragma: no cover
-    from fedhetero.core.context import ClientContext, Context, RunContext
+    from fedhetero.core.local.context import ClientContext, Context, RunContext
     from fedhetero.models.groups import ChannelGroups
 
 __all__ = [

@@ -46,16 +46,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fedhetero.core import budget as budget_mod
-from fedhetero.core.aggregation import weighted_average
-from fedhetero.core.algorithm import Algorithm
-from fedhetero.core.config import MethodOptions, option
-from fedhetero.core.objective import LocalPlan
-from fedhetero.core.types import ClientInfo, ClientResult, ClientTask
-from fedhetero.core.widths import WidthPlanner, narrowest_width_macs
+from fedhetero.core.hetero import budget as budget_mod
+from fedhetero.core.exchange.aggregation import weighted_average
+from fedhetero.core.method.algorithm import Algorithm
+from fedhetero.core.common.config import MethodOptions, option
+from fedhetero.core.local.objective import LocalPlan
+from fedhetero.core.exchange.types import ClientInfo, ClientResult, ClientTask
+from fedhetero.core.hetero.widths import WidthPlanner, narrowest_width_macs
 
 if TYPE_CHECKING:  # pragma: no cover
-    from fedhetero.core.context import ClientContext, Context, RunContext
+    from fedhetero.core.local.context import ClientContext, Context, RunContext
 
 __all__ = ["BaseEnsemble", "SplitMix", "SplitMixOptions", "ensemble_loss"]
 

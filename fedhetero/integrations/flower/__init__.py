@@ -7,7 +7,7 @@ Needs the extra: ``pip install "fedhetero[flower]"`` (``flwr[simulation]>=1.21,<
 * :mod:`.server_app` (``app``) and :mod:`.client_app` (``app``) are the Flower ServerApp and
   ClientApp; ``fedhetero flower app DIR`` writes a Flower App that points at them, for
   ``flwr run`` on a SuperLink with SuperNodes (see ``docs/flower.md``).
-* :class:`~.backend.FlowerBackend` is the :class:`~fedhetero.core.backend.Backend` inside the ServerApp;
+* :class:`~.backend.FlowerBackend` is the :class:`~fedhetero.core.run.backend.Backend` inside the ServerApp;
   :mod:`.codec` encodes tasks and results into Flower records without pickle.
 
 fedhetero keeps its own round loop (sampling over client ids, seeds, checkpoints, resume): a job

@@ -11,7 +11,7 @@ from typing import Any
 
 import yaml
 
-from fedhetero.core.config import ConfigError, RunConfig, apply_overrides, from_dict, parse_yaml, to_dict
+from fedhetero.core.common.config import ConfigError, RunConfig, apply_overrides, from_dict, parse_yaml, to_dict
 
 __all__ = ["config_text", "parse_config", "run_config_get", "split_overrides"]
 

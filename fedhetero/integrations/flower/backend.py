@@ -2,7 +2,7 @@
 
 :class:`FlowerBackend` lives inside a Flower ServerApp (:mod:`.server_app`) and talks to the nodes
 through the ServerApp's ``grid``. Everything that decides the numbers stays in fedhetero's
-:class:`~fedhetero.core.engine.Engine`: sampling (over *client ids*, never over Flower's random node
+:class:`~fedhetero.core.run.engine.Engine`: sampling (over *client ids*, never over Flower's random node
 ids), seeds, aggregation, evaluation, checkpoints and resume. The back end only delivers tasks:
 
 1. **Nodes.** On first use it waits (at most ``node_wait_s``) until the expected number of nodes has
@@ -13,7 +13,7 @@ ids), seeds, aggregation, evaluation, checkpoints and resume. The back end only 
    config encoded losslessly (:mod:`.codec`). A node gets one task at a time (its next task leaves
    when its previous reply is in), so the state a node keeps for its clients is never written by
    two tasks at once.
-3. **Replies** are decoded into :class:`~fedhetero.core.backend.Outcome` objects and returned sorted by
+3. **Replies** are decoded into :class:`~fedhetero.core.run.backend.Outcome` objects and returned sorted by
    client id. An error reply, a reply that does not decode, or no reply within
    ``engine.client_timeout_s`` (+ ``delivery_grace_s`` for transport) becomes a failed outcome with
    the reason; the engine drops that client from its round as on every back end.
@@ -39,11 +39,11 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 
     raise ImportError(MISSING) from exc
 
-from fedhetero.core.algorithm import Algorithm
-from fedhetero.core.backend import Backend
-from fedhetero.core.config import RunConfig
-from fedhetero.core.context import RunError
-from fedhetero.core.types import ClientTask, Outcome
+from fedhetero.core.method.algorithm import Algorithm
+from fedhetero.core.run.backend import Backend
+from fedhetero.core.common.config import RunConfig
+from fedhetero.core.local.context import RunError
+from fedhetero.core.exchange.types import ClientTask, Outcome
 from fedhetero.integrations.flower._common import config_text
 from fedhetero.integrations.flower.client_app import NODE_RECORD
 from fedhetero.integrations.flower.codec import PROTOCOL, decode_outcome, encode_task, record_int
@@ -94,7 +94,7 @@ class FlowerBackend(Backend):
         how many nodes to wait for before the first round (None: those connected once at least one
         is, after a short settling time).
     node_wait_s:
-        how long to wait for them (then a :class:`~fedhetero.core.context.RunError` says how many came).
+        how long to wait for them (then a :class:`~fedhetero.core.local.context.RunError` says how many came).
     delivery_grace_s:
         added to ``engine.client_timeout_s`` for delivery (a SuperNode polls for messages and starts
         a ClientApp process per message) before a missing reply counts as a time-out.

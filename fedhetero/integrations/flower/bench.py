@@ -36,9 +36,9 @@ from flwr.app import (
 )
 from flwr.serverapp.strategy import FedAvg
 
-from fedhetero.core.config import RunConfig, from_dict, to_dict
-from fedhetero.core.context import client_context
-from fedhetero.core.types import ClientTask, derive_seed
+from fedhetero.core.common.config import RunConfig, from_dict, to_dict
+from fedhetero.core.local.context import client_context
+from fedhetero.core.exchange.types import ClientTask, derive_seed
 from fedhetero.integrations.flower.codec import record_int
 from fedhetero.integrations.flower.simulation import simulate
 

@@ -14,9 +14,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from fedhetero.core.config import load_config
-from fedhetero.core.console import make_console
-from fedhetero.core.reports import default_out_dir, print_summary
+from fedhetero.core.common.config import load_config
+from fedhetero.core.common.console import make_console
+from fedhetero.core.run.reports import default_out_dir, print_summary
 from fedhetero.integrations.flower import require_flwr
 from fedhetero.integrations.flower.deploy import flower_config, write_app
 

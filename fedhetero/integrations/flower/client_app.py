@@ -3,11 +3,11 @@
 * ``query`` messages are answered with the node's ``partition-id`` / ``num-partitions`` (from its
   node config; the simulation engine sets them, a SuperNode gets them from ``--node-config``) and
   versions, so the ServerApp can map client ids onto nodes.
-* ``train`` messages carry one :class:`~fedhetero.core.algorithm.ClientTask` and the run's config
+* ``train`` messages carry one :class:`~fedhetero.core.method.algorithm.ClientTask` and the run's config
   (:mod:`fedhetero.integrations.flower.codec`). The client side (data set, model builder, trainer:
-  a :class:`~fedhetero.core.context.ClientContext`) is built from that config once per process and
-  cached by the config's hash; the task runs through :func:`fedhetero.core.backend.run_task`, exactly as
-  on the embedded back ends, and the :class:`~fedhetero.core.backend.Outcome` goes back encoded.
+  a :class:`~fedhetero.core.local.context.ClientContext`) is built from that config once per process and
+  cached by the config's hash; the task runs through :func:`fedhetero.core.run.backend.run_task`, exactly as
+  on the embedded back ends, and the :class:`~fedhetero.core.run.backend.Outcome` goes back encoded.
 
 A client's private state (``ClientResult.client_state``) stays on the node: it is kept in the
 node's ``context.state`` under the client id (with the round that wrote it, so a task reads the
@@ -31,9 +31,9 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict
 
 import fedhetero
-from fedhetero.core.config import RunConfig, from_dict
-from fedhetero.core.types import Outcome, check_result
-from fedhetero.core.backend import run_task
+from fedhetero.core.common.config import RunConfig, from_dict
+from fedhetero.core.exchange.types import Outcome, check_result
+from fedhetero.core.run.backend import run_task
 from fedhetero.integrations.flower._common import (
     parse_config,
     run_config_get,
@@ -46,9 +46,9 @@ from fedhetero.integrations.flower.codec import (
     encode_outcome,
     encode_value,
 )
-from fedhetero.core.registry import build_algorithm
-from fedhetero.core.allocator import tune_malloc
-from fedhetero.core.context import client_context
+from fedhetero.core.method.registry import build_algorithm
+from fedhetero.core.run.allocator import tune_malloc
+from fedhetero.core.local.context import client_context
 from fedhetero.integrations.flower.codec import META
 
 try:  # flwr >= 1.21
@@ -67,7 +67,7 @@ app = ClientApp()
 @dataclass
 class _ClientSide:
     cfg: RunConfig
-    ctx: Any  # fedhetero.core.context.ClientContext
+    ctx: Any  # fedhetero.core.local.context.ClientContext
     cls: type
     options: Any
 

@@ -8,7 +8,7 @@ A value (a task's fields and payload, a client's private state, a result) is spl
 * everything else becomes a JSON document in a :class:`flwr.app.ConfigRecord`, in which each
   container is a one-key object naming its type (``{"D": ...}`` dict, ``{"L": ...}`` list,
   ``{"U": ...}`` tuple, ``{"T": ...}`` tensor, …) so that dicts with non-string keys, tuples,
-  bytes, NumPy scalars, non-finite floats and :class:`~fedhetero.core.submodel.SubmodelSpec` objects
+  bytes, NumPy scalars, non-finite floats and :class:`~fedhetero.core.hetero.submodel.SubmodelSpec` objects
   come back as they left. A tensor referenced twice is sent once and comes back shared.
 
 Only plain data is accepted: an object of any other type raises :class:`TypeError` naming the
@@ -31,9 +31,9 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, MetricRecord, RecordDict
 if TYPE_CHECKING:
     from flwr.app.typing import MetricRecordValues
 
-from fedhetero.core.types import ClientResult, ClientTask
-from fedhetero.core.types import Outcome
-from fedhetero.core.submodel import SubmodelSpec
+from fedhetero.core.exchange.types import ClientResult, ClientTask
+from fedhetero.core.exchange.types import Outcome
+from fedhetero.core.hetero.submodel import SubmodelSpec
 
 __all__ = [
     "PROTOCOL",
@@ -276,7 +276,7 @@ def encode_outcome(outcome: Outcome) -> RecordDict:
 
 
 def decode_outcome(content: RecordDict, task: ClientTask, device: torch.device | None = None) -> Outcome:
-    """The :class:`~fedhetero.core.backend.Outcome` of ``task`` from its reply's content."""
+    """The :class:`~fedhetero.core.run.backend.Outcome` of ``task`` from its reply's content."""
     doc, _ = _unpack(content, device)
     res = doc["result"]
     result = None if res is None else ClientResult(**res)

@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from fedhetero.core.config import RunConfig, to_dict
+from fedhetero.core.common.config import RunConfig, to_dict
 from fedhetero import __version__
 
 __all__ = ["APP_CLIENT", "APP_SERVER", "flower_config", "write_app"]

@@ -1,7 +1,7 @@
 """fedhetero's Flower ServerApp: fedhetero's own round loop on Flower's runtime.
 
 ``main(grid, context)`` reads the run settings from the Flower App's run config and runs a
-:class:`~fedhetero.core.engine.Engine` whose client tasks go to the SuperNodes through a
+:class:`~fedhetero.core.run.engine.Engine` whose client tasks go to the SuperNodes through a
 :class:`~fedhetero.integrations.flower.backend.FlowerBackend`. Sampling, seeds, aggregation,
 evaluation, metrics, checkpoints and resume are fedhetero's (Flower's ``Strategy.start`` is not
 used: it has no resume and samples node ids without a seed).
@@ -31,14 +31,14 @@ from typing import Any
 
 from flwr.app import Context
 
-from fedhetero.core.config import ConfigError, RunConfig
+from fedhetero.core.common.config import ConfigError, RunConfig
 from fedhetero.integrations.flower._common import (
     parse_config,
     run_config_get,
     split_overrides,
 )
-from fedhetero.core.engine import Engine, resume_config
-from fedhetero.core.reports import default_out_dir, plot_run
+from fedhetero.core.run.engine import Engine, resume_config
+from fedhetero.core.run.reports import default_out_dir, plot_run
 from fedhetero.integrations.flower.backend import FlowerBackend
 
 try:  # flwr >= 1.21
@@ -111,7 +111,7 @@ def _on_flower(cfg: RunConfig) -> RunConfig:
 
 def run_server(grid: Grid, settings: ServerSettings, console: Any = None) -> Any:
     """Run (or resume) the job on the nodes ``grid`` reaches; returns the
-    :class:`~fedhetero.core.engine.RunResult`."""
+    :class:`~fedhetero.core.run.engine.RunResult`."""
     cfg = settings.config
     if cfg is None:
         if not settings.resume:
@@ -161,7 +161,7 @@ def run_server(grid: Grid, settings: ServerSettings, console: Any = None) -> Any
 
 def make_server_app(settings: ServerSettings, sink: Callable[[Any], None] | None = None, console: Any = None) -> ServerApp:
     """A ServerApp that runs ``settings`` (for the in-process simulation); ``sink`` receives the
-    :class:`~fedhetero.core.engine.RunResult`."""
+    :class:`~fedhetero.core.run.engine.RunResult`."""
     server = ServerApp()
 
     @server.main()

@@ -11,9 +11,9 @@ import os
 from pathlib import Path
 from typing import Any
 
-from fedhetero.core.config import RunConfig
-from fedhetero.core.context import RunError
-from fedhetero.core.engine import resume_config
+from fedhetero.core.common.config import RunConfig
+from fedhetero.core.local.context import RunError
+from fedhetero.core.run.engine import resume_config
 from fedhetero.integrations.flower.server_app import ServerSettings, make_server_app
 from fedhetero.integrations.flower.client_app import app as client_app
 
@@ -37,7 +37,7 @@ def simulate(
     overrides: list[str] | None = None,
 ) -> Any:
     """Run (or resume) ``cfg`` on ``num_supernodes`` simulated SuperNodes; returns the
-    :class:`~fedhetero.core.engine.RunResult`.
+    :class:`~fedhetero.core.run.engine.RunResult`.
 
     Parameters
     ----------

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fedhetero.core.engine import Engine
-from fedhetero.core.registry import get_algorithm, list_algorithms
+from fedhetero.core.run.engine import Engine
+from fedhetero.core.method.registry import get_algorithm, list_algorithms
 from _util import local_cfg
 
 #: options that make a one-round run reach the method's server-side step

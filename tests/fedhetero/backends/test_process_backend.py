@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from fedhetero.algorithms import Algorithm
-from fedhetero.core.config import from_dict
-from fedhetero.core.engine import Engine
+from fedhetero.core.common.config import from_dict
+from fedhetero.core.run.engine import Engine
 from _util import fedavg_cfg, live_children, strip_wall
 
 
@@ -180,7 +180,7 @@ def test_server_share_runs_at_the_workers_thread_count(monkeypatch):
 def test_process_shares_evaluation_batches_with_the_same_numbers(tmp_path, name, monkeypatch):
     """With several evaluation batches the server evaluates the last run of them and a worker the
     rest; the per-batch numbers are added in batch order, so the metrics equal local's bit for bit."""
-    from fedhetero.core.context import ClientContext
+    from fedhetero.core.local.context import ClientContext
 
     def cfg(backend):
         return from_dict({
@@ -209,7 +209,7 @@ def test_process_shares_evaluation_batches_with_the_same_numbers(tmp_path, name,
 def test_evaluation_falls_back_to_the_server_when_a_worker_cannot(tmp_path):
     from _util import ServerOnlyModel
 
-    from fedhetero.core.context import client_context
+    from fedhetero.core.local.context import client_context
     from fedhetero.backends.process import ProcessBackend
 
     cfg = from_dict({"threads": 1, "train": {"eval_batch_size": 40}, "engine": {"backend": "process", "workers": 2}})
@@ -231,7 +231,7 @@ def test_evaluation_falls_back_to_the_server_when_a_worker_cannot(tmp_path):
 
 @pytest.mark.slow  # run by: python -m pytest -m slow
 def test_evaluation_is_not_shared_with_a_time_out_or_free_threads():
-    from fedhetero.core.context import client_context
+    from fedhetero.core.local.context import client_context
     from fedhetero.backends.process import ProcessBackend
 
     for extra in ({"engine": {"backend": "process", "workers": 2, "client_timeout_s": 30.0}, "threads": 1},
@@ -248,7 +248,7 @@ def test_evaluation_is_not_shared_with_a_time_out_or_free_threads():
 
 
 def test_evaluation_shares_follow_the_batches_and_the_executors():
-    from fedhetero.core.context import client_context
+    from fedhetero.core.local.context import client_context
     from fedhetero.backends.process import ProcessBackend
 
     data = client_context(from_dict({})).data

@@ -20,11 +20,11 @@ from types import SimpleNamespace
 
 import pytest
 
-from fedhetero.core.config import from_dict
-from fedhetero.core.context import RunError
-from fedhetero.core.engine import Engine
-from fedhetero.core.types import Outcome
-from fedhetero.core.backend import injected_fault
+from fedhetero.core.common.config import from_dict
+from fedhetero.core.local.context import RunError
+from fedhetero.core.run.engine import Engine
+from fedhetero.core.exchange.types import Outcome
+from fedhetero.core.run.backend import injected_fault
 
 from _util import live_children, processes
 

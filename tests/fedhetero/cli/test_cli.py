@@ -91,7 +91,7 @@ def test_an_unknown_option_is_reported_by_its_command(capsys):
 
 def test_the_parser_leaves_the_heavy_modules_alone():
     """``fedhetero --help`` builds the whole tree without the lab, the engine or Flower."""
-    heavy = ["flwr", "fedhetero.core.engine", "fedhetero.core.compare", "fedhetero.lab.ablation",
+    heavy = ["flwr", "fedhetero.core.run.engine", "fedhetero.core.run.compare", "fedhetero.lab.ablation",
              "fedhetero.lab.bench", "fedhetero.lab.bench_reparam", "fedhetero.lab.bench_gain", "fedhetero.lab.bench_selector",
              "fedhetero.lab.dyninit_table"]
     code = f"import sys; from fedhetero.cli import build_parser; build_parser(); print([m for m in {heavy} if m in sys.modules])"

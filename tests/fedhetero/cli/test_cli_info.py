@@ -10,7 +10,7 @@ import pytest
 from fedhetero.algorithms import BUILTIN, Algorithm, get_algorithm, list_algorithms
 from fedhetero.cli import main
 from fedhetero.cli.info import DATASET_NOTES, MODEL_NOTES, algorithm_line, budget_support
-from fedhetero.core.config import SCENARIOS
+from fedhetero.core.common.config import SCENARIOS
 from fedhetero.data import DATASETS
 from fedhetero.models import list_models
 

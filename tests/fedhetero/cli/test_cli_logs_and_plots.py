@@ -13,7 +13,7 @@ import subprocess
 import sys
 
 from fedhetero.cli import main
-from fedhetero.core.console import LOG_WIDTH, make_console
+from fedhetero.core.common.console import LOG_WIDTH, make_console
 from _util import SESSION_BASE
 
 SMALL = [

@@ -14,9 +14,9 @@ import uuid
 import pytest
 
 from fedhetero.cli import main
-from fedhetero.core.config import load_config
-from fedhetero.core.engine import Engine
-from fedhetero.core.rundir import DiskFullError, RunDirError, atomic_write_text, writing
+from fedhetero.core.common.config import load_config
+from fedhetero.core.run.engine import Engine
+from fedhetero.core.common.rundir import DiskFullError, RunDirError, atomic_write_text, writing
 
 SMALL = [
     "data.dataset=synthetic", "data.synthetic_size=120", "data.num_clients=4", "data.min_partition_size=5",
@@ -110,7 +110,7 @@ def test_interrupting_before_the_run_is_on_disk_gives_the_command_again(tmp_path
     def interrupted(cfg):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr("fedhetero.core.engine.build_data", interrupted)
+    monkeypatch.setattr("fedhetero.core.run.engine.build_data", interrupted)
     out = tmp_path / "my runs" / "r"
     rc, _, err = _train(capsys, "--quiet", *_sets(), "--out", str(out))
     assert rc == 130 and not out.exists()

@@ -13,7 +13,7 @@ from importlib import metadata
 from _util import ROOT, strip_wall
 
 from fedhetero.cli import main
-from fedhetero.core.rundir import LOGGER_DIRS, RUN_ENTRIES
+from fedhetero.core.common.rundir import LOGGER_DIRS, RUN_ENTRIES
 
 SMALL = [
     "data.dataset=synthetic", "data.synthetic_size=120", "data.num_clients=4", "data.min_partition_size=5",

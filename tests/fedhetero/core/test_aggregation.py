@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from fedhetero.algorithms import Algorithm, build_algorithm
-from fedhetero.core.config import from_dict
-from fedhetero.core.engine import Engine, streams_uploads
+from fedhetero.core.common.config import from_dict
+from fedhetero.core.run.engine import Engine, streams_uploads
 from _util import fedavg_cfg, strip_wall
 
 
@@ -24,7 +24,7 @@ def _run(tmp_path: Path, cfg, tag: str, **kw):
 
 
 def test_weighted_average_matches_the_per_tensor_mean():
-    from fedhetero.core.aggregation import weighted_average
+    from fedhetero.core.exchange.aggregation import weighted_average
 
     g = torch.Generator().manual_seed(0)
     shapes = {"a": (3, 4), "b": (5,), "c": (2, 1, 3)}
@@ -52,7 +52,7 @@ def test_weighted_average_matches_the_per_tensor_mean():
 def test_packed_states_fold_without_gathering_and_give_the_same_bits(monkeypatch):
     """A packed upload (one flat buffer per dtype) is folded straight from its buffer; the mean is
     bit for bit the one of the same states unpacked, also when packed and unpacked states mix."""
-    import fedhetero.core.algorithm as base
+    import fedhetero.core.method.algorithm as base
 
     g = torch.Generator().manual_seed(1)
     shapes = {"w": (4, 3), "n": (), "b": (4,), "h": (2, 2)}
@@ -91,7 +91,7 @@ def test_packed_states_fold_without_gathering_and_give_the_same_bits(monkeypatch
 
 
 def _result(cid, value, n=3):
-    from fedhetero.core.types import ClientResult
+    from fedhetero.core.exchange.types import ClientResult
 
     g = torch.Generator().manual_seed(cid)
     state = {"w": torch.randn(4, 3, generator=g) * value, "b": torch.randn(5, generator=g, dtype=torch.float64),
@@ -100,10 +100,10 @@ def _result(cid, value, n=3):
 
 
 def test_upload_stream_gives_weighted_average_bits_in_any_arrival_order():
-    from fedhetero.core.types import ClientTask
-    from fedhetero.core.aggregation import weighted_average
-    from fedhetero.core.aggregation import UploadStream
-    from fedhetero.core.types import Outcome
+    from fedhetero.core.exchange.types import ClientTask
+    from fedhetero.core.exchange.aggregation import weighted_average
+    from fedhetero.core.exchange.aggregation import UploadStream
+    from fedhetero.core.exchange.types import Outcome
 
     sizes = {0: 5, 3: 9, 4: 2, 7: 11}
     tasks = [ClientTask(cid=c, tier="t", ratio=1.0, budget_macs=1.0, num_samples=n, round=1) for c, n in sizes.items()]
@@ -141,7 +141,7 @@ def test_upload_stream_gives_weighted_average_bits_in_any_arrival_order():
 def test_default_aggregate_uses_the_streamed_mean(tmp_path, backend, monkeypatch):
     """A FedAvg round averages its uploads while they arrive: the list average is never needed,
     and the run equals one where it is forced (faults make the stream stop; those rounds fall back)."""
-    import fedhetero.core.algorithm as base
+    import fedhetero.core.method.algorithm as base
 
     calls = []
     original = base.weighted_average
@@ -153,7 +153,7 @@ def test_default_aggregate_uses_the_streamed_mean(tmp_path, backend, monkeypatch
     monkeypatch.setattr(base, "weighted_average", counting)
     _, streamed = _run(tmp_path, _cfg("fedavg", backend, workers=2), "streamed")
     assert calls == []
-    import fedhetero.core.engine as engine
+    import fedhetero.core.run.engine as engine
 
     monkeypatch.setattr(engine, "streams_uploads", lambda algorithm: False)
     _, listed = _run(tmp_path, _cfg("fedavg", backend, workers=2), "listed")

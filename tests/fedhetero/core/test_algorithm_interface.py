@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from fedhetero.algorithms import build_algorithm
-from fedhetero.core.config import ConfigError, from_dict
-from fedhetero.core.engine import Engine
+from fedhetero.core.common.config import ConfigError, from_dict
+from fedhetero.core.run.engine import Engine
 from _util import ROOT, fedavg_cfg
 
 
@@ -103,9 +103,9 @@ def _modules_after_import(module: str) -> set[str]:
 def test_no_import_circle_between_engine_and_algorithms():
     """The context algorithms code against lives in its own module: importing it, or an algorithm,
     does not import the engine, and the context does not import the algorithms."""
-    assert not any(m.startswith("fedhetero.algorithms") for m in _modules_after_import("fedhetero.core.context"))
+    assert not any(m.startswith("fedhetero.algorithms") for m in _modules_after_import("fedhetero.core.local.context"))
     for algo in ("fedhetero.algorithms.dynamicfl.algorithm", "fedhetero.algorithms.feddumap.feddum", "fedhetero.algorithms.width.heterofl"):
-        assert "fedhetero.core.engine" not in _modules_after_import(algo), algo
+        assert "fedhetero.core.run.engine" not in _modules_after_import(algo), algo
     assert "fedhetero.algorithms.feddumap.feddum" not in _modules_after_import("fedhetero.algorithms.feddumap.feddu")
 
 
@@ -122,8 +122,8 @@ def test_the_method_interface_is_small_and_has_no_hidden_flags():
     methods = [n for n, v in vars(Algorithm).items() if callable(v) and not isinstance(v, type) and n != "__init__"]
     assert len(methods) <= 20, methods
     identity = re.compile(r"\bis(?: not)? [A-Z]\w*\.[a-z_]\w*\b")
-    for path in [*(ROOT / "fedhetero" / "algorithms").rglob("*.py"), ROOT / "fedhetero" / "core" / "algorithm.py",
-                 ROOT / "fedhetero" / "core" / "runner.py", ROOT / "examples" / "my_algorithm.py"]:
+    for path in [*(ROOT / "fedhetero" / "algorithms").rglob("*.py"), ROOT / "fedhetero" / "core" / "method" / "algorithm.py",
+                 ROOT / "fedhetero" / "core" / "method" / "runner.py", ROOT / "examples" / "my_algorithm.py"]:
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Compare) and any(isinstance(op, (ast.Is, ast.IsNot)) for op in node.ops):
                 src = ast.unparse(node)

@@ -1,4 +1,4 @@
-"""The trainer's C-allocator tuning (fedhetero.core.allocator): freed activation memory stays in
+"""The trainer's C-allocator tuning (fedhetero.core.run.allocator): freed activation memory stays in
 the heap, so a training step stops faulting in fresh pages for every large tensor."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from fedhetero.core.allocator import MMAP_THRESHOLD_MAX, malloc_tuned, tune_malloc
+from fedhetero.core.run.allocator import MMAP_THRESHOLD_MAX, malloc_tuned, tune_malloc
 
 
 def test_tune_malloc_rejects_bad_thresholds():

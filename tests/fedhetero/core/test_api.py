@@ -17,10 +17,10 @@ from _util import ROOT, strip_wall
 from torch import nn
 
 import fedhetero
-from fedhetero.core import api
-from fedhetero.core.config import ConfigError, RunConfig, dump_config, load_config, to_dict
-from fedhetero.core.engine import Engine
-from fedhetero.core.rundir import RunDirError, read_metrics
+from fedhetero.core.run import api
+from fedhetero.core.common.config import ConfigError, RunConfig, dump_config, load_config, to_dict
+from fedhetero.core.run.engine import Engine
+from fedhetero.core.common.rundir import RunDirError, read_metrics
 
 #: a small synthetic job, as the dotted keys of ``overrides``
 SMALL = {
@@ -111,7 +111,7 @@ def test_import_fedhetero_imports_no_torch_and_names_the_api():
         "import sys, fedhetero\n"
         "assert 'torch' not in sys.modules, 'torch imported eagerly'\n"
         "assert {'run', 'compare', 'RunResult', 'CompareResult', 'load_model'} <= set(dir(fedhetero))\n"
-        "from fedhetero.core import api\n"
+        "from fedhetero.core.run import api\n"
         "assert fedhetero.run is api.run and fedhetero.compare is api.compare\n"
         "try:\n    fedhetero.nosuch\nexcept AttributeError:\n    pass\nelse:\n    raise SystemExit('no AttributeError')\n"
     )

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from fedhetero.core.budget import (
+from fedhetero.core.hetero.budget import (
     DEFAULT_TIERS,
     DEFAULT_WIDTH_GRID,
     HETEROFL_LEVELS,

@@ -1,4 +1,4 @@
-"""The vectorised cohort trainer (fedhetero.core.cohort, ``engine.vectorize``): clients trained together
+"""The vectorised cohort trainer (fedhetero.core.local.cohort, ``engine.vectorize``): clients trained together
 give each client the numbers it gets trained alone, and the cohort is used where it can be and
 falls back where it cannot."""
 
@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fedhetero.core.engine import Engine
+from fedhetero.core.run.engine import Engine
 from _util import ROOT, SESSION_BASE, session_cfg
 
 
@@ -71,7 +71,7 @@ def test_flat_linear_cohort_matches_autograd():
     backward: the cohort's forward passes gradcheck and gives each client its own linear map."""
     from types import SimpleNamespace
 
-    from fedhetero.core.cohort import Cohort
+    from fedhetero.core.local.cohort import Cohort
 
     class Flat(torch.nn.Module):
         flat_linear = "fc"
@@ -101,7 +101,7 @@ def test_flat_linear_cohort_matches_autograd():
 
 
 def test_cohort_is_used_and_falls_back(tmp_path, monkeypatch):
-    from fedhetero.core import cohort
+    from fedhetero.core.local import cohort
 
     calls = []
     real = cohort.Cohort.train
@@ -140,7 +140,7 @@ def test_cohort_is_used_and_falls_back(tmp_path, monkeypatch):
 
 # ---------------------------------------------------------------------------- stacked models (BatchNorm, GroupNorm, clipping)
 def _fedavg_like(name: str, **over):
-    from fedhetero.core.config import from_dict
+    from fedhetero.core.common.config import from_dict
 
     data = {
         "seed": 4, "threads": 1, "dtype": "float64",
@@ -175,7 +175,7 @@ def test_stacked_cohort_equals_one_by_one(tmp_path, monkeypatch, name, over):
     """Models with BatchNorm (each client's own batch and running statistics, padded rows of
     uneven clients left out), GroupNorm, gradient clipping and objectives train as one stacked
     model with each client's numbers (float64, up to the order of sums)."""
-    from fedhetero.core import cohort
+    from fedhetero.core.local import cohort
 
     used = []
     real = cohort.Cohort.train
@@ -201,7 +201,7 @@ def test_stacked_cohort_on_cuda_equals_one_by_one(tmp_path, monkeypatch):
     """On a GPU the round runs as one stacked cohort with each client's numbers. The stacking check
     once drew its random states on the CPU and added them to the model's CUDA tensors, so every
     cohort on a GPU fell back to one client after another; the check now runs on CPU copies."""
-    from fedhetero.core import cohort
+    from fedhetero.core.local import cohort
 
     used = []
     real = cohort.Cohort.train
@@ -214,7 +214,7 @@ def test_stacked_cohort_on_cuda_equals_one_by_one(tmp_path, monkeypatch):
 
 
 def test_stacking_refuses_what_it_cannot_stack():
-    from fedhetero.core.stacking import stack_model
+    from fedhetero.core.local.stacking import stack_model
 
     class Mixing(torch.nn.Module):  # mixes channels outside a layer: stacking would mix clients
         def __init__(self) -> None:
@@ -284,7 +284,7 @@ def _same_client_rows(a, b, same_fields: bool = False) -> None:
 
 
 def _spied(monkeypatch) -> list[int]:
-    from fedhetero.core import cohort
+    from fedhetero.core.local import cohort
 
     sizes: list[int] = []
     real = cohort.Cohort.train
@@ -400,7 +400,7 @@ def test_splitmix_bases_train_as_trainees_of_their_own(tmp_path, monkeypatch, cl
 def test_structures_group_apart(tmp_path, monkeypatch, name, over, structures):
     """Clients whose models differ in structure never share a cohort: each cohort holds one
     structure (a pruned model, a width)."""
-    from fedhetero.core import cohort
+    from fedhetero.core.local import cohort
 
     seen = []
     real = cohort.Cohort.train
@@ -437,7 +437,7 @@ def test_plan_cohorts_invariants(steps, min_size, max_size, slack):
     """Every client is in at most one cohort; cohorts are within [min_size, max_size], list
     their clients longest first, run at most (1 + slack) × the steps their clients need, and only
     clients with steps join; equal step counts never leave a client out for padding."""
-    from fedhetero.core.cohort import plan_cohorts
+    from fedhetero.core.local.cohort import plan_cohorts
 
     plan = plan_cohorts(steps, min_size=min_size, max_size=max_size, slack=slack)
     flat = [i for g in plan for i in g]
@@ -459,7 +459,7 @@ def test_uneven_clients_train_in_cohorts_of_like_length(tmp_path, monkeypatch):
     equal one by one: with the BatchNorm statistics masked row by row in a step where a batch is
     short, and plain (the idle clients' running statistics put back) in a step whose only padding
     is clients that have finished."""
-    from fedhetero.core import cohort, stacking
+    from fedhetero.core.local import cohort, stacking
 
     padded = []
     real = cohort.Cohort.train
@@ -489,11 +489,11 @@ def test_uneven_clients_train_in_cohorts_of_like_length(tmp_path, monkeypatch):
 
 
 def test_cohorts_split_to_the_memory_budget(tmp_path, monkeypatch):
-    from fedhetero.core.cohort import client_bytes
+    from fedhetero.core.local.cohort import client_bytes
 
     sizes = _spied(monkeypatch)
     cfg = _fedavg_like("fedavg", **{"train.local_steps": 3, "engine.vectorize": True, "train.rounds": 1})
-    from fedhetero.core.context import client_context
+    from fedhetero.core.local.context import client_context
 
     ctx = client_context(cfg)
     per = client_bytes(ctx, ctx.build_model())
@@ -597,7 +597,7 @@ def test_a_local_plan_refuses_what_it_cannot_train(masked, masks, carried, momen
     ``sgd.carried``."""
     import dataclasses
 
-    from fedhetero.core.objective import LocalPlan, LocalSGD
+    from fedhetero.core.local.objective import LocalPlan, LocalSGD
 
     sgd = LocalSGD(lr=0.1, masked=masked, carried=carried)
     kw = {"masks": {"w": torch.ones(2)} if masks else None, "momentum": {"w": torch.zeros(2)} if momentum else None}

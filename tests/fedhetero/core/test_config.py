@@ -3,7 +3,7 @@ and duplicate keys; the defaults that fix the numbers (threads) and the checkpoi
 
 import pytest
 
-from fedhetero.core.config import ConfigError, apply_overrides, config_hash, dump_config, from_dict, load_config
+from fedhetero.core.common.config import ConfigError, apply_overrides, config_hash, dump_config, from_dict, load_config
 
 
 def test_defaults_are_the_embedded_job():

@@ -22,10 +22,10 @@ import numpy as np
 import pytest
 import torch
 
-from fedhetero.core import budget as budget_mod
+from fedhetero.core.hetero import budget as budget_mod
 from fedhetero.algorithms import build_algorithm
 from fedhetero.cli import main
-from fedhetero.core.config import (
+from fedhetero.core.common.config import (
     ConfigError,
     apply_overrides,
     dump_config,
@@ -35,7 +35,7 @@ from fedhetero.core.config import (
     parse_yaml,
     to_dict,
 )
-from fedhetero.core.context import ClientContext
+from fedhetero.core.local.context import ClientContext
 
 # ---------------------------------------------------------------------------- helpers
 
@@ -418,7 +418,7 @@ def test_dynamicfl_floor_is_the_smallest_pruning_plan():
 
 @pytest.mark.parametrize("algorithm", ["heterofl", "feddf", "splitmix"])
 def test_width_floor_is_the_narrowest_width_the_planner_finds(algorithm):
-    from fedhetero.core.widths import WidthPlanner
+    from fedhetero.core.hetero.widths import WidthPlanner
 
     cfg = _cfg(algorithm)
     ctx = _ctx(cfg)
@@ -431,7 +431,7 @@ def test_width_floor_is_the_narrowest_width_the_planner_finds(algorithm):
 def test_setup_itself_refuses_instead_of_the_planner_error():
     """The width methods' set-up would fail in the width planner first ("no width of the model fits
     the budget of ... MACs", naming no field): it refuses with the field-naming error instead."""
-    from fedhetero.core.context import Context, RunContext
+    from fedhetero.core.local.context import Context, RunContext
 
     cfg = _cfg("heterofl", tiers=_tiers(0.001))
     data = SimpleNamespace(input_shape=(3, 32, 32), num_classes=10, client_indices=[[0]] * 4)

@@ -20,9 +20,9 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from fedhetero.algorithms import BUILTIN
-from fedhetero.core import backend as backend_mod
-from fedhetero.core import config as C
-from fedhetero.core.config import (
+from fedhetero.core.run import backend as backend_mod
+from fedhetero.core.common import config as C
+from fedhetero.core.common.config import (
     OPTIONS_PATH,
     ConfigError,
     MethodOptions,
@@ -195,7 +195,7 @@ def test_a_subclass_that_changes_a_default_keeps_the_rule():
 def test_nested_options_are_named_where_they_are():
     cfg = from_dict({"algorithm": {"name": "dyninit", "options": {"host": "dynamicfl", "host_options": {"small_q": 0.9, "large_q": 0.5}}},
                      "sessions": {"count": 3, "rounds": 2}, "train": {"rounds": 6}})
-    from fedhetero.core.registry import build_algorithm
+    from fedhetero.core.method.registry import build_algorithm
 
     with pytest.raises(ConfigError, match=r"^algorithm\.options\.host_options\.small_q: must be <= large_q=0\.5"):
         build_algorithm(cfg)
@@ -266,7 +266,7 @@ def test_names_come_from_their_registries():
     assert C._declared(_options("DynamicFLOptions"), "branches", C._RULE).names() == tuple(kind_names())
     # the back-end and budget modules use the very tables the config checks against
     assert backend_mod.BACKENDS is C.BACKENDS and backend_mod.EXTERNAL_BACKENDS is C.EXTERNAL_BACKENDS
-    from fedhetero.core import budget
+    from fedhetero.core.hetero import budget
 
     assert budget.SCENARIOS is C.SCENARIOS == typing.get_args(typing.get_type_hints(C.BudgetConfig)["scenario"])
 
@@ -282,7 +282,7 @@ def test_a_registered_back_end_is_accepted_by_the_config():
 
 
 def test_pathological_partition_runs_from_a_config_with_shards_per_client_classes():
-    from fedhetero.core.context import build_data
+    from fedhetero.core.local.context import build_data
 
     cfg = from_dict({"data": {"dataset": "synthetic", "synthetic_size": 200, "num_clients": 6, "min_partition_size": 2,
                               "partition": "pathological", "shards_per_client": 3}})
@@ -293,7 +293,7 @@ def test_pathological_partition_runs_from_a_config_with_shards_per_client_classe
 
 
 def test_the_config_module_does_not_import_torch():
-    code = "import sys, fedhetero.core.config as c; c.parse_yaml('a: 1'); sys.exit('torch' in sys.modules)"
+    code = "import sys, fedhetero.core.common.config as c; c.parse_yaml('a: 1'); sys.exit('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
 
 

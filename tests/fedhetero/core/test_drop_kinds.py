@@ -1,6 +1,6 @@
 """A dropped client says why: a device fault is not a bug, and a bug is never a silent drop.
 
-Every drop in ``metrics.jsonl`` carries a ``kind`` (``fedhetero.core.backend.DROP_KINDS``); an exception
+Every drop in ``metrics.jsonl`` carries a ``kind`` (``fedhetero.core.run.backend.DROP_KINDS``); an exception
 from the project's own code (or a method's) is an ``internal_error``, counted apart in
 ``summary.json``, the final table and ``compare``'s table and CSV, and with ``FEDHETERO_STRICT=1``
 (set for the whole test suite) it stops the run.
@@ -16,12 +16,12 @@ from types import SimpleNamespace
 
 import pytest
 
-from fedhetero.core.compare import _write, comparison_rows
-from fedhetero.core.config import from_dict
-from fedhetero.core.context import RunError
-from fedhetero.core.engine import Engine
-from fedhetero.core.types import DROP_KINDS, Outcome, check_result
-from fedhetero.core.backend import drop_kind, injected_fault
+from fedhetero.core.run.compare import _write, comparison_rows
+from fedhetero.core.common.config import from_dict
+from fedhetero.core.local.context import RunError
+from fedhetero.core.run.engine import Engine
+from fedhetero.core.exchange.types import DROP_KINDS, Outcome, check_result
+from fedhetero.core.run.backend import drop_kind, injected_fault
 
 BUGGY = '''
 from fedhetero.algorithms.classic.fedavg import FedAvg

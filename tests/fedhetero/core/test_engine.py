@@ -4,8 +4,8 @@ import json
 
 import pytest
 
-from fedhetero.core.config import ConfigError, from_dict
-from fedhetero.core.engine import Engine
+from fedhetero.core.common.config import ConfigError, from_dict
+from fedhetero.core.run.engine import Engine
 
 
 def _cfg(**over):

@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from fedhetero.core.config import ConfigError, from_dict
-from fedhetero.core.context import RunError
-from fedhetero.core.engine import Engine
-from fedhetero.core.registry import get_algorithm
-from fedhetero.core.backend import injected_fault
+from fedhetero.core.common.config import ConfigError, from_dict
+from fedhetero.core.local.context import RunError
+from fedhetero.core.run.engine import Engine
+from fedhetero.core.method.registry import get_algorithm
+from fedhetero.core.run.backend import injected_fault
 from _util import fedavg_cfg
 
 
@@ -85,8 +85,8 @@ def test_hang_needs_a_timeout():
 def test_upload_check_runs_where_the_task_ran():
     """run_task checks the upload itself (in a worker, in parallel) and marks the outcome, so the
     server does not check it again; an outcome built elsewhere (Flower) is still checked."""
-    from fedhetero.core.types import ClientResult
-    from fedhetero.core.types import Outcome, check_result, upload_fault
+    from fedhetero.core.exchange.types import ClientResult
+    from fedhetero.core.exchange.types import Outcome, check_result, upload_fault
 
     def result(value):
         return ClientResult(cid=0, num_samples=1, state={"w": torch.full((4,), value), "n": torch.tensor(3)},
@@ -137,7 +137,7 @@ def test_a_non_finite_server_update_stops_the_run_at_its_round(tmp_path, monkeyp
 
 def test_state_tensors_walk_every_checkpointed_field():
     """The finiteness check sees modules, tensors and dicts or lists of them, by dotted name."""
-    from fedhetero.core.algorithm import Algorithm, state_tensors
+    from fedhetero.core.method.algorithm import Algorithm, state_tensors
 
     class Two(Algorithm):
         state_fields = ("global_model", "c", "tiers", "count")

@@ -1,4 +1,4 @@
-"""The classifier/feature hook the methods share (fedhetero.core.features) on every zoo model, and
+"""The classifier/feature hook the methods share (fedhetero.core.local.features) on every zoo model, and
 MOON's representation built on it."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fedhetero.core.features import classifier_of, has_hidden_layers, penultimate
+from fedhetero.core.local.features import classifier_of, has_hidden_layers, penultimate
 from fedhetero.algorithms.classic.moon import representation
 from fedhetero.models import build_model, list_models
 

@@ -15,10 +15,10 @@ import numpy as np
 import pytest
 
 from fedhetero.cli import main
-from fedhetero.core import loggers as L
-from fedhetero.core.config import ConfigError, config_hash, config_hashes, load_config
-from fedhetero.core.engine import Engine
-from fedhetero.core.rundir import LOGGER_DIRS, RUN_ENTRIES, clear_run, inspect_dir
+from fedhetero.core.run import loggers as L
+from fedhetero.core.common.config import ConfigError, config_hash, config_hashes, load_config
+from fedhetero.core.run.engine import Engine
+from fedhetero.core.common.rundir import LOGGER_DIRS, RUN_ENTRIES, clear_run, inspect_dir
 
 from _util import metrics_rows
 

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from fedhetero.cli import main
-from fedhetero.core.config import ConfigError, config_hash, from_dict
-from fedhetero.core.context import client_context
+from fedhetero.core.common.config import ConfigError, config_hash, from_dict
+from fedhetero.core.local.context import client_context
 
 
 RUN = ["--set", "train.rounds=1", "--set", "threads=1", "--set", "data.num_clients=2", "--set", "data.min_partition_size=1"]
@@ -106,7 +106,7 @@ def test_partial_weights_refused_with_count_unless_asked(tmp_path, capsys, caplo
     assert rc == 2
     assert_one_line(line, "model.weights", str(path), "1 of the 16 tensors")
     # asked for: the one tensor is loaded and the count reported
-    with caplog.at_level(logging.WARNING, logger="fedhetero.core.context"):
+    with caplog.at_level(logging.WARNING, logger="fedhetero.core.local.context"):
         ctx = client_context(weights_cfg(path, partial=True))
         model = ctx.build_model()
     assert torch.equal(model.conv1.conv.weight.detach().cpu(), state["conv1.conv.weight"])
@@ -147,7 +147,7 @@ def test_weights_shape_mismatch_names_the_key_even_when_partial(tmp_path):
 
 
 def test_weights_partial_is_hashed_only_when_set(monkeypatch):
-    import fedhetero.core.config as config_mod
+    import fedhetero.core.common.config as config_mod
 
     base = {"data": SYNTH, "model": {"name": "lenet5"}}
     off = from_dict(base)
@@ -178,7 +178,7 @@ def test_model_weights_file_loads_into_backbone(tmp_path):
     torch.save(donor, tmp_path / "w.pt")
     cfg = from_dict({"data": {"dataset": "synthetic", "num_clients": 2, "synthetic_size": 20},
                      "model": {"name": "resnet18_proj", "weights": str(tmp_path / "w.pt")}, "train": {"rounds": 1}})
-    from fedhetero.core.context import client_context
+    from fedhetero.core.local.context import client_context
 
     ctx = client_context(cfg)
     m = ctx.build_model()

@@ -1,4 +1,4 @@
-"""Local objectives (fedhetero.core.objective): a method's rule, written once, gives each client of
+"""Local objectives (fedhetero.core.local.objective): a method's rule, written once, gives each client of
 a cohort exactly what it gives that client trained alone, for random parameters, gradients,
 constants and batches; and the objective's bookkeeping (finish, records) reaches the result."""
 
@@ -17,8 +17,8 @@ from fedhetero.algorithms.classic.fedprox import FedProx
 from fedhetero.algorithms.classic.moon import Moon
 from fedhetero.algorithms.classic.scaffold import Scaffold
 from fedhetero.algorithms.dyninit.algorithm import DynInit
-from fedhetero.core.objective import Batch, LocalObjective, LocalSGD, cohort_rules, move_consts, stack_consts
-from fedhetero.core.types import ClientResult
+from fedhetero.core.local.objective import Batch, LocalObjective, LocalSGD, cohort_rules, move_consts, stack_consts
+from fedhetero.core.exchange.types import ClientResult
 
 SHAPES = {"w": (3, 4), "b": (3,)}
 

@@ -12,9 +12,9 @@ from types import SimpleNamespace
 import pytest
 from rich.console import Console
 
-from fedhetero.core.compare import accuracy_curves, tier_bars, tiers_figure
-from fedhetero.core.config import from_dict
-from fedhetero.core.reports import (
+from fedhetero.core.run.compare import accuracy_curves, tier_bars, tiers_figure
+from fedhetero.core.common.config import from_dict
+from fedhetero.core.run.reports import (
     SESSION_CLASSES,
     TEST_SET,
     plot_run,

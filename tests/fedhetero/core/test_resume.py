@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from fedhetero.cli import main
-from fedhetero.core.config import config_hash, config_hashes, load_config
-from fedhetero.core.engine import Engine
-from fedhetero.core.rundir import RunDirError
+from fedhetero.core.common.config import config_hash, config_hashes, load_config
+from fedhetero.core.run.engine import Engine
+from fedhetero.core.common.rundir import RunDirError
 
 from _util import strip_wall
 

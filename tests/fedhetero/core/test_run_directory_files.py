@@ -8,9 +8,9 @@ import io
 import pytest
 import torch
 
-from fedhetero.core.config import load_config
-from fedhetero.core.engine import Engine
-from fedhetero.core.rundir import RunDirError, RunLock, read_metrics
+from fedhetero.core.common.config import load_config
+from fedhetero.core.run.engine import Engine
+from fedhetero.core.common.rundir import RunDirError, RunLock, read_metrics
 
 
 SMALL = [

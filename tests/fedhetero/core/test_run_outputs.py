@@ -12,9 +12,9 @@ import pytest
 import torch
 
 import fedhetero
-from fedhetero.core.config import ConfigError, from_dict, load_config
-from fedhetero.core.context import RunError
-from fedhetero.core.engine import Engine, summarize
+from fedhetero.core.common.config import ConfigError, from_dict, load_config
+from fedhetero.core.local.context import RunError
+from fedhetero.core.run.engine import Engine, summarize
 
 
 SMALL = [

@@ -13,9 +13,9 @@ import pytest
 import yaml
 
 from fedhetero.cli import main
-from fedhetero.core.config import load_config
-from fedhetero.core.engine import Engine
-from fedhetero.core.rundir import RunDirError, RunLock, inspect_dir
+from fedhetero.core.common.config import load_config
+from fedhetero.core.run.engine import Engine
+from fedhetero.core.common.rundir import RunDirError, RunLock, inspect_dir
 from _util import ROOT
 
 SMALL = [
@@ -68,7 +68,7 @@ def test_resume_never_imports_code_that_only_the_run_directory_names(tmp_path, c
     if run_json == "removed":
         (run / "run.json").unlink()
     else:  # the attacker recomputes the recorded hash too
-        from fedhetero.core.config import config_hash
+        from fedhetero.core.common.config import config_hash
 
         meta = json.loads((run / "run.json").read_text())
         meta["config_hash"] = config_hash(load_config(run / "config.yaml"))

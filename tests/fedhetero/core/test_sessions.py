@@ -1,4 +1,4 @@
-"""Sessions (fedhetero.core.sessions): the schedule, the engine's session handling (devices, learning rate
+"""Sessions (fedhetero.core.hetero.sessions): the schedule, the engine's session handling (devices, learning rate
 restarts, evaluation on the session's classes), the transition metrics, the latency/energy model and
 the transition accuracy in compare's rows."""
 
@@ -9,8 +9,8 @@ import math
 import numpy as np
 import pytest
 
-from fedhetero.core.engine import Engine
-from fedhetero.core.sessions import (
+from fedhetero.core.run.engine import Engine
+from fedhetero.core.hetero.sessions import (
     PUBLISHED_ROUND_COST,
     EnergyModel,
     Schedule,
@@ -99,7 +99,7 @@ def test_energy_model_reproduces_published_energy():
 
 
 def test_compare_rows_carry_transition_accuracy():
-    from fedhetero.core.compare import comparison_rows
+    from fedhetero.core.run.compare import comparison_rows
 
     base = {"final_accuracy": 0.5, "mean_last5_accuracy": 0.5, "mean_client_macs": 1.0, "sim_time_s": 1.0,
             "bytes_total": 1, "wall_s": 1.0, "all_fit_budget": True, "tiers": {}}

@@ -21,8 +21,8 @@ from typing import Any
 
 import pytest
 
-from fedhetero.core.config import load_config
-from fedhetero.core.engine import Engine
+from fedhetero.core.common.config import load_config
+from fedhetero.core.run.engine import Engine
 from _util import ROOT
 
 CONFIGS = sorted((ROOT / "examples" / "configs").glob("*.yaml"))
@@ -121,7 +121,7 @@ def test_shipped_config_drops_no_client(path, tmp_path):
     command = _compare_command(path)
     if command is not None and (cfg.data.public_fraction > 0 or cfg.data.server_fraction > 0):
         # a comparison configuration (it holds a split for some of its methods): run it as compare
-        from fedhetero.core.compare import run_comparison
+        from fedhetero.core.run.compare import run_comparison
 
         methods, options = command
         rows = run_comparison(

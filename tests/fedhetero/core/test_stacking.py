@@ -1,4 +1,4 @@
-"""The stacked BatchNorm (fedhetero.core.stacking): each client's statistics over its own real
+"""The stacked BatchNorm (fedhetero.core.local.stacking): each client's statistics over its own real
 rows, whether the padding is masked row by row or is whole clients left idle."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from fedhetero.core.stacking import StackedBatchNorm2d
+from fedhetero.core.local.stacking import StackedBatchNorm2d
 
 
 def _clients(c: int, ch: int, seed: int) -> list[nn.BatchNorm2d]:

@@ -3,7 +3,7 @@ compaction, safe loading."""
 
 import torch
 
-from fedhetero.core.store import ClientStateStore
+from fedhetero.core.exchange.store import ClientStateStore
 
 
 def test_get_returns_newest_version_before_round(tmp_path):

@@ -10,8 +10,8 @@ import pytest
 import torch
 from torch import nn
 
-from fedhetero.core.budget import macs
-from fedhetero.core.submodel import (
+from fedhetero.core.hetero.budget import macs
+from fedhetero.core.hetero.submodel import (
     CLASSES,
     SubmodelAggregator,
     SubmodelSpec,

@@ -1,11 +1,11 @@
-"""Tests of fedhetero.core.timemodel: the paper's simulated time, smoothing, time to target."""
+"""Tests of fedhetero.core.hetero.timemodel: the paper's simulated time, smoothing, time to target."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from fedhetero.core.timemodel import (
+from fedhetero.core.hetero.timemodel import (
     PAPER_CNN_MACS,
     PAPER_CNN_SAMPLE_PASSES,
     ClientCost,

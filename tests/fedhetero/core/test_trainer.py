@@ -11,12 +11,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fedhetero.core.types import ClientInfo
+from fedhetero.core.exchange.types import ClientInfo
 from fedhetero.algorithms.classic.fedavg import FedAvg
-from fedhetero.core.config import ConfigError
-from fedhetero.core.types import OPTIMIZER_STATE_KEY
-from fedhetero.core.context import client_context
-from fedhetero.core.backend import run_task
+from fedhetero.core.common.config import ConfigError
+from fedhetero.core.exchange.types import OPTIMIZER_STATE_KEY
+from fedhetero.core.local.context import client_context
+from fedhetero.core.run.backend import run_task
 from _util import equal_states, global_state, local_cfg, run_engine
 
 

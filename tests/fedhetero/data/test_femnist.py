@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from fedhetero.core.config import DataConfig
+from fedhetero.core.common.config import DataConfig
 from fedhetero.data import build_federated_data, load_dataset
 from fedhetero.data.datasets import DATASETS, read_leaf_json
 from fedhetero.data.errors import DatasetFormatError, DatasetNotFoundError
@@ -210,7 +210,7 @@ def test_natural_partition_with_fewer_clients_draws_whole_writers(tmp_path: Path
 
 
 def test_natural_partition_errors(tmp_path: Path) -> None:
-    from fedhetero.core.config import ConfigError, from_dict
+    from fedhetero.core.common.config import ConfigError, from_dict
     from fedhetero.data import DataConfigError, make_partition
 
     write_leaf(tmp_path, n_files=1, n_users=3, per_user=4)
@@ -232,8 +232,8 @@ def test_natural_partition_errors(tmp_path: Path) -> None:
 
 
 def test_natural_partition_from_the_config(tmp_path: Path) -> None:
-    from fedhetero.core.config import from_dict
-    from fedhetero.core.context import build_data
+    from fedhetero.core.common.config import from_dict
+    from fedhetero.core.local.context import build_data
 
     write_leaf(tmp_path, n_files=2, n_users=3, per_user=6)
     cfg = from_dict({"data": {"dataset": "femnist", "data_dir": str(tmp_path), "partition": "natural", "num_clients": 6}})
@@ -260,8 +260,8 @@ def test_natural_partitioner_on_plain_writer_ids() -> None:
 def test_dynacomm_runs_on_per_writer_femnist(tmp_path: Path) -> None:
     """The whole path: config → per-writer clients → a DynaComm round whose selector sees each
     writer's own label histogram."""
-    from fedhetero.core.config import from_dict
-    from fedhetero.core.engine import Engine
+    from fedhetero.core.common.config import from_dict
+    from fedhetero.core.run.engine import Engine
 
     base = write_leaf(tmp_path, n_files=2, n_users=3, per_user=6)
     cfg = from_dict({

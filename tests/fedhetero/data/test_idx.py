@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 import torch
 
-from fedhetero.core.config import ConfigError, from_dict
-from fedhetero.core.context import build_data
+from fedhetero.core.common.config import ConfigError, from_dict
+from fedhetero.core.local.context import build_data
 from fedhetero.data import DatasetFormatError, DatasetNotFoundError, load_dataset
 from fedhetero.data.datasets import FASHION_MNIST_MEAN, FASHION_MNIST_STD, MNIST_MEAN, MNIST_STD, read_idx
-from fedhetero.core.engine import Engine
+from fedhetero.core.run.engine import Engine
 from _util import ROOT
 
 FILES = ("train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte")
@@ -172,7 +172,7 @@ def test_config_and_a_run_on_idx_data(tmp_path):
 
 
 def test_logreg_model():
-    from fedhetero.core.budget import count_params, macs
+    from fedhetero.core.hetero.budget import count_params, macs
     from fedhetero.models import build_model, list_models
 
     assert "logreg" in list_models()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from fedhetero.core.config import DataConfig
+from fedhetero.core.common.config import DataConfig
 from fedhetero.data.errors import DataConfigError
 from fedhetero.data.partition import PARTITIONS, kshards, label_histograms, make_partition, shards, validate_partition
 

@@ -9,7 +9,7 @@ import math
 import numpy as np
 import pytest
 
-from fedhetero.core.config import ConfigError
+from fedhetero.core.common.config import ConfigError
 from fedhetero.data.partition import overlap_label_split, session_groups
 from _util import SESSION_BASE, session_cfg
 
@@ -69,7 +69,7 @@ def test_session_groups_needs_an_even_count():
 
 @pytest.mark.parametrize("overlap, b_labels", [(0.0, {5, 6, 7, 8, 9}), (0.2, {4, 5, 6, 7, 8})])
 def test_config_overlap_reaches_the_partition(overlap, b_labels):
-    from fedhetero.core.context import build_data
+    from fedhetero.core.local.context import build_data
 
     data = build_data(_cfg(**{"data.group_overlap": overlap}))
     labels = data.train.labels_np

@@ -5,9 +5,9 @@ split, absent at zero, reproducible; its accuracy logged and summarised; bad fra
 import numpy as np
 import pytest
 
-from fedhetero.core.config import ConfigError, from_dict
-from fedhetero.core.context import build_data
-from fedhetero.core.engine import Engine
+from fedhetero.core.common.config import ConfigError, from_dict
+from fedhetero.core.local.context import build_data
+from fedhetero.core.run.engine import Engine
 
 
 # ---------------------------------------------------------------------------- validation hold-out

@@ -30,11 +30,11 @@ import numpy as np
 import torch
 import yaml
 
-from fedhetero.core.types import ClientResult, ClientTask
-from fedhetero.core.config import from_dict
-from fedhetero.core.context import RunError
-from fedhetero.core.engine import Engine
-from fedhetero.core.types import Outcome
+from fedhetero.core.exchange.types import ClientResult, ClientTask
+from fedhetero.core.common.config import from_dict
+from fedhetero.core.local.context import RunError
+from fedhetero.core.run.engine import Engine
+from fedhetero.core.exchange.types import Outcome
 from fedhetero.integrations.flower.backend import FlowerBackend
 from fedhetero.integrations.flower.client_app import app as client_app
 from fedhetero.integrations.flower.client_app import (
@@ -129,7 +129,7 @@ def test_task_round_trip_is_exact():
 
 
 def test_outcome_round_trip_is_exact():
-    from fedhetero.core.submodel import rolling_spec
+    from fedhetero.core.hetero.submodel import rolling_spec
     from fedhetero.models import build_model
 
     model = build_model("lenet5", num_classes=10, in_channels=1, input_size=32)

@@ -129,7 +129,7 @@ def test_cohort_status_counts_the_timed_rounds_only():
 
 
 def test_the_wrapper_is_removed_after_the_block():
-    from fedhetero.core.cohort import Cohort
+    from fedhetero.core.local.cohort import Cohort
 
     original = Cohort.train
     with bv.count_cohort_calls() as calls:

@@ -12,8 +12,8 @@ import math
 import pytest
 from _util import load_example
 
-from fedhetero.core.config import from_dict
-from fedhetero.core.engine import Engine
+from fedhetero.core.common.config import from_dict
+from fedhetero.core.run.engine import Engine
 
 
 def _load():

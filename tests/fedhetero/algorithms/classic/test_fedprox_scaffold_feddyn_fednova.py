@@ -16,13 +16,13 @@ from torch import nn
 
 import fedhetero.models.registry
 from fedhetero.algorithms import build_algorithm
-from fedhetero.core.types import ClientInfo, ClientResult, state_bytes
+from fedhetero.core.exchange.types import ClientInfo, ClientResult, state_bytes
 from fedhetero.algorithms.classic.feddyn import FedDyn, FedDynOptions
 from fedhetero.algorithms.classic.fednova import FedNova, normalizing_factor
-from fedhetero.core.config import ConfigError, from_dict
-from fedhetero.core.context import ClientContext, Context, build_data
+from fedhetero.core.common.config import ConfigError, from_dict
+from fedhetero.core.local.context import ClientContext, Context, build_data
 from fedhetero.data import ArrayDataset, FederatedData
-from fedhetero.core.backend import run_task
+from fedhetero.core.run.backend import run_task
 from _util import equal_states, global_state, local_cfg, run_engine, strip_wall
 
 
@@ -141,7 +141,7 @@ def test_feddyn_alpha_to_zero_limit(tmp_path):
 
 
 def _as_dict(cfg):
-    from fedhetero.core.config import to_dict
+    from fedhetero.core.common.config import to_dict
 
     return to_dict(cfg)
 

@@ -18,14 +18,14 @@ import pytest
 import torch
 from torch import nn
 
-from fedhetero.core.types import ClientResult
+from fedhetero.core.exchange.types import ClientResult
 from fedhetero.algorithms.classic.fedacg import FedACG, FedACGOptions, lookahead_state
 from fedhetero.algorithms.classic.fedensemble import EnsembleModel
 from fedhetero.algorithms.classic.moon import moon_contrastive_loss
-from fedhetero.core.objective import LocalSGD, move_consts
-from fedhetero.core.config import ConfigError
-from fedhetero.core.engine import Engine
-from fedhetero.core.registry import build_algorithm
+from fedhetero.core.local.objective import LocalSGD, move_consts
+from fedhetero.core.common.config import ConfigError
+from fedhetero.core.run.engine import Engine
+from fedhetero.core.method.registry import build_algorithm
 from _util import SharedRuns, equal_states, fedavg_cfg, strip_wall
 
 

@@ -16,10 +16,10 @@ import torch
 import torch.nn.functional as F
 
 from fedhetero.algorithms.dynacomm import selection as dc
-from fedhetero.core.config import ConfigError, from_dict, to_dict
+from fedhetero.core.common.config import ConfigError, from_dict, to_dict
 from fedhetero.data import num_batches
-from fedhetero.core.context import ClientContext
-from fedhetero.core.engine import Engine
+from fedhetero.core.local.context import ClientContext
+from fedhetero.core.run.engine import Engine
 from _util import strip_wall
 
 LETTERS = "abcdefg"
@@ -426,9 +426,9 @@ def test_a_batched_window_keeps_the_momentum_buffers_one_by_one_keeps(final):
     of an exchange keep what each client one by one keeps, and start, like it, from the buffers
     carried in, else from the kept ones."""
     from fedhetero.algorithms.dynacomm.algorithm import DynaComm, DynaCommOptions
-    from fedhetero.core.backend import run_task, run_together
-    from fedhetero.core.context import client_context
-    from fedhetero.core.types import OPTIMIZER_STATE_KEY, ClientTask, split_optimizer_state
+    from fedhetero.core.run.backend import run_task, run_together
+    from fedhetero.core.local.context import client_context
+    from fedhetero.core.exchange.types import OPTIMIZER_STATE_KEY, ClientTask, split_optimizer_state
 
     cfg = from_dict({"seed": 1, "threads": 1, "dtype": "float64",
                      "data": {"dataset": "digits", "num_clients": 4},

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 import reparam
-from fedhetero.core.config import ConfigError, from_dict
-from fedhetero.core.engine import Engine
-from fedhetero.core.store import ClientStateStore
+from fedhetero.core.common.config import ConfigError, from_dict
+from fedhetero.core.run.engine import Engine
+from fedhetero.core.exchange.store import ClientStateStore
 
 
 def _cfg(**algo):
@@ -52,8 +52,8 @@ def test_bn_statistics_reset_restarts_the_anchor_norm(tmp_path):
     keeps the statistics it stored (REP ``gamma``), or measures them anew on its own batches
     (REP ``calibrated``, the default)."""
     from fedhetero.algorithms.dynamicfl.algorithm import DynamicFL, DynamicFLOptions
-    from fedhetero.core.types import ClientTask
-    from fedhetero.core.context import client_context
+    from fedhetero.core.exchange.types import ClientTask
+    from fedhetero.core.local.context import client_context
 
     cfg = _cfg()
     Engine(cfg, tmp_path / "r", progress=False).run()

@@ -7,8 +7,8 @@ from __future__ import annotations
 import torch
 
 import reparam
-from fedhetero.core.config import from_dict
-from fedhetero.core.engine import Engine
+from fedhetero.core.common.config import from_dict
+from fedhetero.core.run.engine import Engine
 from reparam.saliency import SaliencyMeter
 
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fedhetero.core.config import from_dict
-from fedhetero.core.engine import Engine
+from fedhetero.core.common.config import from_dict
+from fedhetero.core.run.engine import Engine
 
 ONE_TIER = [{"name": "all", "ratio": 1.0, "share": 1.0}]
 
@@ -55,7 +55,7 @@ def test_a_host_form_global_model_keeps_the_batchnorm_through_every_kind_of_clie
     # verify: every client started equal to the global model and uploaded what it trained
     assert all(0 <= c["lossless_out"] <= 1e-5 for c in clients)
     assert all(0 <= c["lossless_in"] <= 1e-5 for c in clients if c["mode"] == "dymm")
-    from fedhetero.core.context import client_context
+    from fedhetero.core.local.context import client_context
 
     host_keys = list(client_context(_cfg("fedavg", ONE_TIER)).build_model().state_dict())
     assert list(_final(tmp_path / "run")) == host_keys

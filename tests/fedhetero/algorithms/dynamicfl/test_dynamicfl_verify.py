@@ -11,9 +11,9 @@ import pytest
 import torch
 
 import reparam
-from fedhetero.core.config import from_dict
-from fedhetero.core.context import RunError
-from fedhetero.core.engine import Engine
+from fedhetero.core.common.config import from_dict
+from fedhetero.core.local.context import RunError
+from fedhetero.core.run.engine import Engine
 
 
 def _cfg(**options):

@@ -15,7 +15,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fedhetero.core.types import ClientInfo
+from fedhetero.core.exchange.types import ClientInfo
 from fedhetero.algorithms.feddumap.fedap import conv_layer_rates
 from fedhetero.algorithms.feddumap.feddu import (
     NonIIDStats,
@@ -27,11 +27,11 @@ from fedhetero.algorithms.feddumap.feddu import (
 )
 from fedhetero.algorithms.feddumap.feddum import DampedMomentumSGD, server_momentum_step
 from fedhetero.algorithms import build_algorithm
-from fedhetero.core.config import ConfigError, from_dict
-from fedhetero.core.context import build_data
+from fedhetero.core.common.config import ConfigError, from_dict
+from fedhetero.core.local.context import build_data
 from fedhetero.data.datasets import ArrayDataset
 from fedhetero.data.federated import FederatedData
-from fedhetero.core.engine import Engine
+from fedhetero.core.run.engine import Engine
 from fedhetero.backends.local import LocalBackend
 from fedhetero.algorithms.pruning.rates import aggregation_weights, kept_count
 from _util import ROOT
@@ -479,7 +479,7 @@ def test_a_diverged_server_step_stops_the_run_and_names_the_guards(tmp_path, mon
     """A server step that leaves a NaN (here put there by hand after FedDUM's momentum) stops the
     run in its round, and the message points to the family's guards."""
     from fedhetero.algorithms.feddumap.feddum import FedDUM
-    from fedhetero.core.context import RunError
+    from fedhetero.core.local.context import RunError
 
     plain = FedDUM.after_server_update
 

@@ -13,9 +13,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fedhetero.core.config import ConfigError
-from fedhetero.core.engine import Engine
-from fedhetero.core.registry import build_algorithm
+from fedhetero.core.common.config import ConfigError
+from fedhetero.core.run.engine import Engine
+from fedhetero.core.method.registry import build_algorithm
 from _util import SharedRuns, equal_states, fedavg_cfg, strip_wall
 
 

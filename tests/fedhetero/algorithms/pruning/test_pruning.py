@@ -40,7 +40,7 @@ from fedhetero.algorithms.pruning import (
     spectral_mass_above,
     taylor_bn_scores,
 )
-from fedhetero.core.submodel import (
+from fedhetero.core.hetero.submodel import (
     SubmodelSpec,
     extract_state,
     finalize,

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from fedhetero.algorithms import get_algorithm
-from fedhetero.core.types import ClientInfo, ClientResult
+from fedhetero.core.exchange.types import ClientInfo, ClientResult
 from fedhetero.algorithms.width.fedrolex import FedRolex, FedRolexOptions, rolling_window
 from fedhetero.algorithms.width.heterofl import (
     HeteroFL,
@@ -27,10 +27,10 @@ from fedhetero.algorithms.width.heterofl import (
     static_bn_model,
 )
 from fedhetero.algorithms.width.splitmix import SplitMix
-from fedhetero.core.config import ConfigError
-from fedhetero.core.engine import Engine
-from fedhetero.core.registry import build_algorithm
-from fedhetero.core.submodel import extract_state
+from fedhetero.core.common.config import ConfigError
+from fedhetero.core.run.engine import Engine
+from fedhetero.core.method.registry import build_algorithm
+from fedhetero.core.hetero.submodel import extract_state
 from fedhetero.models import build_model
 from _util import budget_method_cfg, client_half_from_the_task_alone, metrics_rows, run_within_budgets
 
@@ -222,7 +222,7 @@ def test_untrained_coordinates_keep_their_value(mode):
         kept_global = torch.zeros_like(before, dtype=torch.bool)
         # positions the client trained: scatter a marker through the spec
         marker = {k: torch.ones_like(v) for k, v in sub_state.items()}
-        from fedhetero.core.submodel import scatter
+        from fedhetero.core.hetero.submodel import scatter
 
         placed = scatter({k: torch.zeros_like(v) for k, v in old.items()}, marker, spec)[key].bool()
         if key.startswith("fc3."):

@@ -21,14 +21,14 @@ import torch
 from torch import nn
 
 import reparam
-from fedhetero.core.rundir import atomic_write_text
-from fedhetero.core.store import atomic_save
+from fedhetero.core.common.rundir import atomic_write_text
+from fedhetero.core.exchange.store import atomic_save
 from fedhetero.models import build_model
 
 if TYPE_CHECKING:  # pragma: no cover
-    from fedhetero.core.algorithm import Algorithm
-    from fedhetero.core.config import RunConfig
-    from fedhetero.core.context import Context
+    from fedhetero.core.method.algorithm import Algorithm
+    from fedhetero.core.common.config import RunConfig
+    from fedhetero.core.local.context import Context
 
 __all__ = ["load_model", "save_global_model"]
 

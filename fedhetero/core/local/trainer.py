@@ -1,10 +1,10 @@
 """The shared local trainer: local SGD on one client's data, as every method's client half uses it.
 
-:class:`LocalTrainer` belongs to a :class:`~fedhetero.core.context.ClientContext` (the server's
+:class:`LocalTrainer` belongs to a :class:`~fedhetero.core.local.context.ClientContext` (the server's
 context has none): the configured optimiser (learning-rate schedule, momentum, Nesterov, weight
 decay, clipping), the client's batches in an order seeded by (round, client, epoch), ``local_steps``,
 persistent momentum buffers (``train.optimizer_state: persistent``) and a method's
-:class:`~fedhetero.core.objective.LocalObjective`.
+:class:`~fedhetero.core.local.objective.LocalObjective`.
 """
 
 from __future__ import annotations
@@ -17,14 +17,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fedhetero.core.features import FeatureTap, has_hidden_layers, penultimate
-from fedhetero.core.objective import Batch, LocalObjective, LocalSGD, frozen_reference, move_consts
+from fedhetero.core.local.features import FeatureTap, has_hidden_layers, penultimate
+from fedhetero.core.local.objective import Batch, LocalObjective, LocalSGD, frozen_reference, move_consts
 from fedhetero.data import iterate_batches, num_batches
 from fedhetero.data.batches import epoch_order
 
 if TYPE_CHECKING:  # pragma: no cover
-    from fedhetero.core.config import RunConfig
-    from fedhetero.core.types import ClientInfo
+    from fedhetero.core.common.config import RunConfig
+    from fedhetero.core.exchange.types import ClientInfo
     from fedhetero.data import FederatedData
 
 __all__ = ["LocalTrainer"]
@@ -32,7 +32,7 @@ __all__ = ["LocalTrainer"]
 
 class TrainerContext(Protocol):
     """What the trainer reads from the client context that owns it
-    (:class:`~fedhetero.core.context.ClientContext`, which builds the trainer, so it is named here
+    (:class:`~fedhetero.core.local.context.ClientContext`, which builds the trainer, so it is named here
     by what it offers rather than imported)."""
 
     cfg: "RunConfig"
@@ -171,7 +171,7 @@ class LocalTrainer:
         ``train.clip_grad_norm`` when set. ``on_epoch_end(epoch, model, optimizer)`` runs after each
         epoch and may return a new optimizer (after a structure change). ``first_epoch`` numbers
         the epochs for the data order when one local round is split over several calls.
-        ``objective`` adds a method's gradient and loss terms (:mod:`fedhetero.core.objective`):
+        ``objective`` adds a method's gradient and loss terms (:mod:`fedhetero.core.local.objective`):
         its loss term to ``loss_fn``'s, its gradient term before ``after_backward`` runs.
 
         With ``train.local_steps`` set, the local round of ``train.local_epochs`` epochs is

@@ -29,8 +29,8 @@ from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
-from fedhetero.core.budget import check_budgets
-from fedhetero.core.config import (
+from fedhetero.core.hetero.budget import check_budgets
+from fedhetero.core.common.config import (
     ConfigError,
     RunConfig,
     _yaml_problem,
@@ -41,10 +41,10 @@ from fedhetero.core.config import (
     parse_yaml,
     to_dict,
 )
-from fedhetero.core.context import ClientContext, RunError, build_data
-from fedhetero.core.engine import Engine, _check_splits
-from fedhetero.core.registry import build_algorithm, get_algorithm
-from fedhetero.core.rundir import RunDirError, RunLock, atomic_write_text, clear_run, inspect_dir, read_metrics
+from fedhetero.core.local.context import ClientContext, RunError, build_data
+from fedhetero.core.run.engine import Engine, _check_splits
+from fedhetero.core.method.registry import build_algorithm, get_algorithm
+from fedhetero.core.common.rundir import RunDirError, RunLock, atomic_write_text, clear_run, inspect_dir, read_metrics
 
 __all__ = ["accuracy_curves", "compare_settings", "comparison_rows", "default_compare_dir", "run_comparison", "tier_bars",
            "tiers_figure"]

@@ -28,20 +28,20 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fedhetero.core import budget as budget_mod
-from fedhetero.core.aggregation import UploadStream
-from fedhetero.core.config import ConfigError, RunConfig
-from fedhetero.core.trainer import LocalTrainer
-from fedhetero.core.sessions import Schedule
-from fedhetero.core.types import CONCERNS, derive_seed
-from fedhetero.core.widths import WidthPlanner
+from fedhetero.core.hetero import budget as budget_mod
+from fedhetero.core.exchange.aggregation import UploadStream
+from fedhetero.core.common.config import ConfigError, RunConfig
+from fedhetero.core.local.trainer import LocalTrainer
+from fedhetero.core.hetero.sessions import Schedule
+from fedhetero.core.exchange.types import CONCERNS, derive_seed
+from fedhetero.core.hetero.widths import WidthPlanner
 from fedhetero.data import build_federated_data, iterate_batches
 from fedhetero.models import build_model
 
 if TYPE_CHECKING:  # pragma: no cover
-    from fedhetero.core.objective import LocalSGD
-    from fedhetero.core.store import ClientStateStore
-    from fedhetero.core.types import ClientInfo, ClientResult, ClientTask
+    from fedhetero.core.local.objective import LocalSGD
+    from fedhetero.core.exchange.store import ClientStateStore
+    from fedhetero.core.exchange.types import ClientInfo, ClientResult, ClientTask
 
 __all__ = [
     "ClientContext",
@@ -174,7 +174,7 @@ class RunContext:
             self.plain_macs = self.macs(self.build_model())
         self.tier_ratio = {t.name: t.ratio for t in cfg.budget.tiers}
         self.lr_override: float | None = None  # server side: the rate of an exchange run now
-        self.schedule: Any = None  # fedhetero.core.sessions.Schedule when sessions are configured
+        self.schedule: Any = None  # fedhetero.core.hetero.sessions.Schedule when sessions are configured
         if cfg.sessions.count:
             self.schedule = Schedule.from_config(
                 cfg.sessions.count, cfg.sessions.rounds, len(data.client_indices), cfg.sessions.schedule,
@@ -427,7 +427,7 @@ class RunContext:
 
 class ClientContext(RunContext):
     """What the client half of a method may use: the :class:`RunContext` of its process plus the
-    shared local trainer (:class:`~fedhetero.core.trainer.LocalTrainer`) and the scope of the
+    shared local trainer (:class:`~fedhetero.core.local.trainer.LocalTrainer`) and the scope of the
     client it runs. It holds no server state."""
 
     def __init__(self, cfg: RunConfig, data: Any, device: torch.device) -> None:
@@ -457,27 +457,27 @@ class ClientContext(RunContext):
 
     # ------------------------------------------------------------------ the client's trainer
     def make_optimizer(self, model: nn.Module, lr: float | None = None) -> torch.optim.Optimizer:
-        """:meth:`LocalTrainer.make_optimizer <fedhetero.core.trainer.LocalTrainer.make_optimizer>`."""
+        """:meth:`LocalTrainer.make_optimizer <fedhetero.core.local.trainer.LocalTrainer.make_optimizer>`."""
         return self.trainer.make_optimizer(model, lr)
 
     def configured_sgd(self) -> "LocalSGD":
-        """:meth:`LocalTrainer.configured_sgd <fedhetero.core.trainer.LocalTrainer.configured_sgd>`."""
+        """:meth:`LocalTrainer.configured_sgd <fedhetero.core.local.trainer.LocalTrainer.configured_sgd>`."""
         return self.trainer.configured_sgd()
 
     def optimizer_state(self) -> dict[str, torch.Tensor] | None:
-        """:meth:`LocalTrainer.optimizer_state <fedhetero.core.trainer.LocalTrainer.optimizer_state>`."""
+        """:meth:`LocalTrainer.optimizer_state <fedhetero.core.local.trainer.LocalTrainer.optimizer_state>`."""
         return self.trainer.optimizer_state()
 
     def client_batches(self, cid: int, epoch: int, batch_size: int | None = None):  # type: ignore[no-untyped-def]
-        """:meth:`LocalTrainer.client_batches <fedhetero.core.trainer.LocalTrainer.client_batches>`."""
+        """:meth:`LocalTrainer.client_batches <fedhetero.core.local.trainer.LocalTrainer.client_batches>`."""
         return self.trainer.client_batches(cid, epoch, batch_size)
 
     def client_epoch_rows(self, cid: int, epoch: int) -> torch.Tensor:
-        """:meth:`LocalTrainer.client_epoch_rows <fedhetero.core.trainer.LocalTrainer.client_epoch_rows>`."""
+        """:meth:`LocalTrainer.client_epoch_rows <fedhetero.core.local.trainer.LocalTrainer.client_epoch_rows>`."""
         return self.trainer.client_epoch_rows(cid, epoch)
 
     def train(self, model: nn.Module, client: "ClientInfo", epochs: int, **kw: Any) -> dict[str, Any]:
-        """:meth:`LocalTrainer.train <fedhetero.core.trainer.LocalTrainer.train>`: local SGD on the
+        """:meth:`LocalTrainer.train <fedhetero.core.local.trainer.LocalTrainer.train>`: local SGD on the
         client's data (keywords ``optimizer``, ``after_backward``, ``on_epoch_end``, ``loss_fn``,
         ``first_epoch``, ``objective``)."""
         return self.trainer.train(model, client, epochs, **kw)
@@ -535,7 +535,7 @@ class Context(RunContext):
         return None if stream is None else stream.mean_of(updates, weights)
 
     def execute(self, algorithm: Any, tasks: "list[ClientTask]") -> "list[ClientResult]":
-        """Run client tasks of ``algorithm`` (the run's :class:`~fedhetero.core.algorithm.Algorithm`,
+        """Run client tasks of ``algorithm`` (the run's :class:`~fedhetero.core.method.algorithm.Algorithm`,
         whose client halves they are; not imported here, as the method interface imports this
         module) on the back end; the results of the clients that succeeded, sorted by client id
         (failed clients are recorded by the engine and left out)."""

@@ -27,8 +27,8 @@ from typing import Any
 
 import torch
 
-from fedhetero.core.rundir import RunDirError, writing
-from fedhetero.core.types import payload_bytes
+from fedhetero.core.common.rundir import RunDirError, writing
+from fedhetero.core.exchange.types import payload_bytes
 
 __all__ = ["ClientStateStore", "atomic_save"]
 

@@ -50,7 +50,7 @@ __all__ = [
 RUN_FILES = ("config.yaml", "metrics.jsonl", "checkpoint.pt", "summary.json")
 
 
-#: The folders of the experiment loggers (:mod:`fedhetero.core.loggers`), each with the names of
+#: The folders of the experiment loggers (:mod:`fedhetero.core.run.loggers`), each with the names of
 #: the files its logger writes there: TensorBoard's event files; MLflow's SQLite store and the
 #: journal files SQLite keeps beside it while it writes.
 LOGGER_DIRS: dict[str, re.Pattern[str]] = {

@@ -8,7 +8,7 @@ overrides only what differs. The hooks, by how often a method needs them:
   :attr:`~Algorithm.state_fields` (the server state a checkpoint keeps), :attr:`~Algorithm.adapts_to`
   (budget scenarios), :attr:`~Algorithm.server_data` / :attr:`~Algorithm.public_data` (the splits it
   trains on), :attr:`~Algorithm.supports_submodels`.
-* **Server half** (sees the server's :class:`~fedhetero.core.context.Context`): :meth:`setup` (the
+* **Server half** (sees the server's :class:`~fedhetero.core.local.context.Context`): :meth:`setup` (the
   global model and server state), :meth:`configure` (one :class:`ClientTask` per sampled client:
   what the server sends), :meth:`aggregate` (the new global model from the
   :class:`ClientResult` list). Optional: :meth:`server_update`; :meth:`run_round` for several
@@ -22,16 +22,16 @@ overrides only what differs. The hooks, by how often a method needs them:
   process, in a worker process or on a Flower node, so it cannot see the server's objects. The
   default is :meth:`local_plan` → :meth:`client_model` → :meth:`local_train` → :meth:`upload`.
   Local training is a value: :meth:`local_plan` returns a
-  :class:`~fedhetero.core.objective.LocalPlan` (the SGD, and a gradient or loss term, members,
+  :class:`~fedhetero.core.local.objective.LocalPlan` (the SGD, and a gradient or loss term, members,
   masks, batches, a phase before it or the momentum it starts from), which one client trains
   alone and a round's clients train together in batched cohorts
-  (:mod:`fedhetero.core.runner`). A method that trains in a way no plan states overrides
+  (:mod:`fedhetero.core.method.runner`). A method that trains in a way no plan states overrides
   :meth:`local_train` (or :meth:`client_update`) and returns None from :meth:`local_plan`. What a client
   keeps between rounds is returned as ``ClientResult.client_state`` and handed back the next time
   it is sampled (the embedded back ends keep it in the on-disk store, Flower in the node's state);
   per-task values live in the objective or in locals, never on ``self``.
 
-:meth:`ClientResult.of <fedhetero.core.types.ClientResult.of>` fills in a result's accounting, and
+:meth:`ClientResult.of <fedhetero.core.exchange.types.ClientResult.of>` fills in a result's accounting, and
 :meth:`Algorithm.state_dict` / :meth:`Algorithm.load_state_dict` derive resume state from
 :attr:`~Algorithm.state_fields`.
 """
@@ -43,9 +43,9 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 from torch import nn
 
-from fedhetero.core.aggregation import weighted_average
-from fedhetero.core.objective import LocalPlan
-from fedhetero.core.types import (
+from fedhetero.core.exchange.aggregation import weighted_average
+from fedhetero.core.local.objective import LocalPlan
+from fedhetero.core.exchange.types import (
     ClientInfo,
     ClientResult,
     ClientTask,
@@ -57,7 +57,7 @@ from fedhetero.core.types import (
 )
 
 if TYPE_CHECKING:  # pragma: no cover
-    from fedhetero.core.context import ClientContext, Context, RunContext
+    from fedhetero.core.local.context import ClientContext, Context, RunContext
 
 __all__ = [
     "Algorithm",
@@ -110,7 +110,7 @@ class Algorithm:
         within: the MACs of the method's smallest model. None (the default): no floor, the method
         meets any budget or does not follow budgets at all.
 
-        :func:`fedhetero.core.budget.check_budgets` refuses, before the first round, a tier whose budget
+        :func:`fedhetero.core.hetero.budget.check_budgets` refuses, before the first round, a tier whose budget
         ``ratio × ctx.plain_macs`` is below it (a ``ConfigError`` naming ``budget.tiers[i].ratio``).
         It may be called before or after :meth:`setup` (with the server's context): it depends on
         the config, the options and the context only, and leaves torch's RNG as it found it."""
@@ -176,7 +176,7 @@ class Algorithm:
         ``state`` (None the first time). The default calls :meth:`local_plan`,
         :meth:`client_model`, :meth:`local_train` with that plan and :meth:`upload`, then the
         plan's objective's ``finish``; a round's clients trained together in batched cohorts
-        (:func:`fedhetero.core.runner.train_cohorts`) go through the same hooks with the plan
+        (:func:`fedhetero.core.method.runner.train_cohorts`) go through the same hooks with the plan
         trained by the cohort instead of :meth:`local_train`. A method that overrides this hook
         runs its whole client half itself, so its :meth:`local_plan` returns None."""
         plan = self.local_plan(ctx, task, state)
@@ -189,7 +189,7 @@ class Algorithm:
         return result
 
     def local_plan(self, ctx: "ClientContext", task: ClientTask, state: dict[str, Any] | None) -> LocalPlan | None:
-        """What this client's local training is, as a value (:class:`~fedhetero.core.objective.LocalPlan`):
+        """What this client's local training is, as a value (:class:`~fedhetero.core.local.objective.LocalPlan`):
         the plain SGD it runs and what it adds to it — an objective (a gradient or loss term
         written once for one model and for a cohort), independent members, masks, the batches,
         a phase before it, the momentum it starts from. It is decided from the task and the

@@ -4,16 +4,16 @@ The engine builds one row per round (``metrics.jsonl``): what the method reports
 (:meth:`Algorithm.round_metrics`), the evaluation, and what :func:`account_round` adds from the
 clients' results — one entry per client (tier, budget and MACs, bytes, samples and the client's
 own metrics), the bytes of the round and of the run so far, and the round's simulated wall time
-under the device time model (:mod:`fedhetero.core.timemodel`).
+under the device time model (:mod:`fedhetero.core.hetero.timemodel`).
 """
 
 from __future__ import annotations
 
 from typing import Any, Sequence
 
-from fedhetero.core.config import TrainConfig
-from fedhetero.core.timemodel import ClientCost, TimeModel
-from fedhetero.core.types import ClientInfo, ClientResult
+from fedhetero.core.common.config import TrainConfig
+from fedhetero.core.hetero.timemodel import ClientCost, TimeModel
+from fedhetero.core.exchange.types import ClientInfo, ClientResult
 
 __all__ = ["account_round", "client_entry", "is_jsonable", "sample_passes"]
 

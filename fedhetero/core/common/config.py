@@ -258,7 +258,7 @@ class MethodOptions:
 # The names a field accepts come from the registry that owns them, never restated here: datasets
 # and partitions from fedhetero.data, models from the zoo, back ends from the tables below (the
 # core's back-end module imports this one, so they live here), algorithms from
-# fedhetero.core.registry (checked when the method is built). The data layer and the zoo import
+# fedhetero.core.method.registry (checked when the method is built). The data layer and the zoo import
 # torch, which the command line's parser and `--help` do not need: they are imported when a value
 # is checked, not with this module.
 
@@ -283,10 +283,10 @@ def _model_names() -> list[str]:
 
 #: Loggers a run may name in ``loggers``: name -> ``"module:Class"`` of a built-in one (a name, not
 #: an import: the module is loaded when a run uses it), or the class
-#: :func:`fedhetero.core.loggers.register_logger` added.
+#: :func:`fedhetero.core.run.loggers.register_logger` added.
 LOGGERS: dict[str, Any] = {
-    "tensorboard": "fedhetero.core.loggers:TensorBoardLogger",
-    "mlflow": "fedhetero.core.loggers:MLflowLogger",
+    "tensorboard": "fedhetero.core.run.loggers:TensorBoardLogger",
+    "mlflow": "fedhetero.core.run.loggers:MLflowLogger",
 }
 
 
@@ -296,7 +296,7 @@ def logger_names() -> tuple[str, ...]:
 
 
 #: Back ends the engine builds: name -> ``"module:Class"`` (the class takes ``(cfg, data)``);
-#: :func:`fedhetero.core.backend.register_backend` adds more.
+#: :func:`fedhetero.core.run.backend.register_backend` adds more.
 BACKENDS: dict[str, str] = {
     "local": "fedhetero.backends.local:LocalBackend",
     "process": "fedhetero.backends.process:ProcessBackend",
@@ -402,7 +402,7 @@ def _default_tiers() -> tuple[TierConfig, ...]:
     )
 
 
-#: How client budgets change during a run (fedhetero.core.budget implements each).
+#: How client budgets change during a run (fedhetero.core.hetero.budget implements each).
 Scenario = Literal["static", "increasing", "decreasing", "random"]
 SCENARIOS: tuple[str, ...] = typing.get_args(Scenario)
 
@@ -418,7 +418,7 @@ class BudgetConfig:
 
 @dataclass(frozen=True)
 class AlgorithmConfig:
-    name: str = "dynamicfl"  # checked by fedhetero.core.registry when the method is built
+    name: str = "dynamicfl"  # checked by fedhetero.core.method.registry when the method is built
     options: Mapping[str, Any] = field(default_factory=dict)  # checked against the method's Options
 
 
@@ -447,7 +447,7 @@ class EngineConfig:
     min_clients: int = option(1, ge=1)  # fewer successful clients in a round stops the run with a clear message
     inject_faults: FaultConfig = field(default_factory=FaultConfig)
     # train a round's clients in batched cohorts where the method and model allow it
-    # (fedhetero.core.cohort), on each executor of the local and process back ends; same numbers
+    # (fedhetero.core.local.cohort), on each executor of the local and process back ends; same numbers
     # as one by one up to the order of float sums. null (auto): on a CPU, cohorts of engine.min_cohort
     # clients or more of 10 local steps or more (where measured faster); on a GPU, of 2 or more;
     # true: of 2 or more; false: never
@@ -484,7 +484,7 @@ class RunConfig:
     # README), and the count is part of the config so that the same config gives the same numbers
     threads: int | None = option(1, ge=1, le=_MAX_THREADS)
     deterministic: bool = True
-    tune_malloc: bool = True  # keep freed activation memory in the heap (glibc; see fedhetero.core.allocator)
+    tune_malloc: bool = True  # keep freed activation memory in the heap (glibc; see fedhetero.core.run.allocator)
     dtype: Literal["float32", "float64"] = "float32"
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -494,7 +494,7 @@ class RunConfig:
     engine: EngineConfig = field(default_factory=EngineConfig)
     # added after runs were made: hashed only with sessions.count set
     sessions: SessionsConfig = option(default_factory=SessionsConfig, added_later="count")
-    # experiment loggers beside metrics.jsonl (fedhetero.core.loggers: tensorboard, mlflow; extra
+    # experiment loggers beside metrics.jsonl (fedhetero.core.run.loggers: tensorboard, mlflow; extra
     # fedhetero[loggers]); they change no number, so they are not hashed and may change on resume
     loggers: tuple[str, ...] = option((), choices=logger_names)
 

@@ -21,7 +21,7 @@ import torch
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors  # one call each (DDP's)
 
 if TYPE_CHECKING:  # pragma: no cover
-    from fedhetero.core.submodel import SubmodelSpec
+    from fedhetero.core.hetero.submodel import SubmodelSpec
 
 __all__ = [
     "CONCERNS",

@@ -14,7 +14,7 @@ import yaml
 from rich.table import Table
 from rich.text import Text
 
-from fedhetero.core.config import config_hash, to_dict
+from fedhetero.core.common.config import config_hash, to_dict
 
 __all__ = ["default_out_dir", "plot_run", "plot_series", "plot_title", "print_summary", "run_settings", "summary_view"]
 
@@ -51,7 +51,7 @@ def default_out_dir(cfg: Any) -> Path:
 
 
 def run_settings(cfg: Any = None, out: Path | None = None) -> dict[str, Any]:
-    """The run's config as plain data: ``cfg`` (a :class:`~fedhetero.core.config.RunConfig` or a
+    """The run's config as plain data: ``cfg`` (a :class:`~fedhetero.core.common.config.RunConfig` or a
     dict), else the ``config.yaml`` of the run directory ``out``; ``{}`` when neither is at hand."""
     if cfg is not None:
         return cfg if isinstance(cfg, dict) else to_dict(cfg)

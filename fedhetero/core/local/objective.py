@@ -5,8 +5,8 @@ Most methods change local training in one of two ways: a term added to every ste
 FedACG's regulariser) or a term added to the loss that compares the model's outputs with those
 of frozen reference models (MOON's contrastive loss, DynInit's distillation from a teacher). A
 method states that term once, as the :class:`LocalObjective` of the :class:`LocalPlan` its
-``local_plan`` hook returns, and the framework applies it to one model (:meth:`~fedhetero.core.context.ClientContext.train`)
-or to a round's clients trained together (:class:`~fedhetero.core.cohort.Cohort`).
+``local_plan`` hook returns, and the framework applies it to one model (:meth:`~fedhetero.core.local.context.ClientContext.train`)
+or to a round's clients trained together (:class:`~fedhetero.core.local.cohort.Cohort`).
 
 The rules are written for one client and must use elementwise operations only (and reductions
 over the last axis): in a cohort every tensor they see carries a leading client axis. A rule
@@ -25,7 +25,7 @@ across a cohort), never through its closure, which may hold only the method's op
   generator, stacked across a cohort), :meth:`Batch.linear` (the client's own linear layer) and
   :attr:`Batch.labels`.
 
-:attr:`LocalObjective.finish` runs on the client's :class:`~fedhetero.core.types.ClientResult`
+:attr:`LocalObjective.finish` runs on the client's :class:`~fedhetero.core.exchange.types.ClientResult`
 after the upload is built (control-variate updates, the state a client keeps): per-task values
 live in the objective, never on the algorithm instance.
 """
@@ -39,7 +39,7 @@ import torch
 from torch import nn
 
 if TYPE_CHECKING:  # pragma: no cover
-    from fedhetero.core.types import ClientResult
+    from fedhetero.core.exchange.types import ClientResult
 
 __all__ = [
     "Batch", "GradRule", "LocalObjective", "LocalPhase", "LocalPlan", "LocalSGD", "LossRule", "Tensors", "cohort_rules", "move_consts", "proximal",
@@ -136,8 +136,8 @@ class LocalObjective:
 @dataclass(frozen=True)
 class LocalPlan:
     """A client's local training as a value (:meth:`Algorithm.local_plan
-    <fedhetero.core.algorithm.Algorithm.local_plan>`): what one client trains alone and a round's
-    clients train together in batched cohorts (:mod:`fedhetero.core.runner`).
+    <fedhetero.core.method.algorithm.Algorithm.local_plan>`): what one client trains alone and a round's
+    clients train together in batched cohorts (:mod:`fedhetero.core.method.runner`).
 
     ``sgd``: the plain SGD it runs (:class:`LocalSGD`). ``objective``: what it adds to the
     cross-entropy (:class:`LocalObjective`). ``members``: the independent members of the model

@@ -14,11 +14,11 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from fedhetero.core.algorithm import Algorithm
-from fedhetero.core.config import OPTIONS_PATH, ConfigError, from_mapping
+from fedhetero.core.method.algorithm import Algorithm
+from fedhetero.core.common.config import OPTIONS_PATH, ConfigError, from_mapping
 
 if TYPE_CHECKING:  # pragma: no cover
-    from fedhetero.core.config import RunConfig
+    from fedhetero.core.common.config import RunConfig
 
 __all__ = ["IMPORT_ERRORS", "build_algorithm", "builtin_algorithms", "get_algorithm", "import_target", "list_algorithms", "register"]
 

@@ -2,8 +2,8 @@
 
 :class:`Engine` owns everything that is the same for every method: data and partitions, device
 tiers and budgets, client sampling, evaluation, metrics, checkpoints and resume. Algorithms
-(:mod:`fedhetero.algorithms`) see only a :class:`~fedhetero.core.context.Context`; their client tasks run
-on the back end ``engine.backend`` names (:mod:`fedhetero.core.backend`). A client task that raises,
+(:mod:`fedhetero.algorithms`) see only a :class:`~fedhetero.core.local.context.Context`; their client tasks run
+on the back end ``engine.backend`` names (:mod:`fedhetero.core.run.backend`). A client task that raises,
 times out or uploads non-finite tensors is dropped from its round and recorded in the round's
 ``dropped`` list of ``metrics.jsonl``; a round with fewer than ``engine.min_clients`` successful
 clients stops the run with a message (the last checkpoint stays, so it can be resumed).
@@ -16,7 +16,7 @@ Guarantees:
   same numbers; nothing depends on global RNG state carried across rounds.
 * **Resumable.** The run directory holds ``config.yaml`` (resolved) with its hash,
   ``metrics.jsonl`` (one object per round), ``checkpoint.pt`` (written atomically) and
-  ``summary.json``, among the other files of :data:`~fedhetero.core.rundir.RUN_ENTRIES` (the
+  ``summary.json``, among the other files of :data:`~fedhetero.core.common.rundir.RUN_ENTRIES` (the
   README's run-directory table lists them all). A run killed at any point and resumed with ``resume=True`` ends with exactly the
   numbers of an uninterrupted run: client state lives in a versioned on-disk store that is rolled
   back to the checkpoint's round.
@@ -38,12 +38,12 @@ import numpy as np
 import torch
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-from fedhetero.core import budget as budget_mod
-from fedhetero.core.aggregation import UploadStream
-from fedhetero.core.algorithm import Algorithm, state_tensors
-from fedhetero.core.allocator import tune_malloc
-from fedhetero.core.backend import Backend, drop_kind, make_backend
-from fedhetero.core.config import (
+from fedhetero.core.hetero import budget as budget_mod
+from fedhetero.core.exchange.aggregation import UploadStream
+from fedhetero.core.method.algorithm import Algorithm, state_tensors
+from fedhetero.core.run.allocator import tune_malloc
+from fedhetero.core.run.backend import Backend, drop_kind, make_backend
+from fedhetero.core.common.config import (
     OPTIONS_PATH,
     RESUMABLE,
     ConfigError,
@@ -56,12 +56,12 @@ from fedhetero.core.config import (
     load_config,
     to_dict,
 )
-from fedhetero.core.context import Context, RunError, build_data
-from fedhetero.core.export import global_model_state, save_global_model
-from fedhetero.core.loggers import RunLoggers
-from fedhetero.core.metrics import account_round
-from fedhetero.core.registry import build_algorithm
-from fedhetero.core.rundir import (
+from fedhetero.core.local.context import Context, RunError, build_data
+from fedhetero.core.run.export import global_model_state, save_global_model
+from fedhetero.core.run.loggers import RunLoggers
+from fedhetero.core.run.metrics import account_round
+from fedhetero.core.method.registry import build_algorithm
+from fedhetero.core.common.rundir import (
     MetricsLog,
     RunDirError,
     RunLock,
@@ -72,10 +72,10 @@ from fedhetero.core.rundir import (
     finite_json,
     inspect_dir,
 )
-from fedhetero.core.sessions import session_summary
-from fedhetero.core.store import ClientStateStore, atomic_save
-from fedhetero.core.timemodel import smoothed_final_accuracy
-from fedhetero.core.types import ClientInfo, ClientResult, ClientTask, Outcome, check_result, nonfinite_entries
+from fedhetero.core.hetero.sessions import session_summary
+from fedhetero.core.exchange.store import ClientStateStore, atomic_save
+from fedhetero.core.hetero.timemodel import smoothed_final_accuracy
+from fedhetero.core.exchange.types import ClientInfo, ClientResult, ClientTask, Outcome, check_result, nonfinite_entries
 from fedhetero.data import save_partition
 
 #: environment variable that turns internal errors from dropped clients into a stopped run
@@ -652,7 +652,7 @@ def changed_options(out_dir: str | Path, cfg: RunConfig, options: Any) -> list[t
     """The method options with which the run in ``out_dir`` was made that ``options`` (what
     ``cfg`` builds now) would change, as ``(name, made with, now)``: those ``run.json``
     recorded, or, in a run directory made before runs recorded their options, the options whose
-    default changed since (:attr:`~fedhetero.core.config.MethodOptions.earlier_defaults`) that
+    default changed since (:attr:`~fedhetero.core.common.config.MethodOptions.earlier_defaults`) that
     ``cfg`` does not set."""
     now = options_record(options)
     try:
@@ -670,7 +670,7 @@ def resume_config(
 ) -> tuple[RunConfig, set[str]]:
     """The config a resumed run goes on with, and the config hashes its directory may have
     recorded: ``cfg`` when given (it must hash as the saved one), else the saved config with
-    ``overrides`` applied. Only the fields that may change on resume (:data:`~fedhetero.core.config.RESUMABLE`) may differ.
+    ``overrides`` applied. Only the fields that may change on resume (:data:`~fedhetero.core.common.config.RESUMABLE`) may differ.
     A method from code outside the package is accepted only when the caller names it (``cfg``, or
     an ``algorithm.name`` override): a run directory never makes fedhetero import code."""
     out_dir = Path(out_dir)
@@ -747,7 +747,7 @@ def summarize(cfg: RunConfig, history: list[dict[str, Any]], plain_macs: int, wa
     """Final numbers of a run: accuracy (final, best, smoothed), per-tier budgets and FLOPs, bytes."""
     evals = [r for r in history if "accuracy" in r]
     accs = [r["accuracy"] for r in evals]
-    # drops by (tier, class) in one pass (see fedhetero.core.backend.DROP_KINDS); a row written before
+    # drops by (tier, class) in one pass (see fedhetero.core.run.backend.DROP_KINDS); a row written before
     # drops had a class counts its drops as "unclassified"
     drops_by = Counter(
         (d.get("tier"), str(d.get("kind", "unclassified"))) for r in history for d in r.get("dropped", ())

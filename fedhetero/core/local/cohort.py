@@ -15,20 +15,20 @@ How the clients' models run at once, by model:
 
 * a model whose forward is ``linear(flatten(x))`` (it declares ``flat_linear``, e.g. ``logreg``):
   one batched product with a hand-written gradient;
-* a model :func:`~fedhetero.core.stacking.stack_model` can stack (convolutions, linear layers,
+* a model :func:`~fedhetero.core.local.stacking.stack_model` can stack (convolutions, linear layers,
   BatchNorm, GroupNorm, and whatever acts per channel between them: the zoo's CNNs): one stacked
   model holding the clients side by side along the channel axis, channels-last for images; each
   client keeps its own BatchNorm batch and running statistics, and padded rows stay out of them;
 * any other model without floating buffers: :func:`torch.func.vmap` over the clients' parameters.
 
-A method's local objective (:mod:`fedhetero.core.objective`: FedProx's and FedACG's proximal pull,
+A method's local objective (:mod:`fedhetero.core.local.objective`: FedProx's and FedACG's proximal pull,
 SCAFFOLD's correction, FedDyn's terms, MOON's and DynInit's losses against reference models) is
 applied to the clients' parameters by the same rule the one-by-one trainer uses; dropout draws each
 client's masks from the stream its own run draws them from (bit for bit on a CPU); momentum
 buffers kept between rounds (``train.optimizer_state: persistent``) come in and go out per client.
 
-Which clients train together (:func:`fedhetero.core.runner.train_cohorts`): a task whose method
-states its local training as a plan (:meth:`~fedhetero.core.algorithm.Algorithm.local_plan`: the
+Which clients train together (:func:`fedhetero.core.method.runner.train_cohorts`): a task whose method
+states its local training as a plan (:meth:`~fedhetero.core.method.algorithm.Algorithm.local_plan`: the
 configured SGD, or the FedDU family's at the server's rate, and what it adds) joins; they are
 grouped by model structure
 (:func:`structure_key`: a pruned or narrower model trains with its like), SGD settings and
@@ -36,7 +36,7 @@ objective rules, then by their number of steps (:func:`plan_cohorts`: a cohort s
 longest client is done, so clients of very different lengths go to different cohorts), each
 cohort capped by ``engine.cohort_memory_mb`` (:func:`client_bytes`). With ``engine.vectorize``
 null (the default) a CPU batches cohorts of ``engine.min_cohort`` clients or more, each of
-:data:`~fedhetero.core.runner.AUTO_MIN_STEPS` local steps or more (fewer clients, or shorter
+:data:`~fedhetero.core.method.runner.AUTO_MIN_STEPS` local steps or more (fewer clients, or shorter
 ones, were no faster than one by one), a GPU of two or more. Every other task — augmentation, a client half of
 the method's own, a model the cohort cannot run, too few clients of a kind — runs one by one.
 """
@@ -51,15 +51,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fedhetero.core.features import classifier_of, has_hidden_layers, penultimate
-from fedhetero.core.objective import Batch, LocalObjective, LocalPhase, LocalSGD, cohort_rules, frozen_reference, stack_consts
-from fedhetero.core.stacking import client_shapes, load_clients, stack_model, stacked_dropouts, stacked_layers, views
-from fedhetero.core.types import derive_seed
+from fedhetero.core.local.features import classifier_of, has_hidden_layers, penultimate
+from fedhetero.core.local.objective import Batch, LocalObjective, LocalPhase, LocalSGD, cohort_rules, frozen_reference, stack_consts
+from fedhetero.core.local.stacking import client_shapes, load_clients, stack_model, stacked_dropouts, stacked_layers, views
+from fedhetero.core.exchange.types import derive_seed
 from fedhetero.data.batches import num_batches
 
 if TYPE_CHECKING:  # pragma: no cover
-    from fedhetero.core.context import ClientContext
-    from fedhetero.core.types import ClientTask
+    from fedhetero.core.local.context import ClientContext
+    from fedhetero.core.exchange.types import ClientTask
 
 __all__ = [
     "Cohort", "client_bytes", "client_generator", "client_steps", "cohort_supported", "plan_cohorts", "structure_key",
@@ -122,7 +122,7 @@ def _hook_key(hook: Callable[..., Any]) -> Any:
 
 
 def _stacked_for(ctx: "ClientContext", model: nn.Module, clients: int) -> nn.Module | None:
-    """The stacked copy of ``model`` for ``clients`` clients (see :mod:`fedhetero.core.stacking`),
+    """The stacked copy of ``model`` for ``clients`` clients (see :mod:`fedhetero.core.local.stacking`),
     built once per architecture and cohort size in this process and checked against the clients'
     own models once per architecture (at three clients); None when the model cannot be stacked."""
     arch = (type(model).__name__, str(ctx.dtype), str(ctx.device),
@@ -224,7 +224,7 @@ class Cohort:
     def build(cls, ctx: "ClientContext", model: nn.Module, tasks: "Sequence[ClientTask]",
               initial: Sequence[dict[str, torch.Tensor]]) -> "Cohort | None":
         """A cohort, or None when the model cannot be trained as one (floating buffers, such as
-        BatchNorm statistics, in a model :func:`~fedhetero.core.stacking.stack_model` refuses)."""
+        BatchNorm statistics, in a model :func:`~fedhetero.core.local.stacking.stack_model` refuses)."""
         try:
             return cls(ctx, model, tasks, initial)
         except ValueError:
@@ -319,7 +319,7 @@ class Cohort:
               source: tuple[torch.Tensor, torch.Tensor] | None = None) -> list[dict[str, Any]]:
         """Local SGD as ``sgd`` states it for every client, with the method's ``objective`` (its
         rules applied to the stacked parameters, ``consts`` the clients' constants stacked by
-        :func:`~fedhetero.core.objective.stack_consts`). ``momentum_buffers``: each client's
+        :func:`~fedhetero.core.local.objective.stack_consts`). ``momentum_buffers``: each client's
         buffers from its last round (``sgd.persistent``) or from the method (``sgd.carried``; a parameter without one, or whose shape
         changed, starts a new buffer, as :class:`torch.optim.SGD` does); the buffers to keep are
         left in :attr:`momentum_out`. ``classes``: each client's classes the cross-entropy sees
@@ -328,7 +328,7 @@ class Cohort:
         the first step and after every step. ``schedules``: each client's batches where its
         method states them (None: its own epochs). ``source``: ``(images, targets)`` the schedules'
         rows index instead of the training set, the targets one probability vector per image (a
-        :class:`~fedhetero.core.objective.LocalPhase`; the loss is then ``KL(target ‖
+        :class:`~fedhetero.core.local.objective.LocalPhase`; the loss is then ``KL(target ‖
         softmax(output))``). Returns each client's report (``loss`` over the steps
         ``sgd.loss_over`` says, ``steps``)."""
         grad_rule = objective.grad if objective is not None else None

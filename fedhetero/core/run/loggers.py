@@ -14,7 +14,7 @@ keeps (``history``) and then goes on: no step is logged twice, and a logger turn
 is given the earlier rounds.
 
 The loggers shipped here write into the run directory, each in its own folder
-(:data:`fedhetero.core.rundir.LOGGER_DIRS`, which ``--overwrite`` clears):
+(:data:`fedhetero.core.common.rundir.LOGGER_DIRS`, which ``--overwrite`` clears):
 
 * ``tensorboard``: event files in ``tensorboard/`` (``tensorboard --logdir runs``);
 * ``mlflow``: an MLflow tracking store in ``mlflow/mlflow.db`` (SQLite; ``mlflow ui
@@ -49,8 +49,8 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from fedhetero.core.config import LOGGERS, ConfigError, RunConfig, config_hash, dump_config, logger_names, to_dict
-from fedhetero.core.rundir import LOGGER_DIRS
+from fedhetero.core.common.config import LOGGERS, ConfigError, RunConfig, config_hash, dump_config, logger_names, to_dict
+from fedhetero.core.common.rundir import LOGGER_DIRS
 
 __all__ = [
     "LOGGERS",
@@ -80,7 +80,7 @@ class Logger:
     #: import names of the packages the logger needs
     requires: tuple[str, ...] = ()
     #: the folder of the run directory it writes in (a name of
-    #: :data:`~fedhetero.core.rundir.LOGGER_DIRS`), or None when it writes none there
+    #: :data:`~fedhetero.core.common.rundir.LOGGER_DIRS`), or None when it writes none there
     folder: str | None = None
     #: the extra that installs them (named by the message when one is missing)
     extra: str = EXTRA
@@ -106,7 +106,7 @@ class Logger:
 
 def register_logger(name: str) -> Callable[[type[Logger]], type[Logger]]:
     """Class decorator: make a :class:`Logger` subclass available as ``loggers: [name]`` (the
-    names live in :data:`fedhetero.core.config.LOGGERS`, so the config checks them without
+    names live in :data:`fedhetero.core.common.config.LOGGERS`, so the config checks them without
     importing this module)."""
 
     def add(cls: type[Logger]) -> type[Logger]:

@@ -18,15 +18,15 @@ from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 from torch import nn
 
-from fedhetero.core import budget as budget_mod
+from fedhetero.core.hetero import budget as budget_mod
 
 if TYPE_CHECKING:  # pragma: no cover
-    from fedhetero.core.config import RunConfig
+    from fedhetero.core.common.config import RunConfig
 
 
 class WidthContext(Protocol):
     """What width planning reads from the run's context
-    (:class:`~fedhetero.core.context.RunContext`, which holds a planner, so it is named here by
+    (:class:`~fedhetero.core.local.context.RunContext`, which holds a planner, so it is named here by
     what it offers rather than imported)."""
 
     cfg: "RunConfig"

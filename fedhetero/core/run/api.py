@@ -12,7 +12,7 @@ do, called from Python.
     result.out          # the run directory
 
 A job is described as on the command line: ``config`` is a YAML file (``--config``), a dict of
-config sections, a :class:`~fedhetero.core.config.RunConfig` or ``None`` (the embedded default
+config sections, a :class:`~fedhetero.core.common.config.RunConfig` or ``None`` (the embedded default
 job), and ``overrides`` maps dotted keys to values as ``--set key=value`` does. The run directory,
 its lock, ``resume`` and ``overwrite`` behave as ``--out``, ``--resume`` and ``--overwrite``:
 :func:`build_engine` builds the job for both.
@@ -31,8 +31,8 @@ from typing import Any, Union
 
 from torch import nn
 
-from fedhetero.core.compare import compare_settings, default_compare_dir, parse_options, run_comparison
-from fedhetero.core.config import (
+from fedhetero.core.run.compare import compare_settings, default_compare_dir, parse_options, run_comparison
+from fedhetero.core.common.config import (
     ConfigError,
     RunConfig,
     apply_overrides,
@@ -41,9 +41,9 @@ from fedhetero.core.config import (
     load_config,
     to_dict,
 )
-from fedhetero.core.console import make_console
-from fedhetero.core.engine import Engine
-from fedhetero.core.reports import default_out_dir, plot_run
+from fedhetero.core.common.console import make_console
+from fedhetero.core.run.engine import Engine
+from fedhetero.core.run.reports import default_out_dir, plot_run
 
 __all__ = ["CompareResult", "Config", "RunResult", "build_engine", "compare", "load", "run", "set_items"]
 
@@ -53,7 +53,7 @@ Config = Union[str, Path, Mapping[str, Any], RunConfig, None]
 
 @dataclass(frozen=True)
 class RunResult:
-    """What :func:`run` returns (the engine's own result, :class:`fedhetero.core.engine.RunResult`,
+    """What :func:`run` returns (the engine's own result, :class:`fedhetero.core.run.engine.RunResult`,
     has no model)."""
 
     #: the run directory (``config.yaml``, ``metrics.jsonl``, ``summary.json``, the models, …)
@@ -138,7 +138,7 @@ def build_engine(
     """The engine of one job, as ``fedhetero train`` builds it (it runs with ``.run()``).
 
     Without ``out`` the run directory is ``runs/<algorithm>-<dataset>-<model>-s<seed>-<hash>``
-    (:func:`~fedhetero.core.reports.default_out_dir`). ``resume``: continue the run in ``out``; with
+    (:func:`~fedhetero.core.run.reports.default_out_dir`). ``resume``: continue the run in ``out``; with
     ``config`` that config (it must match the saved one), else the saved config with the
     ``overrides`` applied to it (only the fields that may change on resume may differ)."""
     if resume:
@@ -156,7 +156,7 @@ def build_engine(
 
 def _resume_dir(cfg: RunConfig) -> Path:
     """The default directory a resume without ``out`` continues: the config's own
-    (:func:`~fedhetero.core.reports.default_out_dir`), or, when that holds no run, the one the same
+    (:func:`~fedhetero.core.run.reports.default_out_dir`), or, when that holds no run, the one the same
     config made on another back end (the back end may change on resume)."""
     own = default_out_dir(cfg)
     if (own / "config.yaml").is_file():
@@ -189,9 +189,9 @@ def run(
     progress per round (on ``console``, default: a new rich console). Writes ``accuracy.png`` when
     matplotlib (the ``plot`` extra) is installed.
 
-    Errors are raised as exceptions: :class:`~fedhetero.core.config.ConfigError` (a bad setting),
-    :class:`~fedhetero.core.rundir.RunDirError` (a directory the run may not use), and the run's own
-    errors (:class:`~fedhetero.core.context.RunError`)."""
+    Errors are raised as exceptions: :class:`~fedhetero.core.common.config.ConfigError` (a bad setting),
+    :class:`~fedhetero.core.common.rundir.RunDirError` (a directory the run may not use), and the run's own
+    errors (:class:`~fedhetero.core.local.context.RunError`)."""
     if console is None and progress:
         console = make_console(highlight=False)
     engine = build_engine(config, set_items(overrides), out=out, resume=resume, overwrite=overwrite,

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from fedhetero.core.types import ClientTask, check_result
+from fedhetero.core.exchange.types import ClientTask, check_result
 
 __all__ = ["UploadStream", "WeightedMean", "weighted_average"]
 
@@ -116,7 +116,7 @@ def weighted_average(
 
 
 class UploadStream:
-    """Folds a round's uploads into a :class:`~fedhetero.core.algorithm.WeightedMean` as their
+    """Folds a round's uploads into a :class:`~fedhetero.core.method.algorithm.WeightedMean` as their
     outcomes arrive, in client-id order (an outcome that arrives early waits for the ones before
     it), so the mean is ready when the last one is in: on the ``process`` back end the server does
     it while it waits for the workers' last uploads.
@@ -124,7 +124,7 @@ class UploadStream:
     The weights are the ones every client of the round would get (``train.aggregation``); an outcome
     that is not a checked success (an error, a time-out, an upload the executing process did not
     check for non-finite values) stops the stream, and the caller averages what succeeded itself.
-    The sums are those of :func:`~fedhetero.core.algorithm.weighted_average`, in the same order."""
+    The sums are those of :func:`~fedhetero.core.method.algorithm.weighted_average`, in the same order."""
 
     def __init__(self, tasks: "list[ClientTask]", uniform: bool, timeout_s: float | None) -> None:
         order = sorted(tasks, key=lambda t: t.cid)

@@ -33,7 +33,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from fedhetero.core.config import SCENARIOS, ConfigError
+from fedhetero.core.common.config import SCENARIOS, ConfigError
 from reparam.flops import model_macs
 
 __all__ = [
@@ -487,13 +487,13 @@ def _floor_of(hook: Any, ctx: Any) -> float | None:
 def check_budgets(cfg: Any, algorithm: Any, ctx: Any) -> None:
     """Refuse, before the first round, a budget the configured method cannot meet.
 
-    The floor is the algorithm's :meth:`~fedhetero.core.algorithm.Algorithm.min_budget_macs`
+    The floor is the algorithm's :meth:`~fedhetero.core.method.algorithm.Algorithm.min_budget_macs`
     (the MACs of its smallest model; None: no floor). A tier whose budget ``ratio × plain MACs``
     is below it raises ``ConfigError`` naming ``budget.tiers[i].ratio``. In the scenarios where
     budgets fall (``decreasing``, ``random`` with ``budget.change > 0``) the lowest budget the run
     can reach, ``max(min_ratio, smallest tier ratio × (1 − change)^rounds)`` (one change per
     participation, at most one participation a round), must meet
-    :meth:`~fedhetero.core.algorithm.Algorithm.min_dynamic_budget_macs`, else the error names
+    :meth:`~fedhetero.core.method.algorithm.Algorithm.min_dynamic_budget_macs`, else the error names
     ``budget.min_ratio``. The message is one line: what the method cannot do, what its smallest
     model needs, and the ratio to set."""
     plain = float(ctx.plain_macs)

@@ -1,11 +1,11 @@
 """The client runner for a round's clients trained together: each client's
-:class:`~fedhetero.core.objective.LocalPlan`, trained in batched cohorts.
+:class:`~fedhetero.core.local.objective.LocalPlan`, trained in batched cohorts.
 
 A method says *what* a client trains (:meth:`Algorithm.local_plan
-<fedhetero.core.algorithm.Algorithm.local_plan>`); one client trains it alone through
-:meth:`Algorithm.local_train <fedhetero.core.algorithm.Algorithm.local_train>`, and
+<fedhetero.core.method.algorithm.Algorithm.local_plan>`); one client trains it alone through
+:meth:`Algorithm.local_train <fedhetero.core.method.algorithm.Algorithm.local_train>`, and
 :func:`train_cohorts` trains the plans of an exchange's clients side by side
-(:mod:`fedhetero.core.cohort`), with the same numbers up to the order of floating-point sums.
+(:mod:`fedhetero.core.local.cohort`), with the same numbers up to the order of floating-point sums.
 The back ends call it before running what is left one by one.
 """
 
@@ -16,13 +16,13 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 from torch import nn
 
-from fedhetero.core.cohort import client_bytes, client_steps, plan_cohorts, structure_key, train_cohort
-from fedhetero.core.objective import LocalObjective, LocalPhase, LocalPlan, LocalSGD, rules_key
-from fedhetero.core.types import ClientResult, ClientTask, merge_optimizer_state
+from fedhetero.core.local.cohort import client_bytes, client_steps, plan_cohorts, structure_key, train_cohort
+from fedhetero.core.local.objective import LocalObjective, LocalPhase, LocalPlan, LocalSGD, rules_key
+from fedhetero.core.exchange.types import ClientResult, ClientTask, merge_optimizer_state
 
 if TYPE_CHECKING:  # pragma: no cover
-    from fedhetero.core.algorithm import Algorithm
-    from fedhetero.core.context import ClientContext
+    from fedhetero.core.method.algorithm import Algorithm
+    from fedhetero.core.local.context import ClientContext
 
 __all__ = ["AUTO_MIN_STEPS", "train_cohorts"]
 
@@ -59,7 +59,7 @@ def train_cohorts(
     of independent members joins as one trainee per member, and a plan's phase before the local
     training runs in the cohort first. Trainees are grouped by their model's structure (so width
     methods group by width), SGD settings and objective rules, then by their number of steps
-    (:func:`~fedhetero.core.cohort.plan_cohorts`), cohorts capped by
+    (:func:`~fedhetero.core.local.cohort.plan_cohorts`), cohorts capped by
     ``engine.cohort_memory_mb``; :meth:`Algorithm.client_model` and :meth:`Algorithm.upload`
     run per task as they do one by one, and a task any of whose members found no cohort runs
     one by one. ``optimizer_states``: each client's kept momentum buffers."""

@@ -1,7 +1,7 @@
 """Back ends that execute client tasks.
 
-The run loop (:class:`fedhetero.core.engine.Engine`) owns sampling, aggregation, evaluation, metrics
-and checkpoints; a back end only runs :class:`~fedhetero.core.algorithm.ClientTask` objects and
+The run loop (:class:`fedhetero.core.run.engine.Engine`) owns sampling, aggregation, evaluation, metrics
+and checkpoints; a back end only runs :class:`~fedhetero.core.method.algorithm.ClientTask` objects and
 returns one :class:`Outcome` per task, **sorted by client id**, whatever order the work finished
 in. That is what makes every back end give the numbers of ``local``:
 
@@ -28,9 +28,9 @@ from typing import TYPE_CHECKING, Any, Callable
 import numpy as np
 import torch
 
-from fedhetero.core.config import BACKENDS, EXTERNAL_BACKENDS, ConfigError, backend_names
-from fedhetero.core.runner import train_cohorts
-from fedhetero.core.types import (
+from fedhetero.core.common.config import BACKENDS, EXTERNAL_BACKENDS, ConfigError, backend_names
+from fedhetero.core.method.runner import train_cohorts
+from fedhetero.core.exchange.types import (
     InjectedFault,
     Outcome,
     derive_seed,
@@ -40,10 +40,10 @@ from fedhetero.core.types import (
 )
 
 if TYPE_CHECKING:  # pragma: no cover
-    from fedhetero.core.algorithm import Algorithm
-    from fedhetero.core.config import FaultConfig, RunConfig
-    from fedhetero.core.context import ClientContext
-    from fedhetero.core.types import ClientResult, ClientTask
+    from fedhetero.core.method.algorithm import Algorithm
+    from fedhetero.core.common.config import FaultConfig, RunConfig
+    from fedhetero.core.local.context import ClientContext
+    from fedhetero.core.exchange.types import ClientResult, ClientTask
 
 __all__ = [
     "BACKENDS",
@@ -130,7 +130,7 @@ def run_together(
     states: dict[int, dict[str, Any] | None],
 ) -> dict[int, Outcome]:
     """The tasks of one exchange that train in vectorised cohorts (``engine.vectorize``; see
-    :mod:`fedhetero.core.runner`), by client id; the
+    :mod:`fedhetero.core.method.runner`), by client id; the
     back end runs the others one by one. Nothing is batched when vectorising is off, faults are
     injected or time-outs enforced (both are per client), or the batched run fails (the
     one-by-one run then reports which client failed)."""
@@ -227,7 +227,7 @@ class Backend(abc.ABC):
 
 # The name tables (BACKENDS: name -> ``"module:Class"``, a name, not an import: the core imports no
 # back end; EXTERNAL_BACKENDS: ``flower``, built by the Flower integration inside its ServerApp and
-# handed to the engine) live in fedhetero.core.config, which checks engine.backend against them.
+# handed to the engine) live in fedhetero.core.common.config, which checks engine.backend against them.
 
 
 def register_backend(name: str, target: str) -> None:

@@ -1,0 +1,2 @@
+"""What every room uses: the run config with its validation (:mod:`.config`), the console every
+command prints through (:mod:`.console`) and run-directory integrity (:mod:`.rundir`)."""
