@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import os
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -57,7 +58,9 @@ IMPORT_ERRORS = (ImportError, AttributeError, OSError, SyntaxError)
 
 def import_target(target: str) -> Any:
     """``package.module:NAME`` or ``path/to/file.py:NAME`` -> the object (one of
-    :data:`IMPORT_ERRORS` when it cannot be loaded)."""
+    :data:`IMPORT_ERRORS` when it cannot be loaded). A module that is not importable as it is
+    is looked for in the working directory, which then joins ``sys.path`` (worker processes
+    inherit both)."""
     where, _, attr = target.rpartition(":")
     if where.endswith(".py"):
         path = Path(where).resolve()
@@ -71,7 +74,16 @@ def import_target(target: str) -> Any:
             sys.modules[mod_name] = module
             spec.loader.exec_module(module)
     else:
-        module = importlib.import_module(where)
+        try:
+            module = importlib.import_module(where)
+        except ModuleNotFoundError as exc:
+            # a module of the working directory, found the way uvicorn and flask find an app: the
+            # `fedhetero` command's own folder is on the path, the directory it runs in is not
+            here = os.getcwd()
+            if exc.name != where.split(".")[0] or here in sys.path:
+                raise
+            sys.path.insert(0, here)
+            module = importlib.import_module(where)
     return getattr(module, attr)
 
 

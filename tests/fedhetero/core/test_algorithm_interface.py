@@ -128,3 +128,31 @@ def test_the_method_interface_is_small_and_has_no_hidden_flags():
             if isinstance(node, ast.Compare) and any(isinstance(op, (ast.Is, ast.IsNot)) for op in node.ops):
                 src = ast.unparse(node)
                 assert not identity.search(src), f"{path.name}: {src}"
+
+
+def test_a_module_of_the_working_directory_runs_on_local_and_process(tmp_path):
+    """``algorithm.name=module:Class`` finds ``module`` in the directory the command runs in (as
+    uvicorn and flask find an app), on the server and in worker processes; a name that is in no
+    folder stays one config error naming the field."""
+    import shutil
+
+    command = shutil.which("fedhetero")  # the installed command: its own folder is on its path, not the working one
+    assert command is not None, "the fedhetero command is not installed (pip install -e .)"
+    folder = tmp_path / "mine"
+    folder.mkdir()
+    (folder / "my_algorithm.py").write_text((ROOT / "examples" / "my_algorithm.py").read_text())
+    finals = {}
+    for backend in ("local", "process"):
+        out = tmp_path / backend
+        r = subprocess.run(
+            [command, "train", "--set", "algorithm.name=my_algorithm:FedAvgM",
+             "--set", "train.rounds=2", "--set", f"engine.backend={backend}", "--set", "engine.workers=2",
+             "--set", "threads=1", "--out", str(out), "--quiet"],
+            cwd=folder, capture_output=True, text=True, timeout=600,
+        )
+        assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+        finals[backend] = torch.load(out / "final_model.pt", weights_only=True)
+    assert all(torch.equal(finals["local"][k], finals["process"][k]) for k in finals["local"])
+    r = subprocess.run([command, "train", "--set", "algorithm.name=not_here:FedAvgM",
+                        "--out", str(tmp_path / "bad"), "--quiet"], cwd=folder, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and "algorithm.name: cannot load 'not_here:FedAvgM'" in r.stderr

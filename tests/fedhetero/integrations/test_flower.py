@@ -458,13 +458,23 @@ def test_simulation_resume_equals_uninterrupted(sim_runs):
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
-def test_user_algorithm_of_the_guide_runs_on_flower(tmp_path):
-    """docs/write_your_own_algorithm.md's example, as written, on Flower's simulation engine."""
+@pytest.mark.parametrize("form", ["file", "module"])
+def test_user_algorithm_of_the_guide_runs_on_flower(tmp_path, monkeypatch, form):
+    """docs/write_your_own_algorithm.md's example, as written, on Flower's simulation engine: named
+    ``path/file.py:Class``, and ``module:Class`` from its folder."""
+    import sys
+
     from fedhetero.integrations.flower import simulate
 
     example = ROOT / "examples" / "my_algorithm.py"
     data = json.loads(json.dumps(SIM))
-    data["algorithm"] = {"name": f"{example}:FedAvgM"}
+    if form == "file":
+        data["algorithm"] = {"name": f"{example}:FedAvgM"}
+    else:
+        monkeypatch.chdir(example.parent)
+        monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(example.parent))])
+        monkeypatch.delitem(sys.modules, "my_algorithm", raising=False)
+        data["algorithm"] = {"name": "my_algorithm:FedAvgM"}
     cfg = from_dict(data)
     local = Engine(cfg, tmp_path / "local", progress=False).run()
     flower = simulate(cfg, tmp_path / "flower", 8)
