@@ -62,7 +62,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import Any, Literal
+from typing import Any, Generator, Literal
 
 import numpy as np
 import torch
@@ -71,7 +71,7 @@ from torch import nn
 
 from fedhetero.algorithms.dynacomm import selection as dc
 from fedhetero.core.exchange.aggregation import weighted_average
-from fedhetero.core.method.algorithm import Algorithm
+from fedhetero.core.method.algorithm import Algorithm, Exchanges
 from fedhetero.core.common.config import OPTIONS_PATH, MethodOptions, option, require
 from fedhetero.core.local.objective import LocalPlan
 from fedhetero.core.exchange.types import ClientInfo, ClientResult, ClientTask, state_bytes
@@ -232,7 +232,7 @@ class DynaComm(Algorithm):
                 )
         return [clients[i].cid for i in idx], (float(d) if idx else math.nan)
 
-    def run_round(self, ctx, clients: list[ClientInfo]) -> list[ClientResult]:
+    def run_round(self, ctx, clients: list[ClientInfo]) -> Exchanges:
         o = self.options
         L = self.L
         high, distance = self.select(ctx, clients)
@@ -241,7 +241,7 @@ class DynaComm(Algorithm):
         trains = [c for c in clients if not o.only_high_freq or c.cid in high_set]
         schedule = {c.cid: set(dc.sync_points(interval[c.cid], L, o.sync_rule)) for c in trains}
         if o.dynamicsgd_impl == "summed_gradient":
-            last, sent, received = self._summed_gradient_round(ctx, trains)
+            last, sent, received = yield from self._summed_gradient_round(ctx, trains)
             return self._account(ctx, clients, last, high_set, interval, schedule, sent, received, distance)
         start = {k: v.detach().clone() for k, v in self._gm().state_dict().items()}
         model_of = {c.cid: start for c in trains}
@@ -264,7 +264,7 @@ class DynaComm(Algorithm):
                     payload["momentum"] = momentum[c.cid]
                 tasks.append(self.task(ctx, c, payload, step=k))
                 received[c.cid] += state_bytes(model_of[c.cid])
-            results = ctx.execute(self, tasks)
+            results = yield tasks
             alive -= {c.cid for c in due} - {r.cid for r in results}  # a dropped client leaves the round
             if not results:
                 continue
@@ -337,7 +337,7 @@ class DynaComm(Algorithm):
             )
         return out
 
-    def _summed_gradient_round(self, ctx, trains: list[ClientInfo]):
+    def _summed_gradient_round(self, ctx, trains: list[ClientInfo]) -> Generator[list[ClientTask], list[ClientResult], Any]:
         """DynamicSGD as one model stepping on the mean of the clients' clipped gradients (see
         the module docstring); floating buffers (BatchNorm statistics) are averaged."""
         model = self._gm()
@@ -366,7 +366,7 @@ class DynaComm(Algorithm):
                 if c.cid in alive:
                     tasks.append(self.task(ctx, c, {"state": state, "start": s, "steps": 1, "mode": "gradient"}, step=s + 1))
                     received[c.cid] += state_bytes(state)
-            results = ctx.execute(self, tasks)
+            results = yield tasks
             alive = {r.cid for r in results}
             if not results:
                 break

@@ -46,14 +46,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
-from typing import Any, Literal, Mapping, Sequence
+from typing import Any, Generator, Literal, Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from fedhetero.algorithms import get_algorithm
-from fedhetero.core.method.algorithm import Algorithm
+from fedhetero.core.method.algorithm import Algorithm, Exchanges
 from fedhetero.core.common.config import OPTIONS_PATH, MethodOptions, from_mapping, option, require
 from fedhetero.core.local.objective import Batch, LocalObjective, LocalPlan, LossRule
 from fedhetero.core.hetero.sessions import transition_accuracy
@@ -239,7 +239,7 @@ class DynInit(Algorithm):
         # the baselines run no pilot session
         return self.options.init != "dyninit" and ctx.schedule.session_of(rnd) < self.options.pilot_sessions
 
-    def session_start(self, ctx, session: int) -> None:
+    def session_start(self, ctx, session: int) -> Exchanges:
         o = self.options
         P = o.pilot_sessions
         assert self.global_model is not None
@@ -261,7 +261,7 @@ class DynInit(Algorithm):
                                else _ema_weights(len(self.pilot_models), o.ema_decay))
                     self.w_pilot = weighted_state(self.pilot_models, weights, self.w0)
                     self.pilot_models = []
-                self.grads[session] = self._gradient_round(ctx, session, info)
+                self.grads[session] = yield from self._gradient_round(ctx, session, info)
             candidates = sorted(self.finals)
             if o.history_limit is not None:
                 candidates = candidates[-o.history_limit:]
@@ -298,8 +298,9 @@ class DynInit(Algorithm):
             info["init_accuracy"] = res["accuracy"]
             info["init_accuracy_full"] = full["accuracy"]
         self._pending = info
+        return []  # a session's start has no results of its own
 
-    def _gradient_round(self, ctx, session: int, info: dict[str, Any]) -> dict[str, torch.Tensor]:
+    def _gradient_round(self, ctx, session: int, info: dict[str, Any]) -> Generator[list[ClientTask], list[ClientResult], dict[str, torch.Tensor]]:
         """``G_s``: ``grad_rounds`` extra rounds of the host from the pilot model."""
         o = self.options
         assert self.w_pilot is not None
@@ -323,7 +324,7 @@ class DynInit(Algorithm):
                 if not o.grad_round_updates_client_state:
                     for t in tasks:
                         t.payload = {**t.payload, "keep_client_state": True}
-                results = ctx.execute(self, tasks)
+                results = yield tasks
                 helper.aggregate(ctx, results)
                 helper.server_update(ctx)
                 up += sum(r.bytes_up for r in results)
@@ -336,13 +337,13 @@ class DynInit(Algorithm):
         info["grad_round_bytes"] = int(up + down)
         return {k: (after[k].double() - self.w_pilot[k].double()).to("cpu") for k in self._param_names()}
 
-    def run_round(self, ctx, clients: list[ClientInfo]) -> list[ClientResult]:
+    def run_round(self, ctx, clients: list[ClientInfo]) -> Exchanges:
         tasks = self.host.configure(ctx, clients)
         if self.options.init == "continuous" and self.teacher is not None:
             teacher = self.teacher
             for t in tasks:
                 t.payload = {**t.payload, "teacher": teacher}
-        results = ctx.execute(self, tasks)
+        results = yield tasks
         self.host.aggregate(ctx, results)
         self.host.server_update(ctx)
         self.global_model = self.host.global_model

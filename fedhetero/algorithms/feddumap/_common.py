@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from fedhetero.core.method.algorithm import Algorithm
+from fedhetero.core.method.algorithm import Algorithm, Exchanges
 from fedhetero.core.common.config import OPTIONS_PATH, MethodOptions, option, require
 from fedhetero.core.local.objective import LocalPlan, LocalSGD
 from fedhetero.core.exchange.types import ClientInfo, ClientResult, ClientTask
@@ -484,13 +484,13 @@ class ServerDataAlgorithm(Algorithm):
     def after_aggregate(self, ctx: "Context") -> None:
         """Hook run right after averaging (IMC re-applies its masks here)."""
 
-    def run_round(self, ctx: "Context", clients: list[ClientInfo]) -> list[ClientResult]:
+    def run_round(self, ctx: "Context", clients: list[ClientInfo]) -> Exchanges:
         assert self.global_model is not None
         self.round_extras = {"lr": self.lr(ctx)}
         self._clients = list(clients)
         self.before_round(ctx, clients)
         prev = _clone_state(self.global_model.state_dict())
-        updates = ctx.execute(self, self.configure(ctx, clients))
+        updates = yield self.configure(ctx, clients)
         used = self._guard_devices(updates)
         if used:
             self.aggregate(ctx, used)

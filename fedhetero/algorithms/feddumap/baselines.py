@@ -59,6 +59,7 @@ from fedhetero.algorithms.pruning.rates import magnitude_threshold
 from fedhetero.core.exchange.aggregation import weighted_average
 from fedhetero.core.common.config import option
 from fedhetero.core.local.objective import LocalPlan
+from fedhetero.core.method.algorithm import Exchanges
 from fedhetero.core.exchange.types import ClientInfo, ClientResult, ClientTask, state_bytes
 from fedhetero.data.batches import epoch_order
 
@@ -137,8 +138,8 @@ class DataSharing(ServerDataAlgorithm):
         out["shared_bytes"] = sent
         return out
 
-    def run_round(self, ctx: "Context", clients: list[ClientInfo]) -> list[ClientResult]:
-        updates = super().run_round(ctx, clients)
+    def run_round(self, ctx: "Context", clients: list[ClientInfo]) -> Exchanges:
+        updates = yield from super().run_round(ctx, clients)
         for u in updates:  # the devices that received their shared samples this round
             if u.metrics.get("shared_samples", 0) and int(u.cid) not in self.served:
                 self.served.append(int(u.cid))

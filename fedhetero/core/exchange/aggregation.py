@@ -13,7 +13,7 @@ import torch
 
 from fedhetero.core.exchange.types import ClientTask, check_result
 
-__all__ = ["UploadStream", "WeightedMean", "weighted_average"]
+__all__ = ["UploadStream", "Uploads", "WeightedMean", "streamed_mean", "weighted_average"]
 
 
 def _flat_run(state: dict[str, torch.Tensor], keys: list[str]) -> torch.Tensor | None:
@@ -153,7 +153,7 @@ class UploadStream:
                 self._mean.add(res.state)
                 self._folded.append(res)
                 self._next += 1
-        except (ValueError, KeyError, RuntimeError):  # uploads the mean cannot take: the caller decides
+        except Exception:  # uploads the mean cannot take (not one model's state): the caller averages
             self.ok = False
 
     def mean_of(self, updates: list[Any], weights: list[float]) -> "dict[str, torch.Tensor] | None":
@@ -164,3 +164,24 @@ class UploadStream:
             return None
         assert self._mean is not None
         return self._mean.result()
+
+
+class Uploads(list):  # type: ignore[type-arg]
+    """The results of one exchange, sorted by client id (a list of
+    :class:`~fedhetero.core.exchange.types.ClientResult`), with the :class:`UploadStream` that
+    averaged their uploads while they arrived (:func:`streamed_mean` takes it)."""
+
+    stream: "UploadStream | None" = None
+
+
+def streamed_mean(updates: "list[Any]", weights: list[float]) -> "dict[str, torch.Tensor] | None":
+    """The weighted mean of ``updates``' states accumulated while their exchange ran, if
+    ``updates`` are that exchange's results (the same objects, in this order) and ``weights`` the
+    weights it used; else None (the caller averages the uploads itself). Taken once: the
+    accumulator is released."""
+    stream = getattr(updates, "stream", None)
+    if stream is None:
+        return None
+    updates.stream = None  # type: ignore[attr-defined]
+    mean: dict[str, torch.Tensor] | None = stream.mean_of(updates, weights)
+    return mean

@@ -5,8 +5,9 @@ server's: the config, the data set (a client reads only its own partition throug
 builder, the MAC counter, the shared local trainer and RNG streams derived from the master seed.
 A worker process or a Flower node builds its own from the config alone (:func:`client_context`).
 
-:class:`Context` (the server's) adds the client-state store, evaluation of global models and
-:meth:`Context.execute`, which sends client tasks to the configured back end.
+:class:`Context` (the server's) adds the client-state store and evaluation of global models
+through the back end. Client tasks go to the back end as data: a method's round yields them and
+the engine runs them (:data:`~fedhetero.core.method.algorithm.Exchanges`).
 
 Seeds per concern: one master seed derives an independent generator per concern (partitioning,
 tiers, sampling, budgets, model init, each client's data order, …) through
@@ -29,7 +30,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from fedhetero.core.hetero import budget as budget_mod
-from fedhetero.core.exchange.aggregation import UploadStream
 from fedhetero.core.common.config import ConfigError, RunConfig
 from fedhetero.core.local.trainer import LocalTrainer
 from fedhetero.core.hetero.sessions import Schedule
@@ -41,7 +41,7 @@ from fedhetero.models import build_model
 if TYPE_CHECKING:  # pragma: no cover
     from fedhetero.core.local.objective import LocalSGD
     from fedhetero.core.exchange.store import ClientStateStore
-    from fedhetero.core.exchange.types import ClientInfo, ClientResult, ClientTask
+    from fedhetero.core.exchange.types import ClientInfo, ClientResult
 
 __all__ = [
     "ClientContext",
@@ -496,9 +496,9 @@ def combine_batch_stats(stats: "list[tuple[float, int, int]]") -> dict[str, floa
 
 
 class Context(RunContext):
-    """The server's context: a :class:`RunContext` plus the client-state store, evaluation through
-    the back end and :meth:`execute`, which runs client tasks on the configured back end. It has no
-    trainer: client tasks run on a back end's own :class:`ClientContext`."""
+    """The server's context: a :class:`RunContext` plus the client-state store and evaluation
+    through the back end. It has no trainer: client tasks run on a back end's own
+    :class:`ClientContext`."""
 
     def __init__(
         self,
@@ -506,13 +506,10 @@ class Context(RunContext):
         data: Any,
         store: "ClientStateStore",
         device: torch.device,
-        executor: "Callable[[Any, list[ClientTask]], list[ClientResult]] | None" = None,
     ) -> None:
         super().__init__(cfg, data, device)
         self.store = store
-        self._executor = executor
         self.on_client_done: Callable[[int], None] | None = None
-        self.stream: UploadStream | None = None  # the uploads of the last execute, averaged as they came
         # a back end's evaluate_batches over several processes (set by the engine), or None
         self.batch_evaluator: Callable[[nn.Module, str, Any], "list[tuple[float, int, int]] | None"] | None = None
 
@@ -526,19 +523,3 @@ class Context(RunContext):
                 if stats is not None:
                     return combine_batch_stats(stats)
         return super().evaluate(model, dataset, indices)
-
-    def streamed_mean(self, updates: "list[ClientResult]", weights: list[float]) -> "dict[str, torch.Tensor] | None":
-        """The weighted mean of the last :meth:`execute`'s uploads, accumulated while it ran, if it
-        covers exactly these ``updates`` (the same result objects, in this order) with these
-        ``weights``; else None (the caller averages the uploads itself). Taken once."""
-        stream, self.stream = self.stream, None
-        return None if stream is None else stream.mean_of(updates, weights)
-
-    def execute(self, algorithm: Any, tasks: "list[ClientTask]") -> "list[ClientResult]":
-        """Run client tasks of ``algorithm`` (the run's :class:`~fedhetero.core.method.algorithm.Algorithm`,
-        whose client halves they are; not imported here, as the method interface imports this
-        module) on the back end; the results of the clients that succeeded, sorted by client id
-        (failed clients are recorded by the engine and left out)."""
-        if self._executor is None:  # pragma: no cover - the engine always sets one
-            raise RuntimeError("this context has no back end to run client tasks")
-        return self._executor(algorithm, tasks)

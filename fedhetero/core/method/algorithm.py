@@ -12,7 +12,8 @@ overrides only what differs. The hooks, by how often a method needs them:
   global model and server state), :meth:`configure` (one :class:`ClientTask` per sampled client:
   what the server sends), :meth:`aggregate` (the new global model from the
   :class:`ClientResult` list). Optional: :meth:`server_update`; :meth:`run_round` for several
-  exchanges per round (each one :meth:`Context.execute`); :meth:`session_start` /
+  exchanges per round (a round is data: it yields each exchange's tasks, the engine runs them);
+  :meth:`session_start` /
   :meth:`skip_round` under device sessions; :meth:`round_metrics` / :meth:`summary_metrics` /
   :meth:`eval_models` for what it reports; :meth:`min_budget_macs` for the smallest budget it
   can train within (and :attr:`~Algorithm.trains_below_floor` when budgets that fall below it
@@ -38,12 +39,12 @@ overrides only what differs. The hooks, by how often a method needs them:
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Generator
 
 import torch
 from torch import nn
 
-from fedhetero.core.exchange.aggregation import weighted_average
+from fedhetero.core.exchange.aggregation import streamed_mean, weighted_average
 from fedhetero.core.local.objective import LocalPlan
 from fedhetero.core.exchange.types import (
     ClientInfo,
@@ -61,8 +62,14 @@ if TYPE_CHECKING:  # pragma: no cover
 
 __all__ = [
     "Algorithm",
+    "Exchanges",
     "state_tensors",
 ]
+
+#: A round (or a session's start) as data: the generator yields each exchange's tasks, the engine
+#: runs them on the back end and sends back the results of the clients that succeeded (sorted by
+#: client id); what it returns is the round's results.
+Exchanges = Generator[list[ClientTask], list[ClientResult], list[ClientResult]]
 
 
 class Algorithm:
@@ -136,14 +143,15 @@ class Algorithm:
     def aggregate(self, ctx: "Context", updates: list[ClientResult]) -> None:
         """New global model (default: sample-weighted mean, or uniform if configured).
 
-        The default's mean may have been accumulated while the round ran (the engine streams the
-        uploads, in client-id order, into a :class:`WeightedMean` for an algorithm that keeps this
-        method); it is used when it covers exactly these updates with these weights."""
+        The mean may have been accumulated while the exchange ran (the engine folds every
+        exchange's uploads, in client-id order, into a :class:`WeightedMean` as they arrive); it is
+        used when ``updates`` are that exchange's results with these weights, bit for bit what
+        :func:`weighted_average` gives."""
         assert self.global_model is not None
         if not updates:
             return
         weights = ctx.aggregation_weights(updates)
-        mean = ctx.streamed_mean(updates, weights)
+        mean = streamed_mean(updates, weights)
         if mean is None:
             mean = weighted_average([u.state for u in updates], weights)
         self.global_model.load_state_dict(mean)
@@ -151,17 +159,22 @@ class Algorithm:
     def server_update(self, ctx: "Context") -> None:
         """Server-side step after aggregation (default: none)."""
 
-    def run_round(self, ctx: "Context", clients: list[ClientInfo]) -> list[ClientResult]:
-        """One round: configure the sampled clients, run their tasks on the back end, aggregate
-        what came back, then the server update."""
-        results = ctx.execute(self, self.configure(ctx, clients))
+    def run_round(self, ctx: "Context", clients: list[ClientInfo]) -> Exchanges:
+        """One round, as data (:data:`Exchanges`): yield each exchange's tasks and receive the
+        results of the clients that succeeded; the engine runs the exchanges on the back end.
+        Default: one exchange of :meth:`configure`'s tasks, then :meth:`aggregate` and
+        :meth:`server_update`. A method with several exchanges per round yields several (give
+        each its own ``step`` in :meth:`task`), or a helper's with ``yield from``."""
+        results = yield self.configure(ctx, clients)
         self.aggregate(ctx, results)
         self.server_update(ctx)
         return results
 
-    def session_start(self, ctx: "Context", session: int) -> None:
+    def session_start(self, ctx: "Context", session: int) -> Exchanges | None:
         """Called before the first round of every session (0-based ``session``) when the run has
-        sessions (``sessions.count``); the default keeps the global model as it is."""
+        sessions (``sessions.count``); the default keeps the global model as it is. A method that
+        runs exchanges there (DynInit's gradient rounds) returns them as :meth:`run_round` does."""
+        return None
 
     def skip_round(self, ctx: "Context", rnd: int) -> bool:
         """True to run no clients in round ``rnd`` (its metrics row says ``skipped``); default

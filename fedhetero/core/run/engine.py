@@ -32,6 +32,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
+from collections.abc import Generator
 from typing import Any
 
 import numpy as np
@@ -39,7 +40,7 @@ import torch
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from fedhetero.core.hetero import budget as budget_mod
-from fedhetero.core.exchange.aggregation import UploadStream
+from fedhetero.core.exchange.aggregation import Uploads, UploadStream
 from fedhetero.core.method.algorithm import Algorithm, state_tensors
 from fedhetero.core.run.allocator import tune_malloc
 from fedhetero.core.run.backend import Backend, drop_kind, make_backend
@@ -85,7 +86,7 @@ STRICT_ENV = "FEDHETERO_STRICT"
 SMOOTHING_WINDOW = 39
 
 
-__all__ = ["Engine", "RunResult", "resume_config", "run", "streams_uploads"]
+__all__ = ["Engine", "RunResult", "resume_config", "run"]
 
 @dataclass
 class RunResult:
@@ -192,7 +193,7 @@ class Engine:
             )
         self.data = build_data(cfg)
         self.store = ClientStateStore(self.out_dir / "client_state")
-        self.ctx = Context(cfg, self.data, self.store, device, executor=self._execute)
+        self.ctx = Context(cfg, self.data, self.store, device)
         # a budget the method cannot meet is refused before a worker starts or a model is built
         budget_mod.check_budgets(cfg, self.algorithm, self.ctx)
         if self.backend is None:
@@ -234,33 +235,45 @@ class Engine:
 
     # ------------------------------------------------------------------ client tasks
     def _round(self, clients: list[ClientInfo]) -> list[ClientResult]:
-        """One round: the method's :meth:`Algorithm.run_round` (by default configure → the back
-        end → aggregate → server update), which reaches the back end through ``ctx.execute``."""
-        return self.algorithm.run_round(self.ctx, clients)
+        """One round: the exchanges of the method's :meth:`Algorithm.run_round` (by default
+        configure → the back end → aggregate → server update), run here."""
+        return self._drive(self.algorithm.run_round(self.ctx, clients))
+
+    def _drive(self, steps: Any) -> list[ClientResult]:
+        """Run a method's exchanges (:data:`~fedhetero.core.method.algorithm.Exchanges`): each list
+        of tasks the generator yields goes to the back end, the results of the clients that
+        succeeded go back into it, and what it returns is the result. A hook that runs no
+        exchange may return its results (or None) directly."""
+        if not isinstance(steps, Generator):
+            return list(steps or [])
+        try:
+            tasks = next(steps)
+            while True:
+                tasks = steps.send(self._execute(self.algorithm, tasks))
+        except StopIteration as stop:
+            return list(stop.value or [])
 
     def _execute(self, algorithm: Algorithm, tasks: list[ClientTask]) -> list[ClientResult]:
         """Run tasks on the back end with each client's private state; keep the new states of the
         clients that succeeded; record and drop the others (error, time-out, non-finite upload)."""
         assert self.backend is not None
         states = {t.cid: self.store.get(t.cid, before_round=t.round, prelude=t.prelude) for t in tasks}
-        stream = None
-        if streams_uploads(algorithm):
-            stream = UploadStream(tasks, self.cfg.train.aggregation == "uniform", self.cfg.engine.client_timeout_s)
+        # the uploads are averaged as they arrive, in client-id order (the default aggregation
+        # takes that mean; it is the list average bit for bit)
+        stream = UploadStream(tasks, self.cfg.train.aggregation == "uniform", self.cfg.engine.client_timeout_s)
         progress = self.ctx.on_client_done
 
         def on_done(outcome: Outcome) -> None:
-            if stream is not None:
-                stream.offer(outcome)
+            stream.offer(outcome)
             if progress is not None:
                 progress(outcome.task.cid)
 
-        self.ctx.stream = None
         # the back end's wall time on the round's client tasks (the rest of ``wall_s`` is the
         # server's own work: sampling, configuring, aggregating, evaluating)
         with self.ctx.timer("client_phase"):
             outcomes = self.backend.run(algorithm, tasks, states, on_done=on_done)
-        self.ctx.stream = stream
-        ok: list[ClientResult] = []
+        ok = Uploads()
+        ok.stream = stream
         for outcome in outcomes:
             task = outcome.task
             reason = check_result(outcome, self.cfg.engine.client_timeout_s)
@@ -527,7 +540,7 @@ class Engine:
                     row["session_round"] = sched.round_in_session(rnd)
                 self._dropped = []
                 if sched is not None and sched.round_in_session(rnd) == 1:
-                    self.algorithm.session_start(self.ctx, sched.session_of(rnd))
+                    self._drive(self.algorithm.session_start(self.ctx, sched.session_of(rnd)))
                 skip = self.algorithm.skip_round(self.ctx, rnd)
                 if skip:  # e.g. a baseline that does not run DynInit's pilot session
                     row["skipped"] = True
@@ -889,14 +902,6 @@ class _Progress:
                 highlight=False,
                 soft_wrap=True,
             )
-
-
-def streams_uploads(algorithm: Algorithm) -> bool:
-    """Whether the engine accumulates the algorithm's uploads while a round runs: it keeps the
-    default round and aggregation, which consume that mean (an algorithm with a round of its own
-    may average differently, or not at all)."""
-    cls = type(algorithm)
-    return cls.aggregate is Algorithm.aggregate and cls.run_round is Algorithm.run_round
 
 
 def run(cfg: RunConfig, out_dir: str | Path, **kw: Any) -> RunResult:

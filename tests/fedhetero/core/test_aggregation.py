@@ -8,9 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from fedhetero.algorithms import Algorithm, build_algorithm
-from fedhetero.core.common.config import from_dict
-from fedhetero.core.run.engine import Engine, streams_uploads
+from fedhetero.algorithms import Algorithm
+from fedhetero.core.run.engine import Engine
 from _util import fedavg_cfg, strip_wall
 
 
@@ -153,9 +152,7 @@ def test_default_aggregate_uses_the_streamed_mean(tmp_path, backend, monkeypatch
     monkeypatch.setattr(base, "weighted_average", counting)
     _, streamed = _run(tmp_path, _cfg("fedavg", backend, workers=2), "streamed")
     assert calls == []
-    import fedhetero.core.run.engine as engine
-
-    monkeypatch.setattr(engine, "streams_uploads", lambda algorithm: False)
+    monkeypatch.setattr(base, "streamed_mean", lambda updates, weights: None)
     _, listed = _run(tmp_path, _cfg("fedavg", backend, workers=2), "listed")
     assert len(calls) == 3
     assert strip_wall(streamed.metrics) == strip_wall(listed.metrics)
@@ -168,20 +165,41 @@ def test_default_aggregate_uses_the_streamed_mean(tmp_path, backend, monkeypatch
     assert dropped_rounds >= 1 and len(calls) == dropped_rounds
 
 
-def test_an_algorithm_with_its_own_aggregate_is_not_streamed():
-    class Mine(Algorithm):
-        name = "mine"
+def test_a_round_is_data_the_engine_runs_every_exchange_it_yields(tmp_path, monkeypatch):
+    """A method's round yields its exchanges and the engine runs each on the back end: two
+    exchanges a round, the second from the first's mean. The mean streamed while an exchange ran
+    serves that exchange's results and nothing else (a list the method made is averaged from the
+    list), and a round that runs no exchange may return its results directly."""
+    import fedhetero.core.method.algorithm as base
 
-        def aggregate(self, ctx, updates):
-            pass
+    calls = []
+    original = base.weighted_average
+    monkeypatch.setattr(base, "weighted_average", lambda states, weights: calls.append(len(states)) or original(states, weights))
 
-    class MyRound(Algorithm):
-        name = "myround"
-
-        def run_round(self, ctx, clients):
-            return []
-
-    assert streams_uploads(build_algorithm(_cfg("fedavg"))) is True
-    assert streams_uploads(Mine()) is False and streams_uploads(MyRound()) is False
-    assert streams_uploads(build_algorithm(from_dict({"algorithm": {"name": "dynacomm"}}))) is False
+    (tmp_path / "rounds.py").write_text(
+        "from fedhetero.algorithms import Algorithm\n"
+        "class Twice(Algorithm):\n"
+        "    name = 'twice'\n"
+        "    def run_round(self, ctx, clients):\n"
+        "        first = yield self.configure(ctx, clients)\n"
+        "        self.aggregate(ctx, first)  # that exchange's results: the streamed mean\n"
+        "        state = dict(self.global_model.state_dict())\n"
+        "        second = yield [self.task(ctx, c, {'state': state}, step=1) for c in clients]\n"
+        "        self.aggregate(ctx, list(second))  # a list of its own: averaged here\n"
+        "        return second\n"
+        "class Idle(Algorithm):\n"
+        "    name = 'idle'\n"
+        "    def run_round(self, ctx, clients):\n"
+        "        return []\n"
+    )
+    seen: list[tuple[int, int]] = []
+    real = Algorithm.client_update
+    monkeypatch.setattr(Algorithm, "client_update", lambda self, ctx, task, state: seen.append((task.round, task.step)) or real(self, ctx, task, state))
+    cfg = _cfg(f"{tmp_path / 'rounds.py'}:Twice")
+    res = Engine(cfg, tmp_path / "twice", progress=False).run()
+    rounds = cfg.train.rounds
+    assert sorted({s for _, s in seen}) == [0, 1] and len({r for r, _ in seen}) == rounds
+    assert len(calls) == rounds and all(r["clients"] for r in res.metrics)  # one list average a round: the second's
+    idle = Engine(_cfg(f"{tmp_path / 'rounds.py'}:Idle"), tmp_path / "idle", progress=False).run()
+    assert [r["clients"] for r in idle.metrics] == [[]] * rounds
 

@@ -255,14 +255,20 @@ def _toy(monkeypatch, name: str, options: dict, rounds: int, momentum: float = 0
             out.append(o.result)
         return out
 
-    ctx = Context(cfg, data, None, torch.device("cpu"), executor=execute)  # type: ignore[arg-type]
+    ctx = Context(cfg, data, None, torch.device("cpu"))  # type: ignore[arg-type]
     alg = build_algorithm(cfg)
     alg.setup(ctx)
     trace = []
     for rnd in range(1, rounds + 1):
         ctx.round = rnd
         clients = [ClientInfo(cid=i, tier="all", ratio=1.0, budget_macs=1.0, num_samples=2, round=rnd) for i in range(len(_X))]
-        alg.run_round(ctx, clients)
+        steps = alg.run_round(ctx, clients)  # a round is data: run each exchange it yields
+        try:
+            tasks = next(steps)
+            while True:
+                tasks = steps.send(execute(alg, tasks))
+        except StopIteration:
+            pass
         trace.append(float(alg.global_model.w.detach()))
     return trace, alg, store
 
