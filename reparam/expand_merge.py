@@ -92,10 +92,6 @@ def _matches(path: str, patterns: str | Iterable[str] | None) -> bool:
     return any(fnmatch.fnmatchcase(path, p) for p in patterns)
 
 
-def _default_filter(conv: nn.Conv2d) -> bool:
-    return _default_reason(conv) is None
-
-
 def _default_reason(conv: nn.Conv2d) -> str | None:
     """Why the default plan leaves ``conv`` plain (``None``: it expands it)."""
     kh, kw = conv.kernel_size

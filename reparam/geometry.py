@@ -223,13 +223,6 @@ class ConvGeometry:
             2 * p == d * (k - 1) for p, d, k in zip(self.padding, self.dilation, self.kernel_size)
         )
 
-    def output_size(self, height: int, width: int) -> tuple[int, int]:
-        """Output ``(H_o, W_o)`` for an input of ``height × width``."""
-        out = []
-        for length, k, s, p, d in zip((height, width), self.kernel_size, self.stride, self.padding, self.dilation):
-            out.append((length + 2 * p - d * (k - 1) - 1) // s + 1)
-        return (out[0], out[1])
-
     # ------------------------------------------------------------------ JSON
     def to_dict(self) -> dict[str, Any]:
         """JSON form used in the structure records of :func:`reparam.structure` (so that a model

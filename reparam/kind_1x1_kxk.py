@@ -59,10 +59,6 @@ class OneByOneKxKBranch(nn.Module):
         return int(cast(int, self.bn1.num_features))
 
     @property
-    def internal_channels(self) -> int:
-        return self.internal
-
-    @property
     def last_bn(self) -> nn.Module:
         return self.bn2
 

@@ -122,10 +122,6 @@ class HessianVectorProduct:
         tangent_out = torch.func.jvp(grad_fn, (primals,), (tuple(parts),))[1]  # (output, tangent)
         return _flatten(list(tangent_out)).detach()
 
-    def matmat(self, vectors: Tensor) -> Tensor:
-        """Apply the operator to each row of a ``(k, dim)`` matrix."""
-        return torch.stack([self(v) for v in vectors])
-
     def restrict(self, indices: Sequence[int]) -> "HessianVectorProduct":
         """Block-diagonal operator ``H_SS`` for the parameters ``[params[i] for i in indices]``."""
         idx = list(indices)

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -225,11 +225,6 @@ def spectral_gap_rate(
             return below / total
         i = j + 1
     return None
-
-
-def _copy_into(dst: nn.Module, src: nn.Module | Mapping[str, Tensor]) -> None:
-    state = src.state_dict() if isinstance(src, nn.Module) else dict(src)
-    dst.load_state_dict(state)
 
 
 def lipschitz_estimate(
