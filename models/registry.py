@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any, TypeVar, overload
 
 from torch import nn
 
@@ -17,6 +18,8 @@ from .svhn_cnn import SVHNCNN
 from .vgg import VGG11
 
 __all__ = ["build_model", "canonical_name", "list_models", "register_model", "unregister_model"]
+
+_F = TypeVar("_F", bound=Callable[..., nn.Module])
 
 _MODELS: dict[str, Callable[..., nn.Module]] = {
     "lenet5": LeNet5,
@@ -47,10 +50,21 @@ _ALIASES = {
 _CANONICAL = {name.replace("_", ""): name for name in _MODELS}
 
 
-def register_model(name: str, factory: Callable[..., nn.Module], *, replace: bool = False) -> Callable[..., nn.Module]:
+@overload
+def register_model(name: str, factory: None = None, *, replace: bool = False) -> Callable[[_F], _F]: ...
+
+
+@overload
+def register_model(name: str, factory: _F, *, replace: bool = False) -> _F: ...
+
+
+def register_model(name: str, factory: Callable[..., nn.Module] | None = None, *, replace: bool = False) -> Any:
     """Make ``factory`` buildable as ``model.name: <name>`` (it is called with the keyword
     arguments of :func:`build_model`'s model section: ``num_classes``, ``in_channels``, …).
-    A name already taken is refused unless ``replace``. Returns ``factory``."""
+    A name already taken is refused unless ``replace``. Returns ``factory``; without it, a
+    decorator (``@register_model("mine")`` on a class or function)."""
+    if factory is None:
+        return lambda f: register_model(name, f, replace=replace)
     key = name.lower().replace("-", "").replace("_", "")
     if not key or not callable(factory):
         raise ValueError(f"register_model: a name and a callable are needed, got {name!r}, {factory!r}")

@@ -27,6 +27,8 @@ from typing import Any, Callable, ClassVar, Iterable, Literal, Mapping
 
 import yaml
 
+from fedhetero.core.common.names import Registry
+
 
 __all__ = [
     "AlgorithmConfig",
@@ -281,26 +283,25 @@ def _model_names() -> list[str]:
     return list_models()
 
 
-#: Loggers a run may name in ``loggers``: name -> ``"module:Class"`` of a built-in one (a name, not
-#: an import: the module is loaded when a run uses it), or the class
-#: :func:`fedhetero.core.run.loggers.register_logger` added.
-LOGGERS: dict[str, Any] = {
+#: Loggers a run may name in ``loggers`` (a built-in one is a ``"module:Class"`` name, not an
+#: import: the module is loaded when a run uses it); ``@LOGGERS.register("name")`` adds one.
+LOGGERS: Registry[Any] = Registry("loggers", "logger", {
     "tensorboard": "fedhetero.core.run.loggers:TensorBoardLogger",
     "mlflow": "fedhetero.core.run.loggers:MLflowLogger",
-}
+}, error=ConfigError)
 
 
 def logger_names() -> tuple[str, ...]:
     """Every name the config field ``loggers`` accepts."""
-    return tuple(LOGGERS)
+    return LOGGERS.names()
 
 
-#: Back ends the engine builds: name -> ``"module:Class"`` (the class takes ``(cfg, data)``);
-#: :func:`fedhetero.core.run.backend.register_backend` adds more.
-BACKENDS: dict[str, str] = {
+#: Back ends the engine builds (the class takes ``(cfg, data)``); ``BACKENDS.register(name)`` or
+#: ``BACKENDS.add(name, "module:Class")`` adds one.
+BACKENDS: Registry[Any] = Registry("engine.backend", "back end", {
     "local": "fedhetero.backends.local:LocalBackend",
     "process": "fedhetero.backends.process:ProcessBackend",
-}
+}, error=ConfigError)
 
 #: Back ends an integration builds itself (name -> how to start one), listed for the config check.
 EXTERNAL_BACKENDS: dict[str, str] = {
@@ -311,7 +312,7 @@ EXTERNAL_BACKENDS: dict[str, str] = {
 
 def backend_names() -> tuple[str, ...]:
     """Every name ``engine.backend`` accepts."""
-    return (*BACKENDS, *EXTERNAL_BACKENDS)
+    return (*BACKENDS.names(), *EXTERNAL_BACKENDS)
 
 
 # ---------------------------------------------------------------------------- sections

@@ -17,14 +17,12 @@ from typing import TYPE_CHECKING, Any
 
 from fedhetero.core.method.algorithm import Algorithm
 from fedhetero.core.common.config import OPTIONS_PATH, ConfigError, from_mapping
+from fedhetero.core.common.names import Registry
 
 if TYPE_CHECKING:  # pragma: no cover
     from fedhetero.core.common.config import RunConfig
 
-__all__ = ["IMPORT_ERRORS", "build_algorithm", "builtin_algorithms", "get_algorithm", "import_target", "list_algorithms", "register"]
-
-#: methods registered at run time with :func:`register` (name -> class)
-_REGISTERED: dict[str, type[Algorithm]] = {}
+__all__ = ["ALGORITHMS", "IMPORT_ERRORS", "build_algorithm", "builtin_algorithms", "get_algorithm", "import_target", "list_algorithms", "register"]
 
 #: the package that lists the built-in methods (a name, not an import: the core imports no method)
 _BUILTIN_PACKAGE = "fedhetero.algorithms"
@@ -36,20 +34,29 @@ def builtin_algorithms() -> dict[str, str]:
     return table
 
 
+def _is_method(obj: Any) -> str | None:
+    return None if isinstance(obj, type) and issubclass(obj, Algorithm) else f"{obj!r} is not an Algorithm subclass"
+
+
+#: every method name: the built-in ones (``fedhetero.algorithms.BUILTIN``, imported on first use)
+#: and those :func:`register` added in this process
+ALGORITHMS: Registry[type[Algorithm]] = Registry("algorithm.name", "algorithm", builtin_algorithms,
+                                                  check=_is_method, error=ConfigError)
+
+
 def register(cls: type[Algorithm]) -> type[Algorithm]:
-    """Make ``cls`` available under ``cls.name`` in this process (usable as a class decorator).
-    Worker processes and Flower nodes do not see it: name it ``module:Class`` to run it there."""
-    if not (isinstance(cls, type) and issubclass(cls, Algorithm)):
-        raise TypeError(f"{cls!r} is not an Algorithm subclass")
-    if cls.name in builtin_algorithms() or _REGISTERED.get(cls.name, cls) is not cls:
-        raise ValueError(f"an algorithm named {cls.name!r} already exists")
-    _REGISTERED[cls.name] = cls
-    return cls
+    """Make ``cls`` available under ``cls.name`` in this process (usable as a class decorator;
+    ``ALGORITHMS.register(cls.name)``). Worker processes and Flower nodes do not see it: name it
+    ``module:Class`` to run it there."""
+    problem = _is_method(cls)
+    if problem is not None:
+        raise TypeError(problem)
+    return ALGORITHMS.register(cls.name)(cls)
 
 
 def list_algorithms() -> list[str]:
     """Names of every available algorithm, sorted."""
-    return sorted({*builtin_algorithms(), *_REGISTERED})
+    return sorted(ALGORITHMS.names())
 
 
 #: what :func:`import_target` raises for a target it cannot load
@@ -103,12 +110,10 @@ def get_algorithm(name: str) -> type[Algorithm]:
     ``file.py:Class`` for an algorithm of your own."""
     if ":" in name:
         return _load(name, name)
-    if name in _REGISTERED:
-        return _REGISTERED[name]
-    table = builtin_algorithms()
-    if name not in table:
+    if name not in ALGORITHMS:
         raise ConfigError(f"algorithm.name: unknown algorithm {name!r}; available: {', '.join(list_algorithms())}")
-    return _load(name, table[name])
+    table = ALGORITHMS.builtin()
+    return _load(name, table[name]) if name in table else ALGORITHMS.get(name)
 
 
 def build_algorithm(cfg: "RunConfig") -> Algorithm:

@@ -19,7 +19,6 @@ client and turns an exception into a failed :class:`Outcome` instead of stopping
 from __future__ import annotations
 
 import abc
-import importlib
 import time
 import warnings
 import traceback
@@ -225,17 +224,18 @@ class Backend(abc.ABC):
         """Release workers or connections (idempotent)."""
 
 
-# The name tables (BACKENDS: name -> ``"module:Class"``, a name, not an import: the core imports no
-# back end; EXTERNAL_BACKENDS: ``flower``, built by the Flower integration inside its ServerApp and
-# handed to the engine) live in fedhetero.core.common.config, which checks engine.backend against them.
+# The names (BACKENDS: a Registry whose built-in entries are ``"module:Class"`` names, not imports:
+# the core imports no back end; EXTERNAL_BACKENDS: ``flower``, built by the Flower integration
+# inside its ServerApp and handed to the engine) live in fedhetero.core.common.config, which checks
+# engine.backend against them.
 
 
 def register_backend(name: str, target: str) -> None:
     """Make ``engine.backend: name`` build ``target`` (``"module:Class"``; the class takes
-    ``(cfg, data)``)."""
-    if name in BACKENDS or name in EXTERNAL_BACKENDS:
+    ``(cfg, data)``): ``BACKENDS.add`` for a name the Flower integration does not take."""
+    if name in EXTERNAL_BACKENDS:
         raise ValueError(f"a back end named {name!r} already exists")
-    BACKENDS[name] = target
+    BACKENDS.add(name, target)
 
 
 def make_backend(cfg: "RunConfig", data: Any) -> Backend:
@@ -245,7 +245,5 @@ def make_backend(cfg: "RunConfig", data: Any) -> Backend:
         raise ConfigError(f"engine.backend: {name!r} {EXTERNAL_BACKENDS[name]}")
     if name not in BACKENDS:
         raise ConfigError(f"engine.backend: unknown back end {name!r}; available: {', '.join(backend_names())}")
-    module, _, attr = BACKENDS[name].partition(":")
-    cls = getattr(importlib.import_module(module), attr)
-    backend: Backend = cls(cfg, data)
+    backend: Backend = BACKENDS.get(name)(cfg, data)
     return backend

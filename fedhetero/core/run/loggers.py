@@ -105,25 +105,21 @@ class Logger:
 
 
 def register_logger(name: str) -> Callable[[type[Logger]], type[Logger]]:
-    """Class decorator: make a :class:`Logger` subclass available as ``loggers: [name]`` (the
-    names live in :data:`fedhetero.core.common.config.LOGGERS`, so the config checks them without
-    importing this module)."""
+    """Class decorator: make a :class:`Logger` subclass available as ``loggers: [name]``
+    (``LOGGERS.register(name)``; the names live in :data:`fedhetero.core.common.config.LOGGERS`,
+    so the config checks them without importing this module)."""
 
     def add(cls: type[Logger]) -> type[Logger]:
         if not (isinstance(cls, type) and issubclass(cls, Logger)):
             raise TypeError(f"register_logger({name!r}): {cls!r} is not a Logger subclass")
-        LOGGERS[name] = cls
-        return cls
+        return LOGGERS.register(name)(cls)  # type: ignore[no-any-return]
 
     return add
 
 
 def logger_class(name: str) -> type[Logger]:
     """The :class:`Logger` subclass registered as ``name`` (a built-in one is imported here)."""
-    entry = LOGGERS[name]
-    if isinstance(entry, str):
-        module, _, attr = entry.partition(":")
-        entry = getattr(importlib.import_module(module), attr)
+    entry = LOGGERS.get(name)
     assert isinstance(entry, type) and issubclass(entry, Logger), name
     return entry
 

@@ -278,7 +278,7 @@ def test_a_registered_back_end_is_accepted_by_the_config():
     try:
         assert from_dict({"engine": {"backend": "mine"}}).engine.backend == "mine"
     finally:
-        del C.BACKENDS["mine"]
+        C.BACKENDS.remove("mine")
 
 
 def test_pathological_partition_runs_from_a_config_with_shards_per_client_classes():
