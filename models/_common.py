@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -13,6 +14,7 @@ __all__ = [
     "NORMS",
     "INITS",
     "ModelOptions",
+    "ZooModel",
     "ConvBNAct",
     "MaxPool2x2",
     "make_norm",
@@ -104,6 +106,54 @@ def resolve_options(
     return ModelOptions(
         num_classes, in_channels, float(width), norm, input_size, conv_bias, track_running_stats, init
     )
+
+
+class ZooModel(nn.Module):
+    """The constructor every zoo model shares: the common keyword options (``num_classes``,
+    ``in_channels``, ``width``, ``norm``, ``input_size``, ``conv_bias``, ``track_running_stats``,
+    ``init``), validated into a :class:`ModelOptions`; the attributes ``num_classes``,
+    ``in_channels``, ``width`` and ``input_size``; then :meth:`build` lays out the model's layers
+    (with the model's own keyword options, e.g. the SVHN CNN's ``dropout``) and the ``init`` is
+    applied. ``in_channels`` and ``input_size`` default to 3 and 32, ``conv_bias`` to "exactly
+    when ``norm='none'``", unless the model's :attr:`option_defaults` says otherwise."""
+
+    #: the model's own defaults for the common options it is built with when they are not given
+    option_defaults: dict[str, Any] = {}
+
+    def __init__(
+        self,
+        *,
+        num_classes: int = 10,
+        in_channels: int | None = None,
+        width: float = 1.0,
+        norm: str = "bn",
+        input_size: int | None = None,
+        conv_bias: bool | None = None,
+        track_running_stats: bool = True,
+        init: str = "torch",
+        **options: Any,
+    ) -> None:
+        super().__init__()
+        own = self.option_defaults
+        o = resolve_options(
+            num_classes=num_classes,
+            in_channels=own.get("in_channels", 3) if in_channels is None else in_channels,
+            width=width,
+            norm=norm,
+            input_size=own.get("input_size", 32) if input_size is None else input_size,
+            conv_bias=own.get("conv_bias") if conv_bias is None else conv_bias,
+            track_running_stats=track_running_stats,
+            init=init,
+        )
+        self.num_classes, self.in_channels, self.width, self.input_size = (
+            o.num_classes, o.in_channels, o.width, o.input_size,
+        )
+        self.build(o, **options)
+        apply_init(self, o.init)
+
+    #: lays out the model's layers: ``build(self, o)`` with the validated options ``o``, plus the
+    #: model's own keyword options (the SVHN CNN's ``dropout``, ResNet's ``num_blocks``)
+    build: Callable[..., None]
 
 
 def conv_out(size: int, kernel: int, stride: int = 1, padding: int = 0, *, ceil: bool = False) -> int:

@@ -11,36 +11,17 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ._common import ConvBNAct, MaxPool2x2, apply_init, check_spatial, conv_out, resolve_options
+from ._common import ConvBNAct, MaxPool2x2, ModelOptions, ZooModel, check_spatial, conv_out
 from .groups import CLASSES, INPUT, ChannelGroups, GroupLayout
 
 __all__ = ["CNN"]
 
 
-class CNN(nn.Module):
+class CNN(ZooModel):
     """The FedDUMAP CNN (see the module docstring). ``width`` scales 32, 64, 64 and the 64-unit FC."""
 
-    def __init__(
-        self,
-        *,
-        num_classes: int = 10,
-        in_channels: int = 3,
-        width: float = 1.0,
-        norm: str = "bn",
-        input_size: int = 32,
-        conv_bias: bool | None = None,
-        track_running_stats: bool = True,
-        init: str = "torch",
-    ) -> None:
-        super().__init__()
-        o = resolve_options(
-            num_classes=num_classes, in_channels=in_channels, width=width, norm=norm,
-            input_size=input_size, conv_bias=conv_bias, track_running_stats=track_running_stats,
-            init=init,
-        )
-        self.num_classes, self.in_channels, self.width, self.input_size = (
-            num_classes, in_channels, o.width, input_size,
-        )
+    def build(self, o: ModelOptions) -> None:
+        num_classes, in_channels, input_size = o.num_classes, o.in_channels, o.input_size
         s1 = conv_out(input_size, 3)
         p1 = s1 // 2
         s2 = conv_out(p1, 3)
@@ -56,7 +37,6 @@ class CNN(nn.Module):
         self.fc1 = nn.Linear(c3 * self._flat_hw, f1)
         self.fc2 = nn.Linear(f1, num_classes)
         self.relu = nn.ReLU()
-        apply_init(self, o.init)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.pool(self.conv1(x))

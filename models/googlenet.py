@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from ._common import ConvBNAct, ModelOptions, apply_init, check_spatial, conv_out, resolve_options
+from ._common import ConvBNAct, ModelOptions, ZooModel, check_spatial, conv_out
 from .groups import CLASSES, INPUT, ChannelGroups, GroupLayout
 
 __all__ = ["Inception", "GoogLeNet", "GOOGLENET_PLAN"]
@@ -71,30 +71,11 @@ class Inception(nn.Module):
         return [f"{path}.b1", f"{path}.b2.1", f"{path}.b3.2", f"{path}.b4.1"]
 
 
-class GoogLeNet(nn.Module):
+class GoogLeNet(ZooModel):
     """CIFAR GoogLeNet (see the module docstring). ``width`` scales every conv width."""
 
-    def __init__(
-        self,
-        *,
-        num_classes: int = 10,
-        in_channels: int = 3,
-        width: float = 1.0,
-        norm: str = "bn",
-        input_size: int = 32,
-        conv_bias: bool | None = None,
-        track_running_stats: bool = True,
-        init: str = "torch",
-    ) -> None:
-        super().__init__()
-        o = resolve_options(
-            num_classes=num_classes, in_channels=in_channels, width=width, norm=norm,
-            input_size=input_size, conv_bias=conv_bias, track_running_stats=track_running_stats,
-            init=init,
-        )
-        self.num_classes, self.in_channels, self.width, self.input_size = (
-            num_classes, in_channels, o.width, input_size,
-        )
+    def build(self, o: ModelOptions) -> None:
+        num_classes, in_channels, input_size = o.num_classes, o.in_channels, o.input_size
         size = input_size
         sizes = [size]
         self.pre = ConvBNAct(in_channels, o.ch(192), 3, padding=1, opts=o)
@@ -117,7 +98,6 @@ class GoogLeNet(nn.Module):
         check_spatial("googlenet", input_size, sizes)
         self.avgpool = nn.AdaptiveAvgPool2d(1)
         self.fc = nn.Linear(c_in, num_classes)
-        apply_init(self, o.init)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.pre(x)

@@ -11,39 +11,22 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ._common import resolve_options
+from ._common import ModelOptions, ZooModel
 from .groups import CLASSES, INPUT, ChannelGroups, GroupLayout
 
 __all__ = ["LogReg"]
 
 
-class LogReg(nn.Module):
+class LogReg(ZooModel):
     """Multinomial logistic regression (see the module docstring); logits out, no softmax."""
 
     #: the forward is ``fc(flatten(x))``: vectorised trainers may run it as one batched product
     flat_linear = "fc"
 
-    def __init__(
-        self,
-        *,
-        num_classes: int = 10,
-        in_channels: int = 1,
-        width: float = 1.0,
-        norm: str = "bn",
-        input_size: int = 28,
-        conv_bias: bool | None = None,
-        track_running_stats: bool = True,
-        init: str = "torch",
-    ) -> None:
-        super().__init__()
-        o = resolve_options(
-            num_classes=num_classes, in_channels=in_channels, width=width, norm=norm,
-            input_size=input_size, conv_bias=conv_bias, track_running_stats=track_running_stats,
-            init=init,
-        )
-        self.num_classes, self.in_channels, self.width, self.input_size = (
-            num_classes, in_channels, o.width, input_size,
-        )
+    option_defaults = {"in_channels": 1, "input_size": 28}
+
+    def build(self, o: ModelOptions) -> None:
+        num_classes, in_channels, input_size = o.num_classes, o.in_channels, o.input_size
         self._flat_hw = input_size * input_size
         self.fc = nn.Linear(in_channels * self._flat_hw, num_classes)
 

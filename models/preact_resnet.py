@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ._common import ModelOptions, apply_init, check_spatial, conv_out, is_norm, make_norm, resolve_options
+from ._common import ModelOptions, ZooModel, check_spatial, conv_out, is_norm, make_norm
 from .groups import CLASSES, INPUT, ChannelGroups, GroupLayout
 
 __all__ = ["PreActBlock", "PreActResNet18"]
@@ -61,30 +61,11 @@ class PreActBlock(nn.Module):
             raise ValueError(f"{path}: identity shortcut must tie {inputs!r} and {out!r}")
 
 
-class PreActResNet18(nn.Module):
+class PreActResNet18(ZooModel):
     """Pre-activation ResNet-18 (see the module docstring). ``width`` scales 64/128/256/512."""
 
-    def __init__(
-        self,
-        *,
-        num_classes: int = 10,
-        in_channels: int = 3,
-        width: float = 1.0,
-        norm: str = "bn",
-        input_size: int = 32,
-        conv_bias: bool | None = None,
-        track_running_stats: bool = True,
-        init: str = "torch",
-    ) -> None:
-        super().__init__()
-        o = resolve_options(
-            num_classes=num_classes, in_channels=in_channels, width=width, norm=norm,
-            input_size=input_size, conv_bias=conv_bias, track_running_stats=track_running_stats,
-            init=init,
-        )
-        self.num_classes, self.in_channels, self.width, self.input_size = (
-            num_classes, in_channels, o.width, input_size,
-        )
+    def build(self, o: ModelOptions) -> None:
+        num_classes, in_channels, input_size = o.num_classes, o.in_channels, o.input_size
         size, sizes = input_size, []
         for _ in range(3):
             size = conv_out(size, 3, 2, 1)
@@ -107,7 +88,6 @@ class PreActResNet18(nn.Module):
         self.relu = nn.ReLU()
         self.avgpool = nn.AdaptiveAvgPool2d(1)
         self.fc = nn.Linear(c_in, num_classes)
-        apply_init(self, o.init)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.conv1(x)

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ._common import ModelOptions, apply_init, check_spatial, conv_out, is_norm, make_norm, resolve_options
+from ._common import ModelOptions, ZooModel, check_spatial, conv_out, is_norm, make_norm
 from .groups import CLASSES, INPUT, ChannelGroups, GroupLayout
 
 __all__ = ["BasicBlock", "ResNet", "ResNet18"]
@@ -67,7 +67,7 @@ class BasicBlock(nn.Module):
             raise ValueError(f"{path}: identity shortcut must tie {inputs!r} and {out!r}")
 
 
-class ResNet(nn.Module):
+class ResNet(ZooModel):
     """CIFAR-style ResNet with ``BasicBlock``s (see the module docstring)."""
 
     # the stages, registered by name in ``__init__``
@@ -76,30 +76,10 @@ class ResNet(nn.Module):
     layer3: nn.Sequential
     layer4: nn.Sequential
 
-    def __init__(
-        self,
-        num_blocks: Sequence[int] = (2, 2, 2, 2),
-        *,
-        num_classes: int = 10,
-        in_channels: int = 3,
-        width: float = 1.0,
-        norm: str = "bn",
-        input_size: int = 32,
-        conv_bias: bool | None = None,
-        track_running_stats: bool = True,
-        init: str = "torch",
-    ) -> None:
-        super().__init__()
-        o = resolve_options(
-            num_classes=num_classes, in_channels=in_channels, width=width, norm=norm,
-            input_size=input_size, conv_bias=conv_bias, track_running_stats=track_running_stats,
-            init=init,
-        )
+    def build(self, o: ModelOptions, *, num_blocks: Sequence[int] = (2, 2, 2, 2)) -> None:
+        num_classes, in_channels, input_size = o.num_classes, o.in_channels, o.input_size
         if len(num_blocks) != 4 or any(int(n) < 1 for n in num_blocks):
             raise ValueError(f"num_blocks must be 4 positive integers, got {tuple(num_blocks)!r}")
-        self.num_classes, self.in_channels, self.width, self.input_size = (
-            num_classes, in_channels, o.width, input_size,
-        )
         size, sizes = input_size, []
         for _ in range(3):
             size = conv_out(size, 3, 2, 1)
@@ -120,7 +100,6 @@ class ResNet(nn.Module):
             self.add_module(f"layer{stage}", nn.Sequential(*blocks))
         self.avgpool = nn.AdaptiveAvgPool2d(1)
         self.fc = nn.Linear(c_in, num_classes)
-        apply_init(self, o.init)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.relu(self.bn1(self.conv1(x)))
@@ -150,4 +129,4 @@ class ResNet18(ResNet):
     """CIFAR ResNet-18: :class:`ResNet` with ``num_blocks=(2, 2, 2, 2)``."""
 
     def __init__(self, **kwargs: Any) -> None:
-        super().__init__((2, 2, 2, 2), **kwargs)
+        super().__init__(num_blocks=(2, 2, 2, 2), **kwargs)

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ._common import resolve_options
+from ._common import ModelOptions, ZooModel
 
 __all__ = ["ResNet18Proj"]
 
@@ -28,33 +28,16 @@ class _GroupNorm1(nn.GroupNorm):
         super().__init__(1, num_channels, **kw)
 
 
-class ResNet18Proj(nn.Module):
+class ResNet18Proj(ZooModel):
     """timm ResNet-18 backbone + 512-512-256 projection head + classifier."""
 
-    def __init__(
-        self,
-        *,
-        num_classes: int = 10,
-        in_channels: int = 3,
-        width: float = 1.0,
-        norm: str = "bn",
-        input_size: int = 32,
-        conv_bias: bool | None = None,
-        track_running_stats: bool = True,
-        init: str = "torch",
-    ) -> None:
-        super().__init__()
-        o = resolve_options(
-            num_classes=num_classes, in_channels=in_channels, width=width, norm=norm,
-            input_size=input_size, conv_bias=conv_bias, track_running_stats=track_running_stats,
-            init=init,
-        )
+    def build(self, o: ModelOptions) -> None:
+        num_classes, in_channels, norm = o.num_classes, o.in_channels, o.norm
         from reparam._compat import import_timm  # the zoo never imports fedhetero
 
         timm = import_timm()
         from timm.models.resnet import BasicBlock, ResNet
 
-        self.num_classes, self.in_channels, self.width, self.input_size = num_classes, in_channels, o.width, input_size
         norm_layer: Any = {
             "bn": nn.BatchNorm2d, "groupnorm1": _GroupNorm1, "none": nn.Identity,
         }[norm]

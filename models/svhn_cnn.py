@@ -12,39 +12,20 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ._common import ConvBNAct, MaxPool2x2, apply_init, check_spatial, resolve_options
+from ._common import ConvBNAct, MaxPool2x2, ModelOptions, ZooModel, check_spatial
 from .groups import CLASSES, INPUT, ChannelGroups, GroupLayout
 
 __all__ = ["SVHNCNN"]
 
 
-class SVHNCNN(nn.Module):
+class SVHNCNN(ZooModel):
     """The SVHN CNN (see the module docstring); ``width`` scales every conv and the 256-unit FC."""
 
-    def __init__(
-        self,
-        *,
-        num_classes: int = 10,
-        in_channels: int = 3,
-        width: float = 1.0,
-        norm: str = "bn",
-        input_size: int = 32,
-        conv_bias: bool | None = None,
-        track_running_stats: bool = True,
-        init: str = "torch",
-        dropout: float = 0.4,
-    ) -> None:
-        super().__init__()
-        if conv_bias is None:
-            conv_bias = True  # the study's convs keep their biases before the norm (667,178 parameters)
-        o = resolve_options(
-            num_classes=num_classes, in_channels=in_channels, width=width, norm=norm,
-            input_size=input_size, conv_bias=conv_bias, track_running_stats=track_running_stats,
-            init=init,
-        )
-        self.num_classes, self.in_channels, self.width, self.input_size = (
-            num_classes, in_channels, o.width, input_size,
-        )
+    # the study's convs keep their biases before the norm (667,178 parameters)
+    option_defaults = {"conv_bias": True}
+
+    def build(self, o: ModelOptions, *, dropout: float = 0.4) -> None:
+        num_classes, in_channels, input_size = o.num_classes, o.in_channels, o.input_size
         s = input_size // 8
         check_spatial("svhn_cnn", input_size, [input_size // 2, input_size // 4, s])
         self._flat_hw = s * s
@@ -59,7 +40,6 @@ class SVHNCNN(nn.Module):
         self.drop = nn.Dropout(dropout)
         self.fc2 = nn.Linear(f1, num_classes)
         self.relu = nn.ReLU()
-        apply_init(self, o.init)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.pool(self.conv2(self.conv1(x)))

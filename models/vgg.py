@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ._common import ConvBNAct, apply_init, check_spatial, conv_out, resolve_options
+from ._common import ConvBNAct, ModelOptions, ZooModel, check_spatial, conv_out
 from .groups import CLASSES, INPUT, ChannelGroups, GroupLayout
 
 __all__ = ["VGG11", "VGG11_PLAN"]
@@ -20,30 +20,11 @@ __all__ = ["VGG11", "VGG11_PLAN"]
 VGG11_PLAN: tuple[int | str, ...] = (64, "M", 128, "M", 256, 256, "M", 512, 512, "M", 512, 512, "M")
 
 
-class VGG11(nn.Module):
+class VGG11(ZooModel):
     """VGG-11 (see the module docstring). ``width`` scales every conv and the two hidden FCs."""
 
-    def __init__(
-        self,
-        *,
-        num_classes: int = 10,
-        in_channels: int = 3,
-        width: float = 1.0,
-        norm: str = "bn",
-        input_size: int = 32,
-        conv_bias: bool | None = None,
-        track_running_stats: bool = True,
-        init: str = "torch",
-    ) -> None:
-        super().__init__()
-        o = resolve_options(
-            num_classes=num_classes, in_channels=in_channels, width=width, norm=norm,
-            input_size=input_size, conv_bias=conv_bias, track_running_stats=track_running_stats,
-            init=init,
-        )
-        self.num_classes, self.in_channels, self.width, self.input_size = (
-            num_classes, in_channels, o.width, input_size,
-        )
+    def build(self, o: ModelOptions) -> None:
+        num_classes, in_channels, input_size = o.num_classes, o.in_channels, o.input_size
         layers: list[nn.Module] = []
         self._convs: list[str] = []
         c_in, size, sizes = in_channels, input_size, []
@@ -68,7 +49,6 @@ class VGG11(nn.Module):
             nn.ReLU(),
             nn.Linear(f, num_classes),
         )
-        apply_init(self, o.init)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.features(x)

@@ -287,3 +287,21 @@ def test_register_model_builds_refuses_a_taken_name_and_unregisters():
     assert "tiny_probe" not in list_models()
     with pytest.raises(ValueError, match="unknown model"):
         build_model("tiny_probe")
+
+
+def test_every_zoo_model_shares_one_constructor() -> None:
+    """One builder: every zoo model is a ``ZooModel`` (the common options validated once, the
+    shared attributes set, its own ``build``, then the init), and no model file repeats the option
+    block."""
+    from pathlib import Path
+
+    import fedhetero.models as zoo
+    from fedhetero.models._common import ZooModel
+
+    for name in list_models():
+        model = build_model(name, num_classes=3, width=0.5, input_size=32)
+        assert isinstance(model, ZooModel), name
+        assert (model.num_classes, model.width, model.input_size) == (3, 0.5, 32), name
+    folder = Path(zoo.__file__).parent
+    repeated = [p.name for p in folder.glob("*.py") if p.name != "_common.py" and "resolve_options(" in p.read_text()]
+    assert repeated == []
