@@ -27,7 +27,7 @@ import torch
 
 import reparam
 from fedhetero.core.exchange.aggregation import weighted_average
-from fedhetero.core.common.config import load_config
+from fedhetero.core.common.configfile import load_config
 from fedhetero.core.local.context import client_context
 from fedhetero.core.run.engine import Engine
 from fedhetero.core.exchange.store import ClientStateStore

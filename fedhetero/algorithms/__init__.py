@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from fedhetero.core.exchange.aggregation import weighted_average
 from fedhetero.core.method.algorithm import Algorithm
-from fedhetero.core.common.config import ConfigError, MethodOptions, option, require
+from fedhetero.core.common.options import ConfigError, MethodOptions, option, require
 from fedhetero.core.local.objective import Batch, LocalObjective, LocalPhase, LocalPlan, LocalSGD
 from fedhetero.core.method.registry import build_algorithm, get_algorithm, list_algorithms, register
 from fedhetero.core.exchange.types import ClientInfo, ClientResult, ClientTask, payload_bytes, state_bytes

@@ -47,7 +47,8 @@ import torch
 from fedhetero.backends.wire import Channel
 from fedhetero.core.run.allocator import tune_malloc
 from fedhetero.core.run.backend import Backend, run_task, run_together
-from fedhetero.core.common.config import ConfigError, RunConfig, from_dict, to_dict
+from fedhetero.core.common.config import RunConfig, from_dict, to_dict
+from fedhetero.core.common.options import ConfigError
 from fedhetero.core.local.context import RunError, client_context
 from fedhetero.core.method.registry import build_algorithm
 from fedhetero.core.exchange.types import Outcome

@@ -24,7 +24,7 @@ from typing import Any, Iterable, Sequence
 
 import fedhetero
 from fedhetero.cli import ablation, bench, compare, dyninit_table, info, train
-from fedhetero.core.common.config import ConfigError
+from fedhetero.core.common.options import ConfigError
 from fedhetero.core.run.reports import default_out_dir, print_summary
 from fedhetero.core.common.rundir import RunDirError
 from fedhetero.integrations.flower import cli as flower

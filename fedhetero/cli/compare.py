@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from fedhetero.cli._lists import names
-from fedhetero.core.common.config import ConfigError
+from fedhetero.core.common.options import ConfigError
 from fedhetero.core.common.console import make_console
 
 __all__ = ["add_parser", "run"]

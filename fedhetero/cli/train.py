@@ -9,7 +9,9 @@ from typing import Any
 
 from rich.text import Text
 
-from fedhetero.core.common.config import ConfigError, config_hash, load_config
+from fedhetero.core.common.config import config_hash
+from fedhetero.core.common.options import ConfigError
+from fedhetero.core.common.configfile import load_config
 from fedhetero.core.common.console import make_console
 from fedhetero.core.run.reports import plot_run, print_summary
 

@@ -53,7 +53,9 @@ from rich.console import Console
 from rich.table import Table
 
 from fedhetero.core.local.cohort import Cohort
-from fedhetero.core.common.config import ConfigError, RunConfig, apply_overrides, from_dict, to_dict
+from fedhetero.core.common.config import RunConfig, from_dict, to_dict
+from fedhetero.core.common.options import ConfigError
+from fedhetero.core.common.configfile import apply_overrides
 from fedhetero.core.common.console import make_console
 from fedhetero.core.run.engine import Engine
 from fedhetero.data import load_dataset

@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from fedhetero.core.common.config import load_config
+from fedhetero.core.common.configfile import load_config
 from fedhetero.core.common.console import make_console
 from fedhetero.core.local.context import client_context
 from fedhetero.core.common.rundir import finite_json

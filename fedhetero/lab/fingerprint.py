@@ -22,7 +22,7 @@ from typing import Any, Sequence
 import torch
 
 from fedhetero.algorithms import BUILTIN
-from fedhetero.core.common.config import load_config
+from fedhetero.core.common.configfile import load_config
 from fedhetero.core.run.engine import Engine
 
 __all__ = ["RUNS", "fingerprint", "main"]

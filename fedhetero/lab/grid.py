@@ -17,8 +17,10 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
-from fedhetero.core.common.config import config_hashes, load_config
-from fedhetero.core.run.engine import Engine, changed_options
+from fedhetero.core.common.config import config_hashes
+from fedhetero.core.common.configfile import load_config
+from fedhetero.core.run.engine import Engine
+from fedhetero.core.run.resume import changed_options
 from fedhetero.core.method.registry import build_algorithm
 
 __all__ = ["FINISHED_ELSEWHERE", "pending", "run_grid", "run_one"]

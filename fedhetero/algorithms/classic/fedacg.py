@@ -31,7 +31,7 @@ import torch
 
 from fedhetero.core.exchange.aggregation import weighted_average
 from fedhetero.core.method.algorithm import Algorithm
-from fedhetero.core.common.config import MethodOptions, option
+from fedhetero.core.common.options import MethodOptions, option
 from fedhetero.core.local.objective import LocalObjective, LocalPlan, proximal
 from fedhetero.core.exchange.types import ClientInfo, ClientResult, ClientTask
 

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 from fedhetero.core.hetero import budget as budget_mod
 from fedhetero.core.method.algorithm import Algorithm
-from fedhetero.core.common.config import MethodOptions, option
+from fedhetero.core.common.options import MethodOptions, option
 from fedhetero.core.exchange.types import ClientInfo, ClientTask
 from fedhetero.core.hetero.widths import narrowest_width_macs
 

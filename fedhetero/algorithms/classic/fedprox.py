@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from fedhetero.core.method.algorithm import Algorithm
-from fedhetero.core.common.config import MethodOptions, option
+from fedhetero.core.common.options import MethodOptions, option
 from fedhetero.core.local.objective import LocalObjective, LocalPlan, proximal
 from fedhetero.core.exchange.types import ClientTask
 

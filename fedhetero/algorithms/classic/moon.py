@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fedhetero.core.method.algorithm import Algorithm
-from fedhetero.core.common.config import MethodOptions, option
+from fedhetero.core.common.options import MethodOptions, option
 from fedhetero.core.local.features import has_hidden_layers, penultimate
 from fedhetero.core.local.objective import Batch, LocalObjective, LocalPlan, LossRule
 from fedhetero.core.exchange.types import ClientResult, ClientTask

@@ -35,7 +35,7 @@ import torch
 
 from fedhetero.algorithms.classic._common import objective_weights, split_average, zeros_like_params
 from fedhetero.core.method.algorithm import Algorithm
-from fedhetero.core.common.config import MethodOptions, option
+from fedhetero.core.common.options import MethodOptions, option
 from fedhetero.core.local.objective import LocalObjective, LocalPlan, Tensors
 from fedhetero.core.exchange.types import ClientInfo, ClientResult, ClientTask
 

@@ -72,7 +72,7 @@ from torch import nn
 from fedhetero.algorithms.dynacomm import selection as dc
 from fedhetero.core.exchange.aggregation import weighted_average
 from fedhetero.core.method.algorithm import Algorithm, Exchanges
-from fedhetero.core.common.config import OPTIONS_PATH, MethodOptions, option, require
+from fedhetero.core.common.options import OPTIONS_PATH, MethodOptions, option, require
 from fedhetero.core.local.objective import LocalPlan
 from fedhetero.core.exchange.types import ClientInfo, ClientResult, ClientTask, state_bytes
 from fedhetero.data import num_batches

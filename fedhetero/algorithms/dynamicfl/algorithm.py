@@ -48,7 +48,7 @@ from fedhetero.algorithms.pruning.rates import kept_count
 from fedhetero.algorithms.pruning.surgery import ChannelMacs, plan_for_budget, prunable_groups
 from fedhetero.core.exchange.aggregation import weighted_average
 from fedhetero.core.method.algorithm import Algorithm
-from fedhetero.core.common.config import OPTIONS_PATH, MethodOptions, option, require
+from fedhetero.core.common.options import OPTIONS_PATH, MethodOptions, option, require
 from fedhetero.core.hetero.submodel import SubmodelAggregator, SubmodelSpec, submodel_from
 from fedhetero.core.exchange.types import ClientResult, ClientTask, state_bytes
 from reparam.changes import StructureChange, apply_to_optimizer

@@ -54,7 +54,7 @@ from torch import nn
 
 from fedhetero.algorithms import get_algorithm
 from fedhetero.core.method.algorithm import Algorithm, Exchanges
-from fedhetero.core.common.config import OPTIONS_PATH, MethodOptions, from_mapping, option, require
+from fedhetero.core.common.options import OPTIONS_PATH, MethodOptions, from_mapping, option, require
 from fedhetero.core.local.objective import Batch, LocalObjective, LocalPlan, LossRule
 from fedhetero.core.hetero.sessions import transition_accuracy
 from fedhetero.core.exchange.types import ClientInfo, ClientResult, ClientTask

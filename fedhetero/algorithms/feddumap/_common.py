@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from fedhetero.core.method.algorithm import Algorithm, Exchanges
-from fedhetero.core.common.config import OPTIONS_PATH, MethodOptions, option, require
+from fedhetero.core.common.options import OPTIONS_PATH, MethodOptions, option, require
 from fedhetero.core.local.objective import LocalPlan, LocalSGD
 from fedhetero.core.exchange.types import ClientInfo, ClientResult, ClientTask
 from fedhetero.data.batches import iterate_batches, num_batches

@@ -57,7 +57,7 @@ from fedhetero.algorithms.feddumap.feddu import FedDU, FedDUOptions
 from fedhetero.algorithms.feddumap.feddum import FedDUM, FedDUMOptions
 from fedhetero.algorithms.pruning.rates import magnitude_threshold
 from fedhetero.core.exchange.aggregation import weighted_average
-from fedhetero.core.common.config import option
+from fedhetero.core.common.options import option
 from fedhetero.core.local.objective import LocalPlan
 from fedhetero.core.method.algorithm import Exchanges
 from fedhetero.core.exchange.types import ClientInfo, ClientResult, ClientTask, state_bytes

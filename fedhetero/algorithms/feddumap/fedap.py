@@ -58,7 +58,7 @@ from fedhetero.algorithms.pruning.rates import (
     magnitude_threshold,
 )
 from fedhetero.algorithms.pruning.surgery import fedap_prune, group_producers, prunable_groups
-from fedhetero.core.common.config import MethodOptions, option
+from fedhetero.core.common.options import MethodOptions, option
 from fedhetero.core.hetero.submodel import SubmodelSpec, channel_groups_of, submodel_from
 from fedhetero.core.exchange.types import ClientInfo, ClientTask
 from fedhetero.data.batches import random_crop_flip

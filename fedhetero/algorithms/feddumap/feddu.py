@@ -52,7 +52,7 @@ from fedhetero.algorithms.feddumap._common import (
     server_steps,
     sgd_epochs,
 )
-from fedhetero.core.common.config import option
+from fedhetero.core.common.options import option
 
 if TYPE_CHECKING:  # pragma: no cover
     from fedhetero.core.local.context import Context

@@ -37,7 +37,7 @@ from torch import Tensor
 
 from fedhetero.algorithms.feddumap._common import DampedMomentumSGD, ServerDataAlgorithm
 from fedhetero.algorithms.feddumap.feddu import FedDUOptions
-from fedhetero.core.common.config import option
+from fedhetero.core.common.options import option
 
 if TYPE_CHECKING:  # pragma: no cover
     from fedhetero.core.local.context import Context

@@ -56,7 +56,7 @@ from fedhetero.algorithms.kd._common import (
 from fedhetero.core.hetero import budget as budget_mod
 from fedhetero.core.exchange.aggregation import weighted_average
 from fedhetero.core.method.algorithm import Algorithm
-from fedhetero.core.common.config import MethodOptions, option
+from fedhetero.core.common.options import MethodOptions, option
 from fedhetero.core.exchange.types import ClientInfo, ClientResult, ClientTask
 from fedhetero.core.hetero.widths import narrowest_width_macs
 

@@ -59,7 +59,7 @@ from torch import nn
 from fedhetero.core.local.features import classifier_of
 from fedhetero.core.exchange.aggregation import weighted_average
 from fedhetero.core.method.algorithm import Algorithm
-from fedhetero.core.common.config import MethodOptions, option
+from fedhetero.core.common.options import MethodOptions, option
 from fedhetero.core.local.objective import Batch, LocalObjective, LocalPlan
 from fedhetero.core.exchange.types import ClientInfo, ClientResult, ClientTask
 

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Callable, Literal
 import torch
 
 from fedhetero.algorithms.width.heterofl import WidthSlicedAlgorithm
-from fedhetero.core.common.config import MethodOptions, option
+from fedhetero.core.common.options import MethodOptions, option
 from fedhetero.core.exchange.types import ClientInfo, ClientResult
 
 if TYPE_CHECKING:  # pragma: no cover

@@ -60,7 +60,7 @@ from torch import nn
 
 from fedhetero.core.hetero import budget as budget_mod
 from fedhetero.core.method.algorithm import Algorithm
-from fedhetero.core.common.config import MethodOptions, option
+from fedhetero.core.common.options import MethodOptions, option
 from fedhetero.core.local.objective import LocalPlan
 from fedhetero.core.hetero.submodel import (
     SubmodelAggregator,

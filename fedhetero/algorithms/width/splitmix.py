@@ -49,7 +49,7 @@ from torch import nn
 from fedhetero.core.hetero import budget as budget_mod
 from fedhetero.core.exchange.aggregation import weighted_average
 from fedhetero.core.method.algorithm import Algorithm
-from fedhetero.core.common.config import MethodOptions, option
+from fedhetero.core.common.options import MethodOptions, option
 from fedhetero.core.local.objective import LocalPlan
 from fedhetero.core.exchange.types import ClientInfo, ClientResult, ClientTask
 from fedhetero.core.hetero.widths import WidthPlanner, narrowest_width_macs

@@ -33,7 +33,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from fedhetero.core.common.config import SCENARIOS, ConfigError
+from fedhetero.core.common.config import SCENARIOS
+from fedhetero.core.common.options import ConfigError
 from reparam.flops import model_macs
 
 __all__ = [

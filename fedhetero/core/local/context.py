@@ -30,7 +30,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from fedhetero.core.hetero import budget as budget_mod
-from fedhetero.core.common.config import ConfigError, RunConfig
+from fedhetero.core.common.config import RunConfig
+from fedhetero.core.common.options import ConfigError
 from fedhetero.core.local.trainer import LocalTrainer
 from fedhetero.core.hetero.sessions import Schedule
 from fedhetero.core.exchange.types import CONCERNS, derive_seed

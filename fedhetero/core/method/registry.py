@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fedhetero.core.method.algorithm import Algorithm
-from fedhetero.core.common.config import OPTIONS_PATH, ConfigError, from_mapping
+from fedhetero.core.common.options import OPTIONS_PATH, ConfigError, from_mapping
 from fedhetero.core.common.names import Registry
 
 if TYPE_CHECKING:  # pragma: no cover

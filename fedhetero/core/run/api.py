@@ -32,15 +32,9 @@ from typing import Any, Union
 from torch import nn
 
 from fedhetero.core.run.compare import compare_settings, default_compare_dir, parse_options, run_comparison
-from fedhetero.core.common.config import (
-    ConfigError,
-    RunConfig,
-    apply_overrides,
-    backend_names,
-    from_dict,
-    load_config,
-    to_dict,
-)
+from fedhetero.core.common.config import RunConfig, backend_names, from_dict, to_dict
+from fedhetero.core.common.options import ConfigError
+from fedhetero.core.common.configfile import apply_overrides, load_config
 from fedhetero.core.common.console import make_console
 from fedhetero.core.run.engine import Engine
 from fedhetero.core.run.reports import default_out_dir, plot_run
@@ -189,7 +183,7 @@ def run(
     progress per round (on ``console``, default: a new rich console). Writes ``accuracy.png`` when
     matplotlib (the ``plot`` extra) is installed.
 
-    Errors are raised as exceptions: :class:`~fedhetero.core.common.config.ConfigError` (a bad setting),
+    Errors are raised as exceptions: :class:`~fedhetero.core.common.options.ConfigError` (a bad setting),
     :class:`~fedhetero.core.common.rundir.RunDirError` (a directory the run may not use), and the run's own
     errors (:class:`~fedhetero.core.local.context.RunError`)."""
     if console is None and progress:

@@ -27,7 +27,8 @@ from typing import TYPE_CHECKING, Any, Callable
 import numpy as np
 import torch
 
-from fedhetero.core.common.config import BACKENDS, EXTERNAL_BACKENDS, ConfigError, backend_names
+from fedhetero.core.common.config import BACKENDS, EXTERNAL_BACKENDS, backend_names
+from fedhetero.core.common.options import ConfigError
 from fedhetero.core.method.runner import train_cohorts
 from fedhetero.core.exchange.types import (
     InjectedFault,

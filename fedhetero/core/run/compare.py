@@ -30,17 +30,9 @@ from rich.table import Table
 from rich.text import Text
 
 from fedhetero.core.hetero.budget import check_budgets
-from fedhetero.core.common.config import (
-    ConfigError,
-    RunConfig,
-    _yaml_problem,
-    apply_overrides,
-    config_hash,
-    from_dict,
-    load_config,
-    parse_yaml,
-    to_dict,
-)
+from fedhetero.core.common.config import RunConfig, config_hash, from_dict, to_dict
+from fedhetero.core.common.options import ConfigError
+from fedhetero.core.common.configfile import _yaml_problem, apply_overrides, load_config, parse_yaml
 from fedhetero.core.local.context import ClientContext, RunError, build_data
 from fedhetero.core.run.engine import Engine, _check_splits
 from fedhetero.core.method.registry import build_algorithm, get_algorithm

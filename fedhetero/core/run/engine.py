@@ -25,11 +25,9 @@ Guarantees:
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import time
-from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from collections.abc import Generator
@@ -37,29 +35,21 @@ from typing import Any
 
 import numpy as np
 import torch
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from fedhetero.core.hetero import budget as budget_mod
 from fedhetero.core.exchange.aggregation import Uploads, UploadStream
 from fedhetero.core.method.algorithm import Algorithm, state_tensors
 from fedhetero.core.run.allocator import tune_malloc
 from fedhetero.core.run.backend import Backend, drop_kind, make_backend
-from fedhetero.core.common.config import (
-    OPTIONS_PATH,
-    RESUMABLE,
-    ConfigError,
-    RunConfig,
-    apply_overrides,
-    config_hash,
-    config_hashes,
-    dump_config,
-    from_dict,
-    load_config,
-    to_dict,
-)
+from fedhetero.core.common.config import RunConfig, config_hash
+from fedhetero.core.common.options import OPTIONS_PATH, ConfigError
+from fedhetero.core.common.configfile import dump_config
 from fedhetero.core.local.context import Context, RunError, build_data
 from fedhetero.core.run.export import global_model_state, save_global_model
 from fedhetero.core.run.loggers import RunLoggers
+from fedhetero.core.run.progress import RoundProgress
+from fedhetero.core.run.resume import changed_options, options_record, resume_config, saved_config
+from fedhetero.core.run.summary import summarize
 from fedhetero.core.run.metrics import account_round
 from fedhetero.core.method.registry import build_algorithm
 from fedhetero.core.common.rundir import (
@@ -73,9 +63,7 @@ from fedhetero.core.common.rundir import (
     finite_json,
     inspect_dir,
 )
-from fedhetero.core.hetero.sessions import session_summary
 from fedhetero.core.exchange.store import ClientStateStore, atomic_save
-from fedhetero.core.hetero.timemodel import smoothed_final_accuracy
 from fedhetero.core.exchange.types import ClientInfo, ClientResult, ClientTask, Outcome, check_result, nonfinite_entries
 from fedhetero.data import save_partition
 
@@ -86,7 +74,7 @@ STRICT_ENV = "FEDHETERO_STRICT"
 SMOOTHING_WINDOW = 39
 
 
-__all__ = ["Engine", "RunResult", "resume_config", "run"]
+__all__ = ["Engine", "RunResult", "run"]
 
 @dataclass
 class RunResult:
@@ -149,7 +137,7 @@ class Engine:
     def _check_dir(self) -> None:
         """Refuse a directory this run may not use (called again under the lock)."""
         if self.resume:
-            return  # _saved_config found the run; foreign files beside it are left alone
+            return  # saved_config found the run; foreign files beside it are left alone
         state = inspect_dir(self.out_dir)
         if state.foreign:
             raise RunDirError(
@@ -471,7 +459,7 @@ class Engine:
                 raise RunDirError(f"{self.out_dir}: the run directory cannot be made ({exc.strerror or exc})") from None
             lock = RunLock(self.out_dir).acquire()
             self._check_dir()
-            if self.resume and config_hash(_saved_config(self.out_dir)) not in self._hashes:
+            if self.resume and config_hash(saved_config(self.out_dir)) not in self._hashes:
                 raise RunDirError(f"--resume: {self.out_dir / 'config.yaml'} changed while this run was starting")
             self.setup()
             created = None  # from here on the directory holds this run
@@ -527,7 +515,7 @@ class Engine:
         prior_wall = float(sum(r.get("wall_s", 0.0) for r in history))
         self.loggers.start(start, history)  # rounds 1..start as metrics.jsonl holds them
         rounds = self.cfg.train.rounds
-        progress = _Progress(self.progress, rounds, start, self.console)
+        progress = RoundProgress(self.progress, rounds, start, self.console)
         with progress:
             for rnd in range(start + 1, rounds + 1):
                 t0 = time.perf_counter()
@@ -607,25 +595,6 @@ def _first_line(text: str) -> str:
     return str(text).strip().splitlines()[0] if str(text).strip() else ""
 
 
-def _override_key(item: str) -> str:
-    return item.split("=", 1)[0].strip()
-
-
-def _changed_fields(a: RunConfig, b: RunConfig) -> list[str]:
-    """Dotted names of the fields whose values differ between two configs."""
-
-    def flat(tree: Any, prefix: str = "") -> dict[str, Any]:
-        if isinstance(tree, dict):
-            out: dict[str, Any] = {}
-            for k, v in tree.items():
-                out.update(flat(v, f"{prefix}.{k}" if prefix else str(k)))
-            return out
-        return {prefix: tree}
-
-    fa, fb = flat(to_dict(a)), flat(to_dict(b))
-    return [k for k in sorted(set(fa) | set(fb)) if fa.get(k) != fb.get(k)]
-
-
 def _first_missing(path: Path) -> Path | None:
     """The outermost folder of ``path`` that does not exist yet (None: ``path`` exists)."""
     missing = None
@@ -651,90 +620,6 @@ def _remove_if_only_lock(root: Path, created: Path) -> None:
         pass
 
 
-def options_record(options: Any) -> dict[str, Any]:
-    """A method's options as ``run.json`` records them: every field, as JSON reads it back."""
-    fields = {f.name: getattr(options, f.name) for f in dataclasses.fields(options)} if dataclasses.is_dataclass(options) else {}
-    return _as_json(fields)
-
-
-def _as_json(values: Any) -> dict[str, Any]:
-    return json.loads(json.dumps(finite_json(dict(values)), default=str))
-
-
-def changed_options(out_dir: str | Path, cfg: RunConfig, options: Any) -> list[tuple[str, Any, Any]]:
-    """The method options with which the run in ``out_dir`` was made that ``options`` (what
-    ``cfg`` builds now) would change, as ``(name, made with, now)``: those ``run.json``
-    recorded, or, in a run directory made before runs recorded their options, the options whose
-    default changed since (:attr:`~fedhetero.core.common.config.MethodOptions.earlier_defaults`) that
-    ``cfg`` does not set."""
-    now = options_record(options)
-    try:
-        made = json.loads((Path(out_dir) / "run.json").read_text()).get("algorithm_options")
-    except (OSError, ValueError):
-        made = None
-    if isinstance(made, dict):
-        return [(k, made.get(k), now.get(k)) for k in sorted(set(made) | set(now)) if made.get(k) != now.get(k)]
-    earlier = _as_json(getattr(type(options), "earlier_defaults", {}))
-    return [(k, v, now.get(k)) for k, v in earlier.items() if k not in cfg.algorithm.options and now.get(k) != v]
-
-
-def resume_config(
-    out_dir: str | Path, cfg: RunConfig | None = None, overrides: list[str] | None = None
-) -> tuple[RunConfig, set[str]]:
-    """The config a resumed run goes on with, and the config hashes its directory may have
-    recorded: ``cfg`` when given (it must hash as the saved one), else the saved config with
-    ``overrides`` applied. Only the fields that may change on resume (:data:`~fedhetero.core.common.config.RESUMABLE`) may differ.
-    A method from code outside the package is accepted only when the caller names it (``cfg``, or
-    an ``algorithm.name`` override): a run directory never makes fedhetero import code."""
-    out_dir = Path(out_dir)
-    saved = _saved_config(out_dir)
-    named = cfg is not None or any(_override_key(o) == "algorithm.name" for o in overrides or ())
-    if cfg is None:
-        cfg = from_dict(apply_overrides(to_dict(saved), list(overrides or ())))
-    if config_hash(cfg) != config_hash(saved):
-        changed = _changed_fields(saved, cfg)
-        may = ", ".join(f"{section}.{key}" if section else key for section, keys in RESUMABLE.items() for key in keys)
-        raise ConfigError(
-            f"--resume: {', '.join(changed[:4]) or 'the config'} differ{'s' if len(changed) == 1 else ''} from "
-            f"the run saved in {out_dir}; only where clients run, how failing clients are handled and the "
-            f"loggers ({may}) may change on resume"
-        )
-    if ":" in saved.algorithm.name and not named:
-        raise RunDirError(
-            f"--resume: this run's method is code outside fedhetero ({saved.algorithm.name}); a run directory "
-            "never makes fedhetero import code, so name it again: add --set "
-            f"algorithm.name={saved.algorithm.name}"
-        )
-    return cfg, config_hashes(saved)
-
-
-def _saved_config(out_dir: Path) -> RunConfig:
-    """The config saved in a run directory, checked against the hash recorded at the start."""
-    path = out_dir / "config.yaml"
-    if not path.is_file():
-        if inspect_dir(out_dir).holds_run:
-            raise RunDirError(
-                f"--resume: {out_dir} holds part of a run but its config.yaml is missing, so it cannot be "
-                "continued; start it again with --overwrite (this replaces the run's files) or choose another --out"
-            )
-        raise RunDirError(f"--resume: {out_dir} holds no run (no config.yaml); start it without --resume")
-    if path.stat().st_size == 0:
-        raise RunDirError(f"--resume: {path} is empty (damaged); the run cannot be continued")
-    try:
-        saved = load_config(path)
-    except ConfigError as exc:
-        raise RunDirError(f"--resume: {path} is damaged ({exc})") from None
-    meta = out_dir / "run.json"
-    if meta.is_file():
-        try:
-            recorded = json.loads(meta.read_text()).get("config_hash")
-        except (json.JSONDecodeError, OSError):
-            recorded = None
-        if recorded is not None and recorded not in config_hashes(saved):
-            raise RunDirError(f"--resume: {path} was changed after the run started (its hash differs from run.json)")
-    return saved
-
-
 def _non_finite(tree: Any, prefix: str = "") -> str | None:
     """The first path in a nested state whose floating tensor or float is not finite."""
     if isinstance(tree, torch.Tensor):
@@ -756,152 +641,10 @@ def _non_finite(tree: Any, prefix: str = "") -> str | None:
     return None
 
 
-def summarize(cfg: RunConfig, history: list[dict[str, Any]], plain_macs: int, wall: float) -> dict[str, Any]:
-    """Final numbers of a run: accuracy (final, best, smoothed), per-tier budgets and FLOPs, bytes."""
-    evals = [r for r in history if "accuracy" in r]
-    accs = [r["accuracy"] for r in evals]
-    # drops by (tier, class) in one pass (see fedhetero.core.run.backend.DROP_KINDS); a row written before
-    # drops had a class counts its drops as "unclassified"
-    drops_by = Counter(
-        (d.get("tier"), str(d.get("kind", "unclassified"))) for r in history for d in r.get("dropped", ())
-    )
-    kinds = sorted({k for _, k in drops_by})
-    by_kind = {k: sum(n for (_, kk), n in drops_by.items() if kk == k) for k in kinds}
-    tiers: dict[str, dict[str, Any]] = {}
-    for t in cfg.budget.tiers:
-        rows = [c for r in history for c in r["clients"] if c["tier"] == t.name]
-        tiers[t.name] = {
-            "ratio": t.ratio,
-            "budget_macs": float(np.mean([c["budget_macs"] for c in rows])) if rows else t.ratio * plain_macs,
-            "macs": float(np.mean([c["macs"] for c in rows])) if rows else None,
-            "fits_budget": bool(all(c["fits_budget"] for c in rows)) if rows else None,
-            "client_rounds": len(rows),
-            "bytes_up": int(sum(c["bytes_up"] for c in rows)),
-            "bytes_down": int(sum(c["bytes_down"] for c in rows)),
-            "accuracy": evals[-1]["tier_accuracy"].get(t.name) if evals else None,
-            "dropped": sum(drops_by.get((t.name, k), 0) for k in kinds),
-            "internal_errors": drops_by.get((t.name, "internal_error"), 0),
-        }
-    k = min(5, len(accs))
-    client_macs = [c["macs"] for r in history for c in r["clients"]]
-    target = cfg.train.target_accuracy
-    reached = None
-    if target is not None and evals:
-        hit = [r for r in evals if r["accuracy"] >= target]
-        reached = hit[0] if hit else None
-    smoothed = None
-    if len(accs) >= SMOOTHING_WINDOW:
-        # the FedDUMAP paper's "final accuracy" (its authors' code): the peak of the accuracy curve
-        # smoothed by a Savitzky-Golay filter (window 39 evaluations, cubic), rounded to 3 decimals.
-        # A shorter run has no such window: one cut to the run's length fits one cubic to the whole
-        # run, whose peak was just the best accuracy again, so it reports none (null).
-        smoothed = float(smoothed_final_accuracy(accs, window=SMOOTHING_WINDOW, polyorder=3))
-        # the cubic can overshoot at the end of a rising curve: never more than a round reached
-        smoothed = min(smoothed, max(accs))
-    return {
-        "algorithm": cfg.algorithm.name,
-        "rounds": len(history),
-        "final_accuracy": accs[-1] if accs else None,
-        "best_accuracy": max(accs) if accs else None,
-        "mean_last5_accuracy": float(np.mean(accs[-k:])) if accs else None,
-        **_val_summary(evals),
-        "plain_macs": plain_macs,
-        "tiers": tiers,
-        "smoothed_final_accuracy": smoothed,
-        "target_accuracy": target,
-        "rounds_to_target": reached["round"] if reached else None,
-        "time_to_target": reached["sim_time_s"] if reached else None,
-        "sim_time_s": history[-1]["sim_time_s"] if history else 0.0,
-        "mean_client_macs": float(np.mean(client_macs)) if client_macs else None,
-        "bytes_total": history[-1]["bytes_total"] if history else 0,
-        "bytes_up": int(sum(r["bytes_up"] for r in history)),
-        "bytes_down": int(sum(r["bytes_down"] for r in history)),
-        "all_fit_budget": bool(all(c["fits_budget"] for r in history for c in r["clients"])),
-        "dropped_clients": int(sum(by_kind.values())),
-        # internal errors are bugs, not device faults: counted apart
-        "dropped_by_kind": by_kind,
-        "internal_errors": by_kind.get("internal_error", 0),
-        "wall_s": round(wall, 3),
-        **(session_summary(history, cfg.sessions.transition_window) if cfg.sessions.count else {}),
-    }
-
-
 def strict_mode() -> bool:
     """Whether an internal error stops the run (``FEDHETERO_STRICT=1``; the test suite sets it,
     so that a test fails on any exception from the project's own code instead of a dropped client)."""
     return os.environ.get(STRICT_ENV, "") not in ("", "0")
-
-
-def _val_summary(evals: list[dict[str, Any]]) -> dict[str, Any]:
-    """Validation accuracy (final, best, mean of the last 5 evaluations) when the run has a
-    validation hold-out."""
-    vals = [r["val_accuracy"] for r in evals if "val_accuracy" in r]
-    if not vals:
-        return {}
-    return {"final_val_accuracy": vals[-1], "best_val_accuracy": max(vals),
-            "mean_last5_val_accuracy": float(np.mean(vals[-min(5, len(vals)):]))}
-
-
-class _Progress:
-    """Progress over rounds and clients: a rich display on a terminal, one plain line per round
-    otherwise (``| tee``, ``nohup``, cluster logs); silent when disabled."""
-
-    def __init__(self, enabled: bool, rounds: int, start: int, console: Any) -> None:
-        self.enabled = enabled
-        self.rounds = rounds
-        self.start = start
-        self.console = console
-        self._progress: Any = None
-        self._plain = False
-        self._t0 = time.perf_counter()
-
-    def __enter__(self) -> "_Progress":
-        if not self.enabled:
-            return self
-        if self.console is not None and not self.console.is_terminal:
-            self._plain = True
-            return self
-
-        self._progress = Progress(
-            TextColumn("[bold]{task.description}"),
-            BarColumn(),
-            MofNCompleteColumn(),
-            TextColumn("{task.fields[info]}"),
-            TimeElapsedColumn(),
-            TimeRemainingColumn(),
-            console=self.console,
-        )
-        self._progress.__enter__()
-        self._rounds_task = self._progress.add_task("rounds", total=self.rounds, completed=self.start, info="")
-        self._client_task = self._progress.add_task("clients", total=1, info="")
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        if self._progress is not None:
-            self._progress.__exit__(*exc)
-
-    def round_started(self, rnd: int, n_clients: int) -> None:
-        if self._progress is not None:
-            self._progress.reset(self._client_task, total=n_clients, info=f"round {rnd}")
-
-    def client_done(self, cid: int) -> None:
-        if self._progress is not None:
-            self._progress.advance(self._client_task)
-
-    def round_done(self, row: dict[str, Any]) -> None:
-        if self._progress is not None:
-            info = f"acc {row['accuracy']:.3f}" if "accuracy" in row else ""
-            self._progress.update(self._rounds_task, advance=1, info=info)
-        elif self._plain:
-            acc = f" accuracy {row['accuracy']:.4f}" if row.get("accuracy") is not None else ""
-            dropped = f" dropped {len(row['dropped'])}" if row.get("dropped") else ""
-            self.console.print(
-                f"round {row['round']}/{self.rounds}{acc} clients {len(row['clients'])}{dropped} "
-                f"round {row['wall_s']:.2f} s elapsed {time.perf_counter() - self._t0:.1f} s",
-                markup=False,
-                highlight=False,
-                soft_wrap=True,
-            )
 
 
 def run(cfg: RunConfig, out_dir: str | Path, **kw: Any) -> RunResult:

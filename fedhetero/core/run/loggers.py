@@ -49,7 +49,9 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from fedhetero.core.common.config import LOGGERS, ConfigError, RunConfig, config_hash, dump_config, logger_names, to_dict
+from fedhetero.core.common.config import LOGGERS, RunConfig, config_hash, logger_names, to_dict
+from fedhetero.core.common.options import ConfigError
+from fedhetero.core.common.configfile import dump_config
 from fedhetero.core.common.rundir import LOGGER_DIRS
 
 __all__ = [

@@ -11,7 +11,9 @@ from typing import Any
 
 import yaml
 
-from fedhetero.core.common.config import ConfigError, RunConfig, apply_overrides, from_dict, parse_yaml, to_dict
+from fedhetero.core.common.config import RunConfig, from_dict, to_dict
+from fedhetero.core.common.options import ConfigError
+from fedhetero.core.common.configfile import apply_overrides, parse_yaml
 
 __all__ = ["config_text", "parse_config", "run_config_get", "split_overrides"]
 

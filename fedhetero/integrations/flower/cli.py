@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from fedhetero.core.common.config import load_config
+from fedhetero.core.common.configfile import load_config
 from fedhetero.core.common.console import make_console
 from fedhetero.core.run.reports import default_out_dir, print_summary
 from fedhetero.integrations.flower import require_flwr

@@ -31,13 +31,15 @@ from typing import Any
 
 from flwr.app import Context
 
-from fedhetero.core.common.config import ConfigError, RunConfig
+from fedhetero.core.common.config import RunConfig
+from fedhetero.core.common.options import ConfigError
 from fedhetero.integrations.flower._common import (
     parse_config,
     run_config_get,
     split_overrides,
 )
-from fedhetero.core.run.engine import Engine, resume_config
+from fedhetero.core.run.engine import Engine
+from fedhetero.core.run.resume import resume_config
 from fedhetero.core.run.reports import default_out_dir, plot_run
 from fedhetero.integrations.flower.backend import FlowerBackend
 

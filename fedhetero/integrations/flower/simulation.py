@@ -13,7 +13,7 @@ from typing import Any
 
 from fedhetero.core.common.config import RunConfig
 from fedhetero.core.local.context import RunError
-from fedhetero.core.run.engine import resume_config
+from fedhetero.core.run.resume import resume_config
 from fedhetero.integrations.flower.server_app import ServerSettings, make_server_app
 from fedhetero.integrations.flower.client_app import app as client_app
 

@@ -14,7 +14,7 @@ import pytest
 
 import fedhetero
 from fedhetero.cli import default_out_dir, main
-from fedhetero.core.common.config import load_config
+from fedhetero.core.common.configfile import load_config
 from _util import ROOT
 
 

@@ -14,7 +14,7 @@ import uuid
 import pytest
 
 from fedhetero.cli import main
-from fedhetero.core.common.config import load_config
+from fedhetero.core.common.configfile import load_config
 from fedhetero.core.run.engine import Engine
 from fedhetero.core.common.rundir import DiskFullError, RunDirError, atomic_write_text, writing
 

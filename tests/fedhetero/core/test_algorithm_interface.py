@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from fedhetero.algorithms import build_algorithm
-from fedhetero.core.common.config import ConfigError, from_dict
+from fedhetero.core.common.config import from_dict
+from fedhetero.core.common.options import ConfigError
 from fedhetero.core.run.engine import Engine
 from _util import ROOT, fedavg_cfg
 

@@ -18,7 +18,9 @@ from torch import nn
 
 import fedhetero
 from fedhetero.core.run import api
-from fedhetero.core.common.config import ConfigError, RunConfig, dump_config, load_config, to_dict
+from fedhetero.core.common.config import RunConfig, to_dict
+from fedhetero.core.common.options import ConfigError
+from fedhetero.core.common.configfile import dump_config, load_config
 from fedhetero.core.run.engine import Engine
 from fedhetero.core.common.rundir import RunDirError, read_metrics
 

@@ -3,7 +3,9 @@ and duplicate keys; the defaults that fix the numbers (threads) and the checkpoi
 
 import pytest
 
-from fedhetero.core.common.config import ConfigError, apply_overrides, config_hash, dump_config, from_dict, load_config
+from fedhetero.core.common.config import config_hash, from_dict
+from fedhetero.core.common.options import ConfigError
+from fedhetero.core.common.configfile import apply_overrides, dump_config, load_config
 
 
 def test_defaults_are_the_embedded_job():

@@ -25,16 +25,9 @@ import torch
 from fedhetero.core.hetero import budget as budget_mod
 from fedhetero.algorithms import build_algorithm
 from fedhetero.cli import main
-from fedhetero.core.common.config import (
-    ConfigError,
-    apply_overrides,
-    dump_config,
-    from_dict,
-    from_mapping,
-    load_config,
-    parse_yaml,
-    to_dict,
-)
+from fedhetero.core.common.config import from_dict, to_dict
+from fedhetero.core.common.options import ConfigError, from_mapping
+from fedhetero.core.common.configfile import apply_overrides, dump_config, load_config, parse_yaml
 from fedhetero.core.local.context import ClientContext
 
 # ---------------------------------------------------------------------------- helpers

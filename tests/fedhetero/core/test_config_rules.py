@@ -22,20 +22,9 @@ from hypothesis import strategies as st
 from fedhetero.algorithms import BUILTIN
 from fedhetero.core.run import backend as backend_mod
 from fedhetero.core.common import config as C
-from fedhetero.core.common.config import (
-    OPTIONS_PATH,
-    ConfigError,
-    MethodOptions,
-    check_fields,
-    config_hash,
-    config_hashes,
-    from_dict,
-    from_mapping,
-    option,
-    require,
-    to_dict,
-    validate,
-)
+from fedhetero.core.common import options as O
+from fedhetero.core.common.config import config_hash, config_hashes, from_dict, to_dict, validate
+from fedhetero.core.common.options import OPTIONS_PATH, ConfigError, MethodOptions, check_fields, from_mapping, option, require
 
 # ---------------------------------------------------------------------------- every declared rule
 
@@ -86,7 +75,7 @@ def _cases() -> list[tuple[type, str, dict[str, Any], str, Any, bool]]:
     cases = []
     for cls, prefix, base in [*SECTIONS, *((o, OPTIONS_PATH, {}) for o in OPTIONS)]:
         for f in dataclasses.fields(cls):
-            rule = C._declared(cls, f.name, C._RULE)
+            rule = O._declared(cls, f.name, O._RULE)
             if rule is None:
                 continue
             extra = {**base, **COMPANIONS.get((cls.__name__, f.name), {})}
@@ -123,7 +112,7 @@ CASES = _cases()
 def test_every_section_and_every_method_declares_its_rules():
     classes = {c[0] for c in CASES}
     assert {s[0] for s in SECTIONS} <= classes
-    assert len(OPTIONS) >= 25 and set(OPTIONS) - classes <= {C.MethodOptions}
+    assert len(OPTIONS) >= 25 and set(OPTIONS) - classes <= {O.MethodOptions}
     assert len(CASES) > 250
 
 
@@ -218,7 +207,7 @@ class _Probe(MethodOptions):
 )
 def test_a_rule_holds_exactly_where_its_description_says(lo, hi, closed_lo, closed_hi, value):
     assume(lo is not None or hi is not None)  # option() makes a rule only from a bound or choices
-    rule = C._Rule(ge=lo if closed_lo else None, gt=None if closed_lo else lo,
+    rule = O._Rule(ge=lo if closed_lo else None, gt=None if closed_lo else lo,
                    le=hi if closed_hi else None, lt=None if closed_hi else hi)
     inside = not math.isnan(value) and (
         (lo is None or (value >= lo if closed_lo else value > lo)) and (hi is None or (value <= hi if closed_hi else value < hi))
@@ -258,12 +247,12 @@ def test_names_come_from_their_registries():
     from fedhetero.models import list_models
     from reparam.kinds import kind_names
 
-    rules = {(cls, f.name): C._declared(cls, f.name, C._RULE) for cls, _, _ in SECTIONS for f in dataclasses.fields(cls)}
+    rules = {(cls, f.name): O._declared(cls, f.name, O._RULE) for cls, _, _ in SECTIONS for f in dataclasses.fields(cls)}
     assert rules[(C.DataConfig, "dataset")].names() == tuple(DATASETS)
     assert rules[(C.DataConfig, "partition")].names() == tuple(PARTITIONS)
     assert rules[(C.ModelConfig, "name")].names() == tuple(list_models())
     assert rules[(C.EngineConfig, "backend")].names() == backend_mod.backend_names()
-    assert C._declared(_options("DynamicFLOptions"), "branches", C._RULE).names() == tuple(kind_names())
+    assert O._declared(_options("DynamicFLOptions"), "branches", O._RULE).names() == tuple(kind_names())
     # the back-end and budget modules use the very tables the config checks against
     assert backend_mod.BACKENDS is C.BACKENDS and backend_mod.EXTERNAL_BACKENDS is C.EXTERNAL_BACKENDS
     from fedhetero.core.hetero import budget
@@ -293,7 +282,7 @@ def test_pathological_partition_runs_from_a_config_with_shards_per_client_classe
 
 
 def test_the_config_module_does_not_import_torch():
-    code = "import sys, fedhetero.core.common.config as c; c.parse_yaml('a: 1'); sys.exit('torch' in sys.modules)"
+    code = "import sys, fedhetero.core.common.configfile as c; c.parse_yaml('a: 1'); sys.exit('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
 
 

@@ -4,7 +4,8 @@ import json
 
 import pytest
 
-from fedhetero.core.common.config import ConfigError, from_dict
+from fedhetero.core.common.config import from_dict
+from fedhetero.core.common.options import ConfigError
 from fedhetero.core.run.engine import Engine
 
 

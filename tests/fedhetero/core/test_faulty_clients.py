@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from fedhetero.core.common.config import ConfigError, from_dict
+from fedhetero.core.common.config import from_dict
+from fedhetero.core.common.options import ConfigError
 from fedhetero.core.local.context import RunError
 from fedhetero.core.run.engine import Engine
 from fedhetero.core.method.registry import get_algorithm

@@ -16,7 +16,9 @@ import pytest
 
 from fedhetero.cli import main
 from fedhetero.core.run import loggers as L
-from fedhetero.core.common.config import ConfigError, config_hash, config_hashes, load_config
+from fedhetero.core.common.config import config_hash, config_hashes
+from fedhetero.core.common.options import ConfigError
+from fedhetero.core.common.configfile import load_config
 from fedhetero.core.run.engine import Engine
 from fedhetero.core.common.rundir import LOGGER_DIRS, RUN_ENTRIES, clear_run, inspect_dir
 

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from fedhetero.cli import main
-from fedhetero.core.common.config import ConfigError, config_hash, from_dict
+from fedhetero.core.common.config import config_hash, from_dict
+from fedhetero.core.common.options import ConfigError
 from fedhetero.core.local.context import client_context
 
 

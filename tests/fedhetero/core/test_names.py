@@ -8,7 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fedhetero.core.common import config as C
-from fedhetero.core.common.config import ConfigError, from_dict
+from fedhetero.core.common.config import from_dict
+from fedhetero.core.common.options import ConfigError
 from fedhetero.core.common.names import Registry
 from fedhetero.core.method.registry import ALGORITHMS
 from fedhetero.core.run import loggers as L

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from fedhetero.cli import main
-from fedhetero.core.common.config import config_hash, config_hashes, load_config
+from fedhetero.core.common.config import config_hash, config_hashes
+from fedhetero.core.common.configfile import load_config
 from fedhetero.core.run.engine import Engine
 from fedhetero.core.common.rundir import RunDirError
 

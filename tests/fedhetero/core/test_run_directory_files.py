@@ -8,7 +8,7 @@ import io
 import pytest
 import torch
 
-from fedhetero.core.common.config import load_config
+from fedhetero.core.common.configfile import load_config
 from fedhetero.core.run.engine import Engine
 from fedhetero.core.common.rundir import RunDirError, RunLock, read_metrics
 

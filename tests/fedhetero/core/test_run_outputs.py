@@ -12,9 +12,12 @@ import pytest
 import torch
 
 import fedhetero
-from fedhetero.core.common.config import ConfigError, from_dict, load_config
+from fedhetero.core.common.config import from_dict
+from fedhetero.core.common.options import ConfigError
+from fedhetero.core.common.configfile import load_config
 from fedhetero.core.local.context import RunError
-from fedhetero.core.run.engine import Engine, summarize
+from fedhetero.core.run.engine import Engine
+from fedhetero.core.run.summary import summarize
 
 
 SMALL = [

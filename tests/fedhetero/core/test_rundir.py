@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from fedhetero.cli import main
-from fedhetero.core.common.config import load_config
+from fedhetero.core.common.configfile import load_config
 from fedhetero.core.run.engine import Engine
 from fedhetero.core.common.rundir import RunDirError, RunLock, inspect_dir
 from _util import ROOT

@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from fedhetero.core.common.config import load_config
+from fedhetero.core.common.configfile import load_config
 from fedhetero.core.run.engine import Engine
 from _util import ROOT
 

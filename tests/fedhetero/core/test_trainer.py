@@ -13,7 +13,7 @@ from torch import nn
 
 from fedhetero.core.exchange.types import ClientInfo
 from fedhetero.algorithms.classic.fedavg import FedAvg
-from fedhetero.core.common.config import ConfigError
+from fedhetero.core.common.options import ConfigError
 from fedhetero.core.exchange.types import OPTIMIZER_STATE_KEY
 from fedhetero.core.local.context import client_context
 from fedhetero.core.run.backend import run_task

@@ -210,7 +210,8 @@ def test_natural_partition_with_fewer_clients_draws_whole_writers(tmp_path: Path
 
 
 def test_natural_partition_errors(tmp_path: Path) -> None:
-    from fedhetero.core.common.config import ConfigError, from_dict
+    from fedhetero.core.common.config import from_dict
+    from fedhetero.core.common.options import ConfigError
     from fedhetero.data import DataConfigError, make_partition
 
     write_leaf(tmp_path, n_files=1, n_users=3, per_user=4)

@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-from fedhetero.core.common.config import ConfigError, from_dict
+from fedhetero.core.common.config import from_dict
+from fedhetero.core.common.options import ConfigError
 from fedhetero.core.local.context import build_data
 from fedhetero.data import DatasetFormatError, DatasetNotFoundError, load_dataset
 from fedhetero.data.datasets import FASHION_MNIST_MEAN, FASHION_MNIST_STD, MNIST_MEAN, MNIST_STD, read_idx

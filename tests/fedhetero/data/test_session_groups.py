@@ -9,7 +9,7 @@ import math
 import numpy as np
 import pytest
 
-from fedhetero.core.common.config import ConfigError
+from fedhetero.core.common.options import ConfigError
 from fedhetero.data.partition import overlap_label_split, session_groups
 from _util import SESSION_BASE, session_cfg
 

@@ -5,7 +5,8 @@ split, absent at zero, reproducible; its accuracy logged and summarised; bad fra
 import numpy as np
 import pytest
 
-from fedhetero.core.common.config import ConfigError, from_dict
+from fedhetero.core.common.config import from_dict
+from fedhetero.core.common.options import ConfigError
 from fedhetero.core.local.context import build_data
 from fedhetero.core.run.engine import Engine
 

@@ -133,7 +133,7 @@ def test_grid_reuses_a_run_finished_meanwhile_and_leaves_a_locked_one_alone(tmp_
 
 def test_the_tiers_1x_control_trains_every_client_at_the_plain_budget():
     """The control that isolates re-parameterisation: DynamicFL with one tier at 1× (no branch can grow)."""
-    from fedhetero.core.common.config import load_config
+    from fedhetero.core.common.configfile import load_config
 
     runs = plan([0.5], [0], [0.5], ["tiers-1x"], fedap=False)
     (name, (group, facts, overrides)), = [(n, r) for n, r in runs.items() if r[0] == "choices"]

@@ -19,7 +19,8 @@ from fedhetero.algorithms import build_algorithm
 from fedhetero.core.exchange.types import ClientInfo, ClientResult, state_bytes
 from fedhetero.algorithms.classic.feddyn import FedDyn, FedDynOptions
 from fedhetero.algorithms.classic.fednova import FedNova, normalizing_factor
-from fedhetero.core.common.config import ConfigError, from_dict
+from fedhetero.core.common.config import from_dict
+from fedhetero.core.common.options import ConfigError
 from fedhetero.core.local.context import ClientContext, Context, build_data
 from fedhetero.data import ArrayDataset, FederatedData
 from fedhetero.core.run.backend import run_task

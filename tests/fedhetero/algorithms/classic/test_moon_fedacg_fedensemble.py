@@ -23,7 +23,7 @@ from fedhetero.algorithms.classic.fedacg import FedACG, FedACGOptions, lookahead
 from fedhetero.algorithms.classic.fedensemble import EnsembleModel
 from fedhetero.algorithms.classic.moon import moon_contrastive_loss
 from fedhetero.core.local.objective import LocalSGD, move_consts
-from fedhetero.core.common.config import ConfigError
+from fedhetero.core.common.options import ConfigError
 from fedhetero.core.run.engine import Engine
 from fedhetero.core.method.registry import build_algorithm
 from _util import SharedRuns, equal_states, fedavg_cfg, strip_wall

@@ -16,7 +16,8 @@ import torch
 import torch.nn.functional as F
 
 from fedhetero.algorithms.dynacomm import selection as dc
-from fedhetero.core.common.config import ConfigError, from_dict, to_dict
+from fedhetero.core.common.config import from_dict, to_dict
+from fedhetero.core.common.options import ConfigError
 from fedhetero.data import num_batches
 from fedhetero.core.local.context import ClientContext
 from fedhetero.core.run.engine import Engine

@@ -118,7 +118,7 @@ def test_nested_growth_uses_the_high_tiers_budgets_and_stays_lossless(tmp_path, 
 
 
 def test_grow_mode_option_is_validated(tmp_path):
-    from fedhetero.core.common.config import ConfigError
+    from fedhetero.core.common.options import ConfigError
 
     with pytest.raises(ConfigError, match="grow_mode"):
         Engine(_cfg(rounds=1, grow_mode="deep"), tmp_path, progress=False).run()

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 import reparam
-from fedhetero.core.common.config import ConfigError, from_dict
+from fedhetero.core.common.config import from_dict
+from fedhetero.core.common.options import ConfigError
 from fedhetero.core.run.engine import Engine
 from fedhetero.core.exchange.store import ClientStateStore
 

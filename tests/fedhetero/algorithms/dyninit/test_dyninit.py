@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from fedhetero.algorithms.dyninit.algorithm import DynInitOptions, gradient_distance, softmin_weights, weighted_state
-from fedhetero.core.common.config import ConfigError
+from fedhetero.core.common.options import ConfigError
 from fedhetero.core.run.engine import Engine
 from fedhetero.core.exchange.store import ClientStateStore
 from _util import SESSION_BASE, session_cfg

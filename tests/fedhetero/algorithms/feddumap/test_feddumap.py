@@ -27,7 +27,8 @@ from fedhetero.algorithms.feddumap.feddu import (
 )
 from fedhetero.algorithms.feddumap.feddum import DampedMomentumSGD, server_momentum_step
 from fedhetero.algorithms import build_algorithm
-from fedhetero.core.common.config import ConfigError, from_dict
+from fedhetero.core.common.config import from_dict
+from fedhetero.core.common.options import ConfigError
 from fedhetero.core.local.context import build_data
 from fedhetero.data.datasets import ArrayDataset
 from fedhetero.data.federated import FederatedData

@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fedhetero.core.common.config import ConfigError
+from fedhetero.core.common.options import ConfigError
 from fedhetero.core.run.engine import Engine
 from fedhetero.core.method.registry import build_algorithm
 from _util import SharedRuns, equal_states, fedavg_cfg, strip_wall

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from fedhetero.algorithms import get_algorithm
 from fedhetero.algorithms.kd.dsfl import era
 from fedhetero.algorithms.kd.fedet import consensus_targets
-from fedhetero.core.common.config import ConfigError
+from fedhetero.core.common.options import ConfigError
 from fedhetero.core.run.engine import Engine
 from _util import budget_method_cfg, client_half_from_the_task_alone, metrics_rows, run_within_budgets
 

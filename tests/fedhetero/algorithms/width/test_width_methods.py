@@ -27,7 +27,7 @@ from fedhetero.algorithms.width.heterofl import (
     static_bn_model,
 )
 from fedhetero.algorithms.width.splitmix import SplitMix
-from fedhetero.core.common.config import ConfigError
+from fedhetero.core.common.options import ConfigError
 from fedhetero.core.run.engine import Engine
 from fedhetero.core.method.registry import build_algorithm
 from fedhetero.core.hetero.submodel import extract_state
