@@ -748,7 +748,7 @@ def test_repeated_rep_and_training_statistics_keep_the_anchor_scale_with_rescale
         start = float(block._anchor_kernel().norm())
         for _ in range(12):
             block.eval()
-            k, b = block._merged_pair(F64)
+            k, b = (t.detach() for t in block.get_equivalent_kernel_bias())
             target = 1.3 * k + 0.05 * torch.randn(k.shape, generator=g, dtype=F64)
             block.load_plain(target, b, anchor_stats=stats)
             with torch.no_grad():
@@ -777,7 +777,7 @@ def test_calibrate_anchor_measures_the_statistics_and_keeps_the_eval_function(ne
     x = torch.randn(16, 8, 9, 9, generator=gen, dtype=F64)
     with torch.no_grad():
         y = block(x)
-    block.load_plain(*block._merged_pair(F64), anchor_stats="rescale")  # as after REP
+    block.load_plain(*(t.detach() for t in block.get_equivalent_kernel_bias()), anchor_stats="rescale")  # as after REP
     norms = _filter_norms(block._anchor_kernel())
     # measuring runs a nested anchor in training mode: by the re-solve, its own statistics, batch
     # counts and modes are as they were

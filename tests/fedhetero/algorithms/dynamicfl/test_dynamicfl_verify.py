@@ -88,7 +88,7 @@ def test_a_rep_that_grows_the_anchor_convs_stops_the_task(tmp_path, monkeypatch)
                 if isinstance(m, reparam.DiverseBranchBlock) and not m.is_merged:
                     bn = m.anchor.bn
                     if isinstance(bn, torch.nn.BatchNorm2d) and not isinstance(bn, reparam.FrozenIdentityBN):
-                        k_t, b_t = m._merged_pair(torch.float64)
+                        k_t, b_t = (t.detach() for t in m.get_equivalent_kernel_bias())
                         m.load_plain(1.5 * k_t, b_t, anchor_stats="keep")
         return change
 
