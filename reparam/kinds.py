@@ -44,7 +44,7 @@ from __future__ import annotations
 import abc
 import contextlib
 import itertools
-from typing import Any, Callable, Iterator, Mapping, Protocol, TypeVar, cast
+from typing import Any, Callable, Iterator, Mapping, Protocol, TypeVar, cast, overload
 
 import torch
 from torch import Tensor, nn
@@ -228,14 +228,27 @@ _NEXT = itertools.count(1)  # registration sequence: ties of ``order`` keep regi
 K = TypeVar("K", bound=type[BranchKind])
 
 
-def register_kind(kind: BranchKind, *, replace: bool = False) -> BranchKind:
-    """Register ``kind`` (an instance of a :class:`BranchKind` subclass); returns it.
+@overload
+def register_kind(kind: BranchKind, *, replace: bool = False) -> BranchKind: ...
+
+
+@overload
+def register_kind(kind: K, *, replace: bool = False) -> K: ...
+
+
+def register_kind(kind: Any, *, replace: bool = False) -> Any:
+    """Register ``kind`` (an instance of a :class:`BranchKind` subclass); returns it. Given the
+    subclass itself (``@register_kind`` on a class whose constructor takes no argument), an
+    instance of it is registered and the class is returned: the decorator form.
 
     Raises:
         ReparamError: not a ``BranchKind``, a bad name, an ``anchor`` kind, or the name is taken
             (``replace=True`` replaces a registered custom kind; built-in kinds cannot be
             replaced).
     """
+    if isinstance(kind, type) and issubclass(kind, BranchKind):
+        _register(kind(), replace=replace, builtin=False)
+        return kind
     return _register(kind, replace=replace, builtin=False)
 
 

@@ -106,8 +106,8 @@ def test_registry_lists_orders_and_refuses(inner) -> None:
         reparam.unregister_kind("1x1")
     with pytest.raises(ReparamError, match="built in"):
         reparam.register_kind(type("Fake", (InnerConvKind,), {"name": "1x1"})())
-    with pytest.raises(ReparamError, match="instance"):
-        reparam.register_kind(InnerConvKind)  # type: ignore[arg-type]
+    with pytest.raises(ReparamError, match="already registered"):
+        reparam.register_kind(InnerConvKind)  # the decorator form registers an instance of the class
     with pytest.raises(ReparamError, match="one anchor"):
         reparam.register_kind(type("SecondAnchor", (InnerConvKind,), {"name": "anchor2", "anchor": True})())
     assert reparam.kinds.anchor_name() == "kxk"
@@ -227,3 +227,17 @@ def test_inapplicable_registered_kind_is_refused(inner, gen) -> None:
     with pytest.raises(AlignmentError, match="inner"):
         DiverseBranchBlock.from_conv(conv, bn, ["kxk", "inner"])
     assert "inner" not in DiverseBranchBlock.from_conv(copy.deepcopy(conv), copy.deepcopy(bn), "all").branch_names
+
+
+def test_a_kind_registers_with_a_decorator() -> None:
+    """``@register_kind`` on a kind class registers an instance of it and leaves the class."""
+
+    @reparam.register_kind
+    class Decorated(InnerConvKind):
+        name = "decorated_test"
+
+    try:
+        assert isinstance(reparam.get_kind("decorated_test"), Decorated)
+        assert "decorated_test" in reparam.kind_names()
+    finally:
+        reparam.unregister_kind("decorated_test")

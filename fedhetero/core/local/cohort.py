@@ -27,7 +27,7 @@ applied to the clients' parameters by the same rule the one-by-one trainer uses;
 client's masks from the stream its own run draws them from (bit for bit on a CPU); momentum
 buffers kept between rounds (``train.optimizer_state: persistent``) come in and go out per client.
 
-Which clients train together (:func:`fedhetero.core.method.runner.train_cohorts`): a task whose method
+Which clients train together (:func:`fedhetero.core.local.runner.train_cohorts`): a task whose method
 states its local training as a plan (:meth:`~fedhetero.core.method.algorithm.Algorithm.local_plan`: the
 configured SGD, or the FedDU family's at the server's rate, and what it adds) joins; they are
 grouped by model structure
@@ -36,7 +36,7 @@ objective rules, then by their number of steps (:func:`plan_cohorts`: a cohort s
 longest client is done, so clients of very different lengths go to different cohorts), each
 cohort capped by ``engine.cohort_memory_mb`` (:func:`client_bytes`). With ``engine.vectorize``
 null (the default) a CPU batches cohorts of ``engine.min_cohort`` clients or more, each of
-:data:`~fedhetero.core.method.runner.AUTO_MIN_STEPS` local steps or more (fewer clients, or shorter
+:data:`~fedhetero.core.local.runner.AUTO_MIN_STEPS` local steps or more (fewer clients, or shorter
 ones, were no faster than one by one), a GPU of two or more. Every other task — augmentation, a client half of
 the method's own, a model the cohort cannot run, too few clients of a kind — runs one by one.
 """

@@ -137,7 +137,7 @@ class LocalObjective:
 class LocalPlan:
     """A client's local training as a value (:meth:`Algorithm.local_plan
     <fedhetero.core.method.algorithm.Algorithm.local_plan>`): what one client trains alone and a round's
-    clients train together in batched cohorts (:mod:`fedhetero.core.method.runner`).
+    clients train together in batched cohorts (:mod:`fedhetero.core.local.runner`).
 
     ``sgd``: the plain SGD it runs (:class:`LocalSGD`). ``objective``: what it adds to the
     cross-entropy (:class:`LocalObjective`). ``members``: the independent members of the model

@@ -1,3 +1,3 @@
 """The method SDK: the interface every method subclasses (:mod:`.algorithm`), method names and
-classes (:mod:`.registry`) and the client runner that trains a round's clients from their
-methods' local plans in batched cohorts (:mod:`.runner`)."""
+classes (:mod:`.registry`). The client runner that trains a round's local plans in batched
+cohorts is :mod:`fedhetero.core.local.runner`, next to the cohort code."""

@@ -26,7 +26,7 @@ overrides only what differs. The hooks, by how often a method needs them:
   :class:`~fedhetero.core.local.objective.LocalPlan` (the SGD, and a gradient or loss term, members,
   masks, batches, a phase before it or the momentum it starts from), which one client trains
   alone and a round's clients train together in batched cohorts
-  (:mod:`fedhetero.core.method.runner`). A method that trains in a way no plan states overrides
+  (:mod:`fedhetero.core.local.runner`). A method that trains in a way no plan states overrides
   :meth:`local_train` (or :meth:`client_update`) and returns None from :meth:`local_plan`. What a client
   keeps between rounds is returned as ``ClientResult.client_state`` and handed back the next time
   it is sampled (the embedded back ends keep it in the on-disk store, Flower in the node's state);
@@ -189,7 +189,7 @@ class Algorithm:
         ``state`` (None the first time). The default calls :meth:`local_plan`,
         :meth:`client_model`, :meth:`local_train` with that plan and :meth:`upload`, then the
         plan's objective's ``finish``; a round's clients trained together in batched cohorts
-        (:func:`fedhetero.core.method.runner.train_cohorts`) go through the same hooks with the plan
+        (:func:`fedhetero.core.local.runner.train_cohorts`) go through the same hooks with the plan
         trained by the cohort instead of :meth:`local_train`. A method that overrides this hook
         runs its whole client half itself, so its :meth:`local_plan` returns None."""
         plan = self.local_plan(ctx, task, state)

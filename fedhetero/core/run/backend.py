@@ -29,7 +29,7 @@ import torch
 
 from fedhetero.core.common.config import BACKENDS, EXTERNAL_BACKENDS, backend_names
 from fedhetero.core.common.options import ConfigError
-from fedhetero.core.method.runner import train_cohorts
+from fedhetero.core.local.runner import train_cohorts
 from fedhetero.core.exchange.types import (
     InjectedFault,
     Outcome,
@@ -130,7 +130,7 @@ def run_together(
     states: dict[int, dict[str, Any] | None],
 ) -> dict[int, Outcome]:
     """The tasks of one exchange that train in vectorised cohorts (``engine.vectorize``; see
-    :mod:`fedhetero.core.method.runner`), by client id; the
+    :mod:`fedhetero.core.local.runner`), by client id; the
     back end runs the others one by one. Nothing is batched when vectorising is off, faults are
     injected or time-outs enforced (both are per client), or the batched run fails (the
     one-by-one run then reports which client failed)."""

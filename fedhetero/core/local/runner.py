@@ -11,7 +11,7 @@ The back ends call it before running what is left one by one.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 import torch
 from torch import nn
@@ -21,15 +21,29 @@ from fedhetero.core.local.objective import LocalObjective, LocalPhase, LocalPlan
 from fedhetero.core.exchange.types import ClientResult, ClientTask, merge_optimizer_state
 
 if TYPE_CHECKING:  # pragma: no cover
-    from fedhetero.core.method.algorithm import Algorithm
     from fedhetero.core.local.context import ClientContext
 
-__all__ = ["AUTO_MIN_STEPS", "train_cohorts"]
+__all__ = ["AUTO_MIN_STEPS", "ClientHalf", "train_cohorts"]
 
 #: ``engine.vectorize: null`` on a CPU batches clients of at least this many local steps: a cohort's
 #: set-up (each client's model, state and upload, the stacked model's load) is repaid over its steps,
 #: and clients of a few steps (digits' Dirichlet splits, 6 steps a round) trained slower batched
 AUTO_MIN_STEPS = 10
+
+
+class ClientHalf(Protocol):
+    """The part of a method's client half the runner calls
+    (:class:`~fedhetero.core.method.algorithm.Algorithm`, whose room sits above this one, so it is
+    named here by what it offers)."""
+
+    def local_plan(self, ctx: "ClientContext", task: ClientTask, state: dict[str, Any] | None) -> LocalPlan | None:
+        """What the client trains, or None: it trains alone."""
+
+    def client_model(self, ctx: "ClientContext", task: ClientTask, state: dict[str, Any] | None = None) -> nn.Module:
+        """The model the client trains."""
+
+    def upload(self, ctx: "ClientContext", task: ClientTask, model: nn.Module, result: dict[str, Any]) -> ClientResult:
+        """What travels back to the server."""
 
 
 class _Trainee(NamedTuple):
@@ -48,7 +62,7 @@ class _Trainee(NamedTuple):
 
 
 def train_cohorts(
-    algorithm: "Algorithm", ctx: "ClientContext", tasks: list[ClientTask], states: list[dict[str, Any] | None],
+    algorithm: ClientHalf, ctx: "ClientContext", tasks: list[ClientTask], states: list[dict[str, Any] | None],
     optimizer_states: list[dict[str, Any] | None] | None = None,
 ) -> list[ClientResult | None]:
     """The client halves of several tasks of one exchange, trained in batched cohorts where they
