@@ -114,7 +114,8 @@ def register_logger(name: str) -> Callable[[type[Logger]], type[Logger]]:
     def add(cls: type[Logger]) -> type[Logger]:
         if not (isinstance(cls, type) and issubclass(cls, Logger)):
             raise TypeError(f"register_logger({name!r}): {cls!r} is not a Logger subclass")
-        return LOGGERS.register(name)(cls)  # type: ignore[no-any-return]
+        LOGGERS.add(name, cls)
+        return cls
 
     return add
 
