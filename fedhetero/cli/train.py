@@ -49,6 +49,10 @@ def run(args: argparse.Namespace) -> int:
     out = engine.out_dir
     args.resume_hint = continue_command(args, engine)
     cfg = engine.cfg
+    if not args.resume:  # the method and its options are checked before anything says what will run
+        from fedhetero.core.method.registry import build_algorithm
+
+        build_algorithm(cfg)
     if not args.quiet:
         console.print(Text.assemble(
             ("fedhetero train", "bold"),

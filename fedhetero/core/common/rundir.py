@@ -407,6 +407,24 @@ class RunLock:
         self._fh.flush()
         return self
 
+    @staticmethod
+    def holder(root: Path) -> str | None:
+        """Who holds the lock of the run directory ``root`` now (its pid, as the holder wrote it),
+        or None when no process does; takes and drops the lock to find out."""
+        path = Path(root) / ".lock"
+        if not path.is_file():
+            return None
+        probe = RunLock(root)
+        try:
+            probe.acquire()
+        except RunDirError:
+            try:
+                return path.read_text().strip() or "another process"
+            except OSError:
+                return "another process"
+        probe.release()
+        return None
+
     def release(self) -> None:
         if self._fh is not None:
             import fcntl  # deferred: POSIX only

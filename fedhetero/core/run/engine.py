@@ -145,6 +145,14 @@ class Engine:
                 f"{state.foreign_text()}); fedhetero never deletes or replaces files it did not write: "
                 "choose an empty or new --out"
             )
+        if state.holds_run:
+            holder = RunLock.holder(self.out_dir)
+            if holder is not None and holder != str(os.getpid()):  # another run in progress: in use,
+                # never to be resumed or replaced now (under its own lock, this run is the holder)
+                raise RunDirError(
+                    f"{self.out_dir} is in use by another fedhetero run (pid {holder}); wait for it to "
+                    "finish or choose another --out"
+                )
         if state.holds_run and not self.overwrite:
             held = describe_run(self.out_dir)
             can_resume = (self.out_dir / "config.yaml").is_file()
@@ -452,6 +460,7 @@ class Engine:
         directory that was not there before."""
         created = _first_missing(self.out_dir)  # what a failed set-up removes again
         lock = None
+        ended = False
         try:
             try:
                 self.out_dir.mkdir(parents=True, exist_ok=True)
@@ -463,12 +472,16 @@ class Engine:
                 raise RunDirError(f"--resume: {self.out_dir / 'config.yaml'} changed while this run was starting")
             self.setup()
             created = None  # from here on the directory holds this run
-            return self._run()
+            result = self._run()
+            ended = True
+            return result
         finally:
             if self.backend is not None and self._own_backend:
                 self.backend.close()
             self.loggers.close()
             if lock is not None:
+                if ended:  # a clean end: nothing holds the directory any more, so no lock file is left
+                    lock.path.unlink(missing_ok=True)
                 lock.release()
             if created is not None:
                 _remove_if_only_lock(self.out_dir, created)

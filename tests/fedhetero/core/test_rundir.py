@@ -246,3 +246,43 @@ def test_compare_default_directory_depends_on_the_settings(tmp_path, capsys, mon
         assert rc == 0, err
     dirs = sorted(p.name for p in (tmp_path / "runs").iterdir())
     assert len(dirs) == 2 and all(d.startswith("compare-synthetic-lenet5-") for d in dirs)
+
+
+def test_a_directory_in_use_says_so_and_never_advises_resuming_it(tmp_path):
+    """A directory whose run is still going (another process holds its lock) is refused as in use,
+    naming that process, never with advice to continue it with --resume (which would then fail as
+    in use); once the lock is free the same directory gets the advice again."""
+    run = tmp_path / "r"
+    Engine(_cfg("train.rounds=3"), run, progress=False, stop_after=1).run()  # an unfinished run
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time; from pathlib import Path; from fedhetero.core.common.rundir import RunLock; "
+         "lock = RunLock(Path(sys.argv[1])).acquire(); print('held', flush=True); time.sleep(60)", str(run)],
+        stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+        with pytest.raises(RunDirError) as err:
+            Engine(_cfg("train.rounds=3"), run, progress=False)
+        assert f"in use by another fedhetero run (pid {holder.pid})" in str(err.value)
+        assert "--resume" not in str(err.value)
+    finally:
+        holder.kill()
+        holder.wait()
+    with pytest.raises(RunDirError, match="already holds an unfinished run.*continue it with --resume"):
+        Engine(_cfg("train.rounds=3"), run, progress=False)
+
+
+def test_the_banner_comes_after_the_check(tmp_path, capsys):
+    """A bad method name is one error line; nothing was said about a run that never starts."""
+    code = main(["train", *_sets("algorithm.name=fedavgg"), "--out", str(tmp_path / "never")])
+    out, err_text = capsys.readouterr()
+    assert code == 2 and "fedhetero train:" not in out
+    assert "algorithm.name: unknown algorithm 'fedavgg'" in err_text and not (tmp_path / "never").exists()
+
+
+def test_a_clean_end_leaves_no_lock_file(tmp_path):
+    """The lock file belongs to a run in progress: a finished run, or one stopped after some rounds,
+    leaves none behind; the directory is not in use afterwards."""
+    for name, extra in (("done", {}), ("stopped", {"stop_after": 1})):
+        run = tmp_path / name
+        Engine(_cfg("train.rounds=2"), run, progress=False, **extra).run()
+        assert not (run / ".lock").exists() and RunLock.holder(run) is None
