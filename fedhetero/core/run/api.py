@@ -20,11 +20,12 @@ its lock, ``resume`` and ``overwrite`` behave as ``--out``, ``--resume`` and ``-
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import json
 import numbers
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Union
@@ -36,6 +37,7 @@ from fedhetero.core.common.config import RunConfig, backend_names, from_dict, to
 from fedhetero.core.common.options import ConfigError
 from fedhetero.core.common.configfile import apply_overrides, load_config
 from fedhetero.core.common.console import make_console
+from fedhetero.core.common.rundir import RunDirError
 from fedhetero.core.run.engine import Engine
 from fedhetero.core.run.reports import default_out_dir, plot_run
 
@@ -162,6 +164,24 @@ def _resume_dir(cfg: RunConfig) -> Path:
     return own
 
 
+#: the command line's flags a run-directory refusal names, and what a Python caller passes instead
+_PYTHON_ADVICE = (("--resume", "resume=True"), ("--overwrite", "overwrite=True"), ("--out", "out="))
+
+
+@contextlib.contextmanager
+def python_advice() -> Iterator[None]:
+    """Run-directory refusals raised inside, with the advice in Python's words: the keyword
+    arguments of :func:`run` and :func:`compare` (``resume=True``, ``overwrite=True``, ``out=``)
+    instead of the command line's flags."""
+    try:
+        yield
+    except RunDirError as exc:
+        text = str(exc)
+        for flag, keyword in _PYTHON_ADVICE:
+            text = text.replace(flag, keyword)
+        raise RunDirError(text) from None
+
+
 def run(
     config: Config = None,
     *,
@@ -188,9 +208,10 @@ def run(
     errors (:class:`~fedhetero.core.local.context.RunError`)."""
     if console is None and progress:
         console = make_console(highlight=False)
-    engine = build_engine(config, set_items(overrides), out=out, resume=resume, overwrite=overwrite,
-                          progress=progress, console=console)
-    result = engine.run()
+    with python_advice():
+        engine = build_engine(config, set_items(overrides), out=out, resume=resume, overwrite=overwrite,
+                              progress=progress, console=console)
+        result = engine.run()
     plot_run(console if progress else None, result, engine.out_dir, engine.cfg)
     model = copy.deepcopy(engine.algorithm.eval_models(engine.ctx)["global"]).eval()
     return RunResult(out=engine.out_dir, summary=result.summary, history=result.metrics, model=model,
@@ -231,9 +252,10 @@ def compare(
     option_items = set_items(options)
     if out is None:
         out = default_compare_dir(base, compare_settings(base, names, seeds, parse_options(option_items, names)))
-    rows = run_comparison(
-        config=base, overrides=[], algorithms=names, seeds=seeds, out=Path(out), plot=plot,
-        console=console if progress else None, progress=progress, resume=resume, options=option_items,
-        overwrite=overwrite,
-    )
+    with python_advice():
+        rows = run_comparison(
+            config=base, overrides=[], algorithms=names, seeds=seeds, out=Path(out), plot=plot,
+            console=console if progress else None, progress=progress, resume=resume, options=option_items,
+            overwrite=overwrite,
+        )
     return CompareResult(out=Path(out), rows=rows)
