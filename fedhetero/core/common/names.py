@@ -51,7 +51,8 @@ class Registry(Generic[T]):
 
     def names(self) -> tuple[str, ...]:
         """Every name, the built-in ones first, in the order they were listed or added."""
-        return (*self.builtin(), *(n for n in self._added if n not in self.builtin()))
+        builtin = self.builtin()  # read once: for methods it is the table of another package
+        return (*builtin, *(n for n in self._added if n not in builtin))
 
     def __contains__(self, name: object) -> bool:
         return name in self._added or name in self.builtin()
