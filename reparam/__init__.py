@@ -16,11 +16,13 @@ Branch kinds live in a registry (:mod:`reparam.kinds`): a new kind is one
 :class:`BranchKind` subclass plus :func:`register_kind`, and blocks, FLOPs and DYMM pick it up.
 
 Depends on torch only (numpy and the standard library aside); importing it changes nothing outside
-the package. An application whose torchvision wheel was built against another torch build than the
-installed one (its compiled detection operators fail to load, so ``import torchvision`` / ``import
-timm`` fail; classification models do not need them) can call
-:func:`install_torchvision_fix` once (an import hook) or import through
-:func:`reparam._compat.import_torchvision` / :func:`~reparam._compat.import_timm`.
+the package. For torchvision and timm, the project's pinned install needs
+:func:`install_torchvision_fix`: its torchvision wheel was built against another torch build than
+the installed CPU one, so its compiled detection operators fail to load and ``import
+torchvision`` / ``import timm`` fail (classification models do not need those operators). Call it
+once before they are imported (an import hook), or import through
+:func:`reparam._compat.import_torchvision` / :func:`~reparam._compat.import_timm`. fedhetero's
+entry points apply it themselves.
 """
 
 from __future__ import annotations

@@ -42,6 +42,34 @@ except Exception as exc:  # pragma: no cover - depends on the installed wheels
     _TV_ERROR = f"{type(exc).__name__}: {exc}"
 
 
+#: the longest a Ray temp dir may be: Ray adds ``/ray/session_<date>_<time>_<pid>/sockets/plasma_store``
+#: (about 67 characters) and a Unix socket's path holds at most 107
+RAY_DIR_MAX = 38
+
+
+@pytest.fixture(scope="session", autouse=True)
+def ray_temp_dir(tmp_path_factory):
+    """Ray's session folders (Flower's simulation) go under this test run's own temporary directory,
+    deleted with it, instead of piling up in the system's /tmp/ray; where that path is too long for
+    Ray's sockets, a short temporary directory of the run's own, deleted at its end."""
+    import shutil
+    import tempfile
+
+    base = tmp_path_factory.getbasetemp() / "ray"
+    own = len(str(base)) <= RAY_DIR_MAX
+    path = base if own else Path(tempfile.mkdtemp(prefix="fh-ray-"))
+    path.mkdir(exist_ok=True)
+    saved = os.environ.get("RAY_TMPDIR")
+    os.environ["RAY_TMPDIR"] = str(path)
+    yield path
+    if saved is None:
+        os.environ.pop("RAY_TMPDIR", None)
+    else:
+        os.environ["RAY_TMPDIR"] = saved
+    if not own:
+        shutil.rmtree(path, ignore_errors=True)
+
+
 @pytest.fixture
 def gen() -> torch.Generator:
     """A CPU generator with a fixed seed (fresh for every test)."""

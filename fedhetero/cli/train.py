@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import shlex
 from pathlib import Path
 from typing import Any
@@ -42,10 +43,15 @@ def run(args: argparse.Namespace) -> int:
     # deferred for start-up time: the engine imports torch
     from fedhetero.core.run.api import build_engine
 
+    from fedhetero.core.common.rundir import FinishedRunError
+
     console = make_console(highlight=False)
     # the run directory, its lock and --resume / --overwrite as fedhetero.run does them
-    engine = build_engine(args.config, args.set, out=args.out, resume=args.resume, overwrite=args.overwrite,
-                          progress=not args.quiet, console=console)
+    try:
+        engine = build_engine(args.config, args.set, out=args.out, resume=args.resume, overwrite=args.overwrite,
+                              progress=not args.quiet, console=console)
+    except FinishedRunError as done:  # the same run, finished before: its table, nothing trained
+        return show_finished(console, done.out_dir)
     out = engine.out_dir
     args.resume_hint = continue_command(args, engine)
     cfg = engine.cfg
@@ -68,6 +74,18 @@ def run(args: argparse.Namespace) -> int:
     plot = plot_run(console, result, out, cfg)
     if plot is not None:
         console.print(f"plot: {plot} (accuracy and loss by round)", markup=False)
+    return 0
+
+
+def show_finished(console: Any, out: Path) -> int:
+    """Print the result table of the finished run in ``out`` (from its files, nothing trained) and
+    how to run it again; exit status 0."""
+    from fedhetero.core.common.rundir import read_metrics
+
+    summary = json.loads((out / "summary.json").read_text(encoding="utf-8"))
+    print_summary(console, summary, out, None, read_metrics(out / "metrics.jsonl"))
+    console.print(f"{out} already held this run, finished: its result above, nothing trained; run it again "
+                  "with --overwrite, another --out or another seed (--set seed=N)", markup=False)
     return 0
 
 

@@ -19,9 +19,11 @@ from .datasets import (
     DEFAULT_DATA_DIR,
     SPLITS,
     ArrayDataset,
+    digits_split,
     load_dataset,
     resolve_data_dir,
 )
+from .transforms import InputTransform
 from .errors import DataConfigError, DatasetFormatError, DatasetNotFoundError
 from .federated import FederatedData, build_federated_data, load_partition, save_partition
 from .partition import (
@@ -58,6 +60,8 @@ __all__ = [
     "CIFAR100_STD",
     "load_dataset",
     "resolve_data_dir",
+    "digits_split",
+    "InputTransform",
     # errors
     "DataConfigError",
     "DatasetFormatError",

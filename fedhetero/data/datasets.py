@@ -141,6 +141,11 @@ class ArrayDataset:
         ``N`` indexing ``writer_names``, or ``None`` for datasets without writers.
     writer_names:
         the writers' names (LEAF user ids), sorted; ``None`` without writers.
+    raw_format:
+        how the release stores an image, which :meth:`input_record` turns into the steps from it to
+        ``images``: ``pixel_max`` (the stored value of white), ``layout`` (``"HW"``, ``"HWC"`` or
+        ``"CHW"``, one image) and ``resize`` (``{"size", "mode"}`` or ``None``); ``None`` when the
+        release's pixels are not images of a known scale (FEMNIST, synthetic).
     """
 
     images: Tensor
@@ -154,6 +159,7 @@ class ArrayDataset:
     default_augment: bool = False
     writers: np.ndarray | None = field(default=None, repr=False)
     writer_names: tuple[str, ...] | None = field(default=None, repr=False)
+    raw_format: Mapping[str, Any] | None = field(default=None, repr=False)
     _labels_np: np.ndarray | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -233,6 +239,19 @@ class ArrayDataset:
         if self.mean is None or self.std is None:
             return (0.0,) * c
         return tuple(-m / s for m, s in zip(self.mean, self.std))
+
+    def input_record(self) -> dict[str, Any]:
+        """What a model trained on this data set expects, as plain JSON values: ``shape`` (C, H, W),
+        ``mean`` / ``std`` (``None`` when not normalised) and ``raw``, how an image as the release
+        stores it becomes one (:attr:`raw_format`; ``None``: inputs are float pixels in [0, 1] of
+        that shape). :class:`fedhetero.data.InputTransform` applies it."""
+        return {
+            "dataset": self.name,
+            "shape": list(self.input_shape),
+            "mean": None if self.mean is None else [float(v) for v in self.mean],
+            "std": None if self.std is None else [float(v) for v in self.std],
+            "raw": None if self.raw_format is None else json.loads(json.dumps(dict(self.raw_format))),
+        }
 
     def to(self, device: torch.device | str) -> "ArrayDataset":
         """A copy with both tensors on ``device`` (the same object when already there)."""
@@ -361,6 +380,10 @@ def _require_rows(count: int, where: str, title: str, split: str) -> None:
         )
 
 
+#: the raw format of a release of uint8 H×W×C images (CIFAR, SVHN, DermaMNIST)
+_UINT8_HWC: Mapping[str, Any] = {"pixel_max": 255.0, "layout": "HWC", "resize": None}
+
+
 def _uint8_hwc_to_float(arr: np.ndarray) -> Tensor:
     """uint8 ``N×H×W×C`` (or ``N×H×W``) → float32 ``N×C×H×W`` in [0, 1]."""
     if arr.ndim == 3:
@@ -374,6 +397,28 @@ def _uint8_hwc_to_float(arr: np.ndarray) -> Tensor:
 # --------------------------------------------------------------------------------------------------
 
 _DIGITS_OPTIONS = {"size": 32, "test_fraction": 0.2, "split_seed": 0, "interpolation": "bilinear"}
+
+
+def _digits_test_mask(y_all: np.ndarray, frac: float, seed: int) -> np.ndarray:
+    """The fixed stratified split of ``load_digits()``: per class, a seeded permutation; the first
+    round(n_c·frac) are test."""
+    rng = np.random.default_rng(seed)
+    test_mask = np.zeros(len(y_all), dtype=bool)
+    for c in range(10):
+        idx = np.flatnonzero(y_all == c)
+        n_test = int(round(len(idx) * frac))
+        test_mask[rng.permutation(idx)[:n_test]] = True
+    return test_mask
+
+
+def digits_split(test_fraction: float = 0.2, split_seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """The rows of scikit-learn's ``load_digits()`` in the ``digits`` data set's training and test
+    splits (ascending, the order of the splits' images), for the defaults or the loader's
+    ``test_fraction`` / ``split_seed`` options."""
+    from sklearn.datasets import load_digits
+
+    test = _digits_test_mask(np.asarray(load_digits().target, dtype=np.int64), float(test_fraction), int(split_seed))
+    return np.flatnonzero(~test), np.flatnonzero(test)
 
 
 def _load_digits(split: str, normalize: bool, options: Mapping[str, Any]) -> ArrayDataset:
@@ -390,14 +435,7 @@ def _load_digits(split: str, normalize: bool, options: Mapping[str, Any]) -> Arr
     bunch = load_digits()
     x_all = np.asarray(bunch.images, dtype=np.float32) / 16.0  # N×8×8 in [0, 1]
     y_all = np.asarray(bunch.target, dtype=np.int64)
-
-    # Fixed stratified split: per class, a seeded permutation; the first round(n_c·frac) are test.
-    rng = np.random.default_rng(int(opts["split_seed"]))
-    test_mask = np.zeros(len(y_all), dtype=bool)
-    for c in range(10):
-        idx = np.flatnonzero(y_all == c)
-        n_test = int(round(len(idx) * frac))
-        test_mask[rng.permutation(idx)[:n_test]] = True
+    test_mask = _digits_test_mask(y_all, frac, int(opts["split_seed"]))
 
     def prepare(mask: np.ndarray) -> Tensor:
         t = torch.from_numpy(x_all[mask]).unsqueeze(1)
@@ -419,6 +457,8 @@ def _load_digits(split: str, normalize: bool, options: Mapping[str, Any]) -> Arr
         std=std if normalize else None,
         class_names=tuple(str(i) for i in range(10)),
         default_augment=False,
+        raw_format={"pixel_max": 16.0, "layout": "HW",
+                    "resize": None if size == 8 else {"size": size, "mode": mode}},
     )
 
 
@@ -625,6 +665,7 @@ def _load_cifar(
         std=std if normalize else None,
         class_names=class_names,
         default_augment=True,
+        raw_format=_UINT8_HWC,
     )
 
 
@@ -741,6 +782,7 @@ def _load_dermamnist(
         std=std if normalize else None,
         class_names=DERMAMNIST_CLASSES,
         default_augment=False,
+        raw_format={**_UINT8_HWC, "resize": None if resize is None else {"size": resize, "mode": "bilinear"}},
     )
 
 
@@ -880,6 +922,7 @@ def _load_idx_set(
         std=std if normalize else None,
         class_names=classes,
         default_augment=False,
+        raw_format={"pixel_max": 255.0, "layout": "HW", "resize": None},
     )
 
 
@@ -952,6 +995,7 @@ def _load_svhn(root: Path, split: str, download: bool, normalize: bool, options:
         std=SVHN_STD if normalize else None,
         class_names=tuple(str(i) for i in range(10)),
         default_augment=False,
+        raw_format=_UINT8_HWC,
     )
 
 

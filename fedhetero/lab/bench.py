@@ -58,7 +58,11 @@ def _round_cfg(clients: int, per_round: int, rounds: int, algorithm: str, datase
 
 def bare_fedavg(cfg: RunConfig, rounds: int) -> float:
     """A hand-written FedAvg loop over the engine's own partitions and batch order; returns seconds."""
-    eng = Engine(cfg, tempfile.mkdtemp(prefix="fedhetero-bare-"), progress=False)
+    with tempfile.TemporaryDirectory(prefix="fedhetero-bare-") as out:  # nothing of it is kept
+        return _bare_fedavg(Engine(cfg, out, progress=False), cfg, rounds)
+
+
+def _bare_fedavg(eng: Engine, cfg: RunConfig, rounds: int) -> float:
     eng.setup()
     ctx, data = eng.ctx, eng.data
     global_model = eng.algorithm.global_model

@@ -33,6 +33,7 @@ __all__ = [
     "DirState",
     "DiskFullError",
     "MetricsLog",
+    "FinishedRunError",
     "RunDirError",
     "RunLock",
     "atomic_write_text",
@@ -87,6 +88,16 @@ _FULL_BELOW = 64 * 2**20
 
 class RunDirError(RuntimeError):
     """The run directory cannot be used as asked (in use, damaged, holds another run)."""
+
+
+class FinishedRunError(RunDirError):
+    """The run directory already holds this very run, finished: the same config hash, a
+    ``summary.json``. Not a failure for a caller who wants the result: ``fedhetero train`` prints
+    that run's table and ``fedhetero.run`` returns it, neither training again."""
+
+    def __init__(self, message: str, out_dir: Path) -> None:
+        super().__init__(message)
+        self.out_dir = Path(out_dir)
 
 
 class DiskFullError(RunDirError):

@@ -37,11 +37,12 @@ from fedhetero.core.common.config import RunConfig, backend_names, from_dict, to
 from fedhetero.core.common.options import ConfigError
 from fedhetero.core.common.configfile import apply_overrides, load_config
 from fedhetero.core.common.console import make_console
-from fedhetero.core.common.rundir import RunDirError
+from fedhetero.core.common.rundir import FinishedRunError, RunDirError, read_metrics
 from fedhetero.core.run.engine import Engine
 from fedhetero.core.run.reports import default_out_dir, plot_run
 
-__all__ = ["CompareResult", "Config", "RunResult", "build_engine", "compare", "load", "run", "set_items"]
+__all__ = ["CompareResult", "Config", "RunResult", "build_engine", "compare", "finished_run", "load", "run",
+           "set_items"]
 
 #: what ``config`` may be: a YAML file, config sections as a dict, a config, or None (the default job)
 Config = Union[str, Path, Mapping[str, Any], RunConfig, None]
@@ -182,6 +183,22 @@ def python_advice() -> Iterator[None]:
         raise RunDirError(text) from None
 
 
+def finished_run(out: str | Path) -> RunResult:
+    """The result of the finished run in ``out``, read from its files (``summary.json``,
+    ``metrics.jsonl``, ``final_model.pt``, ``config.yaml``); nothing is trained."""
+    from fedhetero.core.run.export import load_model  # deferred: builds zoo models
+    from fedhetero.core.run.resume import saved_config
+
+    out = Path(out)
+    summary = json.loads((out / "summary.json").read_text(encoding="utf-8"))
+    return RunResult(out=out, summary=summary, history=read_metrics(out / "metrics.jsonl"),
+                     model=load_model(out), config=saved_config(out))
+
+
+#: what a second call of the same run says (see :class:`~fedhetero.core.common.rundir.FinishedRunError`)
+AGAIN_PYTHON = "run it again with overwrite=True, another out= or another seed (overrides={\"seed\": N})"
+
+
 def run(
     config: Config = None,
     *,
@@ -199,7 +216,8 @@ def run(
     "algorithm.name": "fedavg"}``, with the meaning of ``--set`` (see :func:`set_items`). ``out``:
     the run directory (default ``runs/<algorithm>-<dataset>-<model>-s<seed>-<config hash>``, under
     the working directory). ``resume``: continue the run in ``out`` from its last checkpoint.
-    ``overwrite``: replace a run ``out`` already holds (otherwise refused). ``progress``: print
+    ``overwrite``: replace a run ``out`` already holds (otherwise refused; a finished run of the
+    same config is not refused: its result is returned, read from its files). ``progress``: print
     progress per round (on ``console``, default: a new rich console). Writes ``accuracy.png`` when
     matplotlib (the ``plot`` extra) is installed.
 
@@ -209,8 +227,14 @@ def run(
     if console is None and progress:
         console = make_console(highlight=False)
     with python_advice():
-        engine = build_engine(config, set_items(overrides), out=out, resume=resume, overwrite=overwrite,
-                              progress=progress, console=console)
+        try:
+            engine = build_engine(config, set_items(overrides), out=out, resume=resume, overwrite=overwrite,
+                                  progress=progress, console=console)
+        except FinishedRunError as done:  # the same run, finished before: its result, nothing trained
+            if progress:
+                console.print(f"{done.out_dir} already holds this run, finished: its result is returned "
+                              f"(nothing trained); {AGAIN_PYTHON}", markup=False)
+            return finished_run(done.out_dir)
         result = engine.run()
     plot_run(console if progress else None, result, engine.out_dir, engine.cfg)
     model = copy.deepcopy(engine.algorithm.eval_models(engine.ctx)["global"]).eval()

@@ -36,6 +36,7 @@ from fedhetero.core.common.configfile import _yaml_problem, apply_overrides, loa
 from fedhetero.core.local.context import ClientContext, RunError, build_data
 from fedhetero.core.run.engine import Engine, _check_splits
 from fedhetero.core.method.registry import build_algorithm, get_algorithm
+from fedhetero.core.run.reports import deploys_one_model
 from fedhetero.core.common.rundir import RunDirError, RunLock, atomic_write_text, clear_run, inspect_dir, read_metrics
 
 __all__ = ["accuracy_curves", "compare_settings", "comparison_rows", "default_compare_dir", "run_comparison", "tier_bars",
@@ -114,6 +115,9 @@ def comparison_rows(results: dict[str, list[dict[str, Any] | None]], tiers: list
             "bytes_total_mean": float(np.mean([s["bytes_total"] for s in summaries])),
             "wall_s_mean": float(np.mean([s["wall_s"] for s in summaries])),
             "all_fit_budget": all(s["all_fit_budget"] for s in summaries),
+            # every tier deploys the global model: no per-tier accuracy to show (the same rule as
+            # fedhetero train's table)
+            "one_model": all(deploys_one_model(s) for s in summaries),
         }
         for t in tiers:
             m, sd = _mean_std([s["tiers"][t]["accuracy"] for s in summaries])
@@ -338,7 +342,11 @@ def _run_all(
                       + f" / budgets {base.budget.scenario} / {seeds} seed(s)")
         table.add_column("algorithm")
         table.add_column("final acc %", justify="right")
-        for t in tiers:
+        # per-tier accuracies only for methods whose tiers deploy models of their own
+        tier_acc = any(r.get("one_model") is False for r in rows)
+        if any(r.get("one_model") for r in rows) and tier_acc:
+            table.caption = Text("—: every tier deploys the method's one model (its accuracy: final acc %)")
+        for t in tiers if tier_acc else ():
             table.add_column(Text(f"{t} acc %"), justify="right")
         for t in tiers:
             table.add_column(Text(f"{t} MMACs"), justify="right")
@@ -355,7 +363,8 @@ def _run_all(
         for r in rows:
             if "final_accuracy_mean" not in r:  # N/A or failed
                 cell = "N/A" if r["status"] == "N/A" else r["status"]
-                table.add_row(Text(r["algorithm"]), cell, *(["—"] * (2 * len(tiers) + 5 + (base.train.target_accuracy is not None) + show_kappa)))
+                table.add_row(Text(r["algorithm"]), cell, *(["—"] * ((1 + tier_acc) * len(tiers) + 5
+                                                                     + (base.train.target_accuracy is not None) + show_kappa)))
                 continue
             ttt_cell = []
             if base.train.target_accuracy is not None:
@@ -364,7 +373,7 @@ def _run_all(
             table.add_row(
                 Text(r["algorithm"]),
                 _pct(r["final_accuracy_mean"], r["final_accuracy_std"] if seeds > 1 else None),
-                *[_pct(r[f"acc_{t}_mean"]) for t in tiers],
+                *[("—" if r["one_model"] else _pct(r[f"acc_{t}_mean"])) for t in (tiers if tier_acc else ())],
                 *[("—" if r[f"macs_{t}_mean"] is None else f"{r[f'macs_{t}_mean'] / 1e6:.3f}") for t in tiers],
                 f"{r['client_macs_mean'] / 1e6:.3f}",
                 *ttt_cell,

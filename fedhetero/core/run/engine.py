@@ -53,6 +53,7 @@ from fedhetero.core.run.summary import summarize
 from fedhetero.core.run.metrics import account_round
 from fedhetero.core.method.registry import build_algorithm
 from fedhetero.core.common.rundir import (
+    FinishedRunError,
     MetricsLog,
     RunDirError,
     RunLock,
@@ -154,6 +155,12 @@ class Engine:
                     "finish or choose another --out"
                 )
         if state.holds_run and not self.overwrite:
+            if self._is_this_run_finished():
+                raise FinishedRunError(
+                    f"{self.out_dir} already holds this run, finished (the same config); run it again "
+                    "with --overwrite, another --out or another seed (--set seed=N)",
+                    self.out_dir,
+                )
             held = describe_run(self.out_dir)
             can_resume = (self.out_dir / "config.yaml").is_file()
             raise RunDirError(
@@ -161,6 +168,17 @@ class Engine:
                 + ("continue it with --resume, " if can_resume else "")
                 + "replace it with --overwrite, or choose another --out"
             )
+
+    def _is_this_run_finished(self) -> bool:
+        """Whether the run directory holds a finished run (``summary.json``) of this very config
+        (the saved config's hash is this one's)."""
+        if not (self.out_dir / "summary.json").is_file():
+            return False
+        try:
+            saved = saved_config(self.out_dir)
+        except (ConfigError, RunDirError, OSError):
+            return False
+        return config_hash(saved) == config_hash(self.cfg)
 
     # ------------------------------------------------------------------ set-up
     def setup(self) -> None:
@@ -384,6 +402,14 @@ class Engine:
             out["tier_accuracy"][t.name] = cache[id(m)]
         return out
 
+    def _deploys_one_model(self) -> bool:
+        """Whether every tier deploys the global model: the method gives no tier a model of its own
+        (``"tier:<name>"`` in :meth:`~fedhetero.core.method.algorithm.Algorithm.eval_models`). The
+        result tables show per-tier accuracies only where this is false."""
+        models = self.algorithm.eval_models(self.ctx)
+        one = models["global"]
+        return all(models.get(f"tier:{t.name}", one) is one for t in self.cfg.budget.tiers)
+
     def _checkpoint(self, rnd: int) -> None:
         state = {
             "round": rnd,
@@ -580,6 +606,7 @@ class Engine:
         wall = prior_wall + (time.perf_counter() - t_start)
         summary = summarize(self.cfg, history, self.ctx.plain_macs, wall)
         summary["resumed_from_round"] = start if self.resume else None
+        summary["one_model"] = self._deploys_one_model()
         summary.update(self.algorithm.summary_metrics(history))
         atomic_write_text(self.out_dir / "summary.json", json.dumps(finite_json(summary), indent=2))
         self.loggers.log_summary(summary)

@@ -5,10 +5,14 @@ At the end of a run (and whenever evaluation finds a new best) the engine writes
 with ``torch.load(weights_only=True)`` — and ``model.json``, the recipe that rebuilds the
 architecture: the zoo model (``fedhetero.models.build_model``) with the run's arguments, in the form the
 global model has (``zoo``: conv+BN as built; ``deploy``: every conv+BN folded into one biased
-conv, as DynamicFL's plain global model). :func:`load_model` does both steps::
+conv, as DynamicFL's plain global model) — and the input the model expects (``input``: the
+shape, the normalisation and how an image as the data set's release stores it becomes one).
+:func:`load_model` rebuilds and loads the model, :func:`load_transform` gives the preprocessing::
 
     import fedhetero
     model = fedhetero.load_model("runs/dynamicfl-digits-lenet5-s0-1a2b3c4d")   # eval mode
+    prepare = fedhetero.load_transform("runs/dynamicfl-digits-lenet5-s0-1a2b3c4d")
+    logits = model(prepare(raw_images))
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from torch import nn
 import reparam
 from fedhetero.core.common.rundir import atomic_write_text
 from fedhetero.core.exchange.store import atomic_save
+from fedhetero.data.transforms import InputTransform
 from fedhetero.models import build_model
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -30,7 +35,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from fedhetero.core.common.config import RunConfig
     from fedhetero.core.local.context import Context
 
-__all__ = ["load_model", "save_global_model"]
+__all__ = ["load_model", "load_transform", "save_global_model"]
 
 
 def _build(recipe: dict[str, Any]) -> nn.Module:
@@ -87,6 +92,7 @@ def save_global_model(out: Path, cfg: "RunConfig", ctx: "Context", algorithm: "A
             "form": None,
             "note": "this algorithm's global model has no zoo recipe; load the state dict into your own module",
         }
+        info["input"] = ctx.data.train.input_record()
         atomic_write_text(recipe_path, json.dumps(info, indent=2))
     atomic_save(state, out / f"{which}_model.pt")
 
@@ -106,3 +112,18 @@ def load_model(run_dir: str | Path, which: str = "final") -> nn.Module:
     model = _build(recipe)
     model.load_state_dict(torch.load(path, weights_only=True, map_location="cpu"), strict=True)
     return model.eval()
+
+
+def load_transform(run_dir: str | Path) -> InputTransform:
+    """The preprocessing the run's model expects, as a callable: images as the data set's release
+    stores them (e.g. scikit-learn's ``load_digits().images``, 8×8 with values 0..16; the uint8
+    28×28 images of Fashion-MNIST's IDX files) → the normalised float32 ``N×C×H×W`` tensor the
+    model takes, equal to what the run's data loader made of them (``model.json``'s ``input``)."""
+    run_dir = Path(run_dir)
+    path = run_dir / "model.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} not found: the run has not finished (or evaluated) yet")
+    record = json.loads(path.read_text()).get("input")
+    if record is None:
+        raise ValueError(f"{path} records no input (written before fedhetero recorded it): run it again to get one")
+    return InputTransform(record)

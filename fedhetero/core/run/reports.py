@@ -16,7 +16,7 @@ from rich.text import Text
 
 from fedhetero.core.common.config import config_hash, to_dict
 
-__all__ = ["default_out_dir", "plot_run", "plot_series", "plot_title", "print_summary", "run_settings", "summary_view"]
+__all__ = ["default_out_dir", "deploys_one_model", "plot_run", "plot_series", "plot_title", "print_summary", "run_settings", "summary_view"]
 
 
 def _fmt_macs(v: float | None) -> str:
@@ -190,6 +190,27 @@ TEST_SET = "the test set"
 SESSION_CLASSES = "the session's test classes"
 
 
+def deploys_one_model(summary: dict[str, Any], metrics: list[dict[str, Any]] | None = None) -> bool:
+    """Whether every tier of a run deploys one model, the global one: the rule for showing
+    per-tier accuracies, the same for every method, in ``fedhetero train``'s table and in
+    ``fedhetero compare``'s. The run records it (``summary.json``'s ``one_model``: no tier has a
+    model of its own). A summary written before that field existed is judged by its numbers:
+    the tiers' accuracies are equal (at every evaluation of ``metrics`` when given, else at the
+    end) and the tiers that trained trained the same MACs."""
+    tiers = summary.get("tiers") or {}
+    if not tiers:
+        return False
+    if summary.get("one_model") is not None:
+        return bool(summary["one_model"])
+    accs = [t.get("accuracy") for t in tiers.values()]
+    macs = {t.get("macs") for t in tiers.values() if t.get("macs") is not None}
+    same = None not in accs and len(set(accs)) == 1 and len(macs) <= 1
+    for row in metrics or ():
+        if same and row.get("tier_accuracy"):
+            same = len({row["tier_accuracy"].get(t) for t in tiers}) == 1
+    return same
+
+
 def summary_view(summary: dict[str, Any], settings: dict[str, Any] | None = None,
                  metrics: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     """What the final table shows for a run, only what means something for it:
@@ -197,9 +218,7 @@ def summary_view(summary: dict[str, Any], settings: dict[str, Any] | None = None
     * ``accuracy_on``: the set the final accuracy was measured on (:data:`SESSION_CLASSES` with
       sessions and ``sessions.eval_on_session_classes``, else :data:`TEST_SET`); per-tier
       accuracies are always measured on the full test set (``tier_accuracy_on``);
-    * ``same_model``: as far as the numbers tell, every tier deploys one model: their accuracies
-      are equal (at every evaluation of ``metrics`` when given, else at the end) and the tiers that
-      trained trained the same MACs;
+    * ``same_model``: every tier deploys one model (:func:`deploys_one_model`);
     * ``tier_accuracy``: whether the table has a per-tier accuracy column (not when ``same_model``
       and the title gives that one number: the final accuracy, or named by its set when the final
       accuracy is measured on another);
@@ -211,11 +230,7 @@ def summary_view(summary: dict[str, Any], settings: dict[str, Any] | None = None
     settings = settings or {}
     tiers = summary.get("tiers") or {}
     accs = [t.get("accuracy") for t in tiers.values()]
-    macs = {t.get("macs") for t in tiers.values() if t.get("macs") is not None}
-    same_model = bool(tiers) and None not in accs and len(set(accs)) == 1 and len(macs) <= 1
-    for row in metrics or ():
-        if same_model and row.get("tier_accuracy"):
-            same_model = len({row["tier_accuracy"].get(t) for t in tiers}) == 1
+    same_model = deploys_one_model(summary, metrics)
     on = SESSION_CLASSES if _on_session_classes(settings) else TEST_SET
     budgets = {(t.get("ratio"), t.get("budget_macs")) for t in tiers.values()}
     fits = {t.get("fits_budget") for t in tiers.values() if t.get("fits_budget") is not None}
@@ -252,7 +267,7 @@ def print_summary(console: Any, summary: dict[str, Any], out: Path | None = None
     # user strings (method, tier names) are printed literally, never read as rich markup
     table = Table(title=Text(_title(summary, view)))
     if view["same_model"] and not view["tier_accuracy"] and len(summary["tiers"]) > 1:
-        table.caption = Text("every tier's deployed model has the same accuracy (in the title): no per-tier column")
+        table.caption = Text("every tier deploys the same model (its accuracy is in the title): no per-tier column")
     drops = bool(summary.get("dropped_clients"))
     cols = ["tier", "ratio", "budget MMACs", "trained MMACs", "fits", "client-rounds", "sent up", "sent down"]
     if view["tier_accuracy"]:

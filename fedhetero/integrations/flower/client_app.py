@@ -51,6 +51,11 @@ from fedhetero.core.run.allocator import tune_malloc
 from fedhetero.core.local.context import client_context
 from fedhetero.integrations.flower.codec import META
 
+import reparam
+
+# an app Flower loads is an entry point: torchvision and timm import here with the pinned install
+reparam.install_torchvision_fix()
+
 try:  # flwr >= 1.21
     from flwr.clientapp import ClientApp
 except ImportError:  # pragma: no cover - older flwr

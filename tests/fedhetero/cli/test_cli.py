@@ -129,6 +129,35 @@ def test_train_then_resume_through_cli(tmp_path):
     assert json.loads((out / "summary.json").read_text())["final_accuracy"] == first["final_accuracy"]
 
 
+def test_the_same_command_twice_prints_the_finished_run_and_exits_0(tmp_path, capsys):
+    """A run directory holding this very run, finished (the same config hash): its table from
+    summary.json, one line on how to run it again, exit 0, no file touched. Another config, or an
+    unfinished run, is refused as before."""
+    sets = [
+        "--set", "data.dataset=synthetic", "--set", "data.synthetic_size=120", "--set", "data.num_clients=4",
+        "--set", "data.min_partition_size=5", "--set", "model.width=0.25", "--set", "train.rounds=2",
+        "--set", "train.local_epochs=1",
+    ]
+    out = tmp_path / "run"
+    assert main(["train", *sets, "--out", str(out), "--quiet"]) == 0
+    capsys.readouterr()
+    files = {p.name: (p.stat().st_mtime_ns, p.read_bytes()) for p in out.iterdir() if p.is_file()}
+    assert main(["train", *sets, "--out", str(out), "--quiet"]) == 0
+    said = capsys.readouterr()
+    assert {p.name: (p.stat().st_mtime_ns, p.read_bytes()) for p in out.iterdir() if p.is_file()} == files
+    summary = json.loads((out / "summary.json").read_text())
+    assert f"final accuracy {100 * summary['final_accuracy']:.2f} %" in said.out
+    assert "already held this run, finished" in said.out and "--overwrite" in said.out and "--out" in said.out
+    assert "seed" in said.out and said.err == ""
+    # another config in the same directory: refused, exit 2
+    assert main(["train", *sets, "--set", "train.lr=0.02", "--out", str(out), "--quiet"]) == 2
+    assert "already holds a finished run" in capsys.readouterr().err
+    # the same config, unfinished (summary.json gone): refused with the advice to resume
+    (out / "summary.json").unlink()
+    assert main(["train", *sets, "--out", str(out), "--quiet"]) == 2
+    assert "continue it with --resume" in capsys.readouterr().err
+
+
 def test_info_lists_algorithms(capsys):
     assert main(["info"]) == 0
     out = capsys.readouterr().out

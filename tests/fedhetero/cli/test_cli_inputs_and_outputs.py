@@ -39,7 +39,7 @@ def test_existing_run_is_not_overwritten_without_asking(tmp_path, capsys):
     out = tmp_path / "r"
     assert main(["train", *_sets(), "--out", str(out), "--quiet"]) == 0
     before = (out / "summary.json").read_text()
-    rc = main(["train", *_sets(), "--out", str(out), "--quiet"])
+    rc = main(["train", *_sets("train.lr=0.02"), "--out", str(out), "--quiet"])  # another run
     err = capsys.readouterr().err.strip()
     assert rc == 2 and "--resume" in err and "--overwrite" in err and len(err.splitlines()) == 1
     assert (out / "summary.json").read_text() == before

@@ -132,7 +132,7 @@ def test_dyninit_table_has_no_per_tier_accuracy_and_names_the_sets(tmp_path, cap
     rows = [line for line in out.splitlines() if line.startswith("│")]
     assert [r.split("│")[1].strip() for r in rows] == list(tiers)  # the budgets differ: one row each
     assert f"{100 * full:.2f}" not in "".join(rows)
-    assert "every tier's deployed model has the same accuracy (in the title): no per-tier column" in out
+    assert "every tier deploys the same model (its accuracy is in the title): no per-tier column" in out
     assert "mean of last 5" in out and "(on the session's test classes)" in out
 
 

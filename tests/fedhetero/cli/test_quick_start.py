@@ -140,9 +140,9 @@ def test_the_documented_process_command_works_right_after_the_quick_start(tmp_pa
     assert process.name == f"{local.name}-process"
     rows = [[json.loads(line) for line in (d / "metrics.jsonl").read_text().splitlines()] for d in (local, process)]
     assert strip_wall(rows[0]) == strip_wall(rows[1])
-    # a finished run is still refused without --overwrite, naming what to do
-    assert main(["train", "--quiet", *_sets("engine.backend=process", "engine.workers=2")]) == 2
-    assert "--overwrite" in capsys.readouterr().err
+    # the same command again prints the finished run's table and trains nothing
+    assert main(["train", "--quiet", *_sets("engine.backend=process", "engine.workers=2")]) == 0
+    assert "already held this run, finished" in capsys.readouterr().out
     # --resume without --out: the config's directory, else the one of the same config on another
     # back end (here the local run, continued on the process back end)
     (local / "summary.json").unlink()

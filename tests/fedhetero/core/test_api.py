@@ -74,7 +74,7 @@ def test_run_directory_rules_are_those_of_train(tmp_path):
     out = tmp_path / "r"
     first = fedhetero.run(overrides=SMALL, out=out, progress=False)
     with pytest.raises(RunDirError, match="already holds.*resume=True.*overwrite=True.*out=") as refused:
-        fedhetero.run(overrides=SMALL, out=out, progress=False)
+        fedhetero.run(overrides={**SMALL, "train.lr": 0.02}, out=out, progress=False)  # another run
     assert "--" not in str(refused.value)  # Python advice: the keyword arguments, not the flags
     with pytest.raises(ConfigError, match="choose one"):
         fedhetero.run(out=out, resume=True, overwrite=True, progress=False)
@@ -161,3 +161,25 @@ def test_the_readme_api_example_runs(tmp_path):
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert (tmp_path / "runs").is_dir()
+
+
+def test_the_same_run_twice_returns_the_finished_result_without_training(tmp_path, capsys):
+    """A directory holding this very run, finished (the same config hash), is not an error: its
+    result comes back, read from the run's files; nothing is trained or written."""
+    out = tmp_path / "r"
+    first = fedhetero.run(overrides=SMALL, out=out, progress=False)
+    before = {p.name: (p.stat().st_mtime_ns, p.read_bytes()) for p in out.iterdir() if p.is_file()}
+    again = fedhetero.run(overrides=SMALL, out=out)
+    assert {p.name: (p.stat().st_mtime_ns, p.read_bytes()) for p in out.iterdir() if p.is_file()} == before
+    assert again.summary == json.loads((out / "summary.json").read_text())
+    assert again.summary["final_accuracy"] == first.summary["final_accuracy"]
+    assert again.history == first.history and again.config == first.config and again.out == out
+    for (k, a), (k2, b) in zip(first.model.state_dict().items(), again.model.state_dict().items()):
+        assert k == k2 and torch.equal(a, b)
+    said = capsys.readouterr().out
+    assert "already holds this run, finished" in said and "overwrite=True" in said and "--" not in said
+    # an unfinished run of the same config is still refused, with the advice to resume it
+    Engine(api.load(None, api.set_items({**SMALL, "train.rounds": 3})), tmp_path / "cut", progress=False,
+           stop_after=1).run()
+    with pytest.raises(RunDirError, match="unfinished run.*resume=True"):
+        fedhetero.run(overrides={**SMALL, "train.rounds": 3}, out=tmp_path / "cut", progress=False)

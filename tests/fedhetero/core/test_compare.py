@@ -88,3 +88,39 @@ def test_compare_goes_on_when_a_method_fails(tmp_path):
     rows = {r["algorithm"]: r for r in json.loads((out / "comparison.json").read_text())["rows"]}
     for name in ("fedavg", "fedprox"):
         assert rows[name]["status"].startswith("failed") and "non-finite" in rows[name]["reason"]
+
+
+def test_per_tier_accuracy_follows_one_rule_for_every_method(tmp_path, capsys, monkeypatch):
+    """A method whose tiers all deploy its one global model (FedAvg, DynamicFL) shows no per-tier
+    accuracy, whatever its tiers trained; a method with a model per tier (HeteroFL) does. Without
+    such a method, the table has no per-tier accuracy column at all."""
+    monkeypatch.setenv("COLUMNS", "400")
+    cfg = _write_cfg(tmp_path / "c.yaml")
+    out = tmp_path / "cmp"
+    assert main(["compare", "--config", str(cfg), "--algorithms", "fedavg,dynamicfl,heterofl", "--out", str(out),
+                 "--no-plot"]) == 0
+    rows = {r["algorithm"]: r for r in json.loads((out / "comparison.json").read_text())["rows"]}
+    assert (rows["fedavg"]["one_model"], rows["dynamicfl"]["one_model"], rows["heterofl"]["one_model"]) == (
+        True, True, False)
+    for name in rows:
+        summary = json.loads((out / name / "seed5" / "summary.json").read_text())
+        assert summary["one_model"] is rows[name]["one_model"]
+    # DynamicFL's tiers trained different MACs, yet deploy one model
+    dyn = json.loads((out / "dynamicfl" / "seed5" / "summary.json").read_text())["tiers"]
+    assert len({t["macs"] for t in dyn.values()}) > 1
+    text = capsys.readouterr().out
+    table = {line.split("│")[1].strip(): [c.strip() for c in line.split("│")[2:-1]]
+             for line in text.splitlines() if line.startswith("│") and line.split("│")[1].strip() in rows}
+    header = next(line for line in text.splitlines() if line.startswith("┃") and "final acc" in line)
+    tiers = [c.strip()[: -len(" acc %")] for c in header.split("┃")[1:-1] if c.strip().endswith(" acc %")]
+    assert tiers == ["final", "small", "medium", "large"]
+    for name in ("fedavg", "dynamicfl"):
+        assert table[name][1:4] == ["—"] * 3  # no per-tier accuracy
+    assert all(c != "—" for c in table["heterofl"][1:4])
+    assert "every tier deploys the method's one model" in text
+    # only one-model methods: no per-tier accuracy column
+    assert main(["compare", "--config", str(cfg), "--algorithms", "fedavg,dynamicfl", "--out", str(tmp_path / "two"),
+                 "--no-plot"]) == 0
+    text = capsys.readouterr().out
+    header = next(line for line in text.splitlines() if line.startswith("┃") and "final acc" in line)
+    assert "small acc" not in header and "small MMACs" in header

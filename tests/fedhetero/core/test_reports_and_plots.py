@@ -94,6 +94,24 @@ def test_tiers_that_differ_in_nothing_share_one_row():
     assert rows[0][5].strip() == "yes"  # the tiers that trained fit
 
 
+def test_the_recorded_deployment_decides_the_per_tier_column_for_every_method():
+    """One rule: the per-tier accuracy column is shown when the tiers deploy models of their own
+    (the run records ``one_model``), whatever the tiers trained. DynamicFL's tiers train 1×, 2×
+    and 3× MACs and deploy one model: no column, as for FedAvg; models of their own that scored
+    alike keep it."""
+    tiers = {"small": _tier(0.8, 1e5, 1, 1e5), "medium": _tier(0.8, 2e5, 2, 2e5), "large": _tier(0.8, 3e5, 3, 3e5)}
+    for one_model, column in ((True, False), (False, True)):
+        s = _summary(tiers, final=0.8, one_model=one_model)
+        v = summary_view(s, {})
+        assert (v["same_model"], v["tier_accuracy"]) == (one_model, column)
+        buf = io.StringIO()
+        print_summary(Console(file=buf, width=300, color_system=None), s)
+        text = buf.getvalue()
+        assert ("accuracy %" in text) is column
+        assert ("every tier deploys the same model" in text) is one_model
+        assert len([line for line in text.splitlines() if line.startswith("│")]) == 3  # budgets differ
+
+
 # ---------------------------------------------------------------------------- accuracy.png
 def _client(loss, n):
     return {"cid": 0, "tier": "a", "loss": loss, "num_samples": n}

@@ -428,6 +428,11 @@ def _final_weights(out: Path) -> dict[str, torch.Tensor]:
     return state["global_model"]
 
 
+def test_ray_keeps_its_session_folders_in_the_test_runs_temp_dir(sim_runs, ray_temp_dir):
+    assert os.environ["RAY_TMPDIR"] == str(ray_temp_dir)
+    assert list(ray_temp_dir.glob("ray/session_*")), "the simulation's Ray session is not under RAY_TMPDIR"
+
+
 def test_simulation_fedavg_equals_local(sim_runs):
     root = sim_runs["root"]
     wl, wf = _final_weights(root / "local"), _final_weights(root / "flower")
