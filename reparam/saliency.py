@@ -124,6 +124,9 @@ class SaliencyMeter:
         self.generator = generator
         self._sums: dict[Key, torch.Tensor] = {}
         self._counts: dict[Key, torch.Tensor] = {}
+        self._sum_vec = torch.zeros(0, dtype=torch.float64)
+        self._count_vec = torch.zeros(0, dtype=torch.float64)
+        self._flat: list[tuple[nn.Parameter, Callable[[], torch.Tensor] | None, int]] = []
         self._tracked: dict[Key, _Tracked] = {}
         self._signature: tuple = ()
         self._skipped: torch.Tensor | None = None
@@ -161,18 +164,29 @@ class SaliencyMeter:
                     numel=sum(p.numel() for p in plist),
                 )
         device = self._device()
-        for key in list(self._sums):
-            if key not in tracked:
-                del self._sums[key]
-                del self._counts[key]
-        for key in tracked:
-            if key not in self._sums:
-                self._sums[key] = torch.zeros((), dtype=torch.float64, device=device)
-                self._counts[key] = torch.zeros((), dtype=torch.float64, device=device)
+        self._tracked = tracked
+        self._layout(device)
         if self._skipped is None:
             self._skipped = torch.zeros((), dtype=torch.float64, device=device)
-        self._tracked = tracked
+        # every tracked parameter in key order, with the index of the key it counts for: one step's
+        # values are computed for all of them at once (:meth:`_step_values`)
+        self._flat = [(p, eff, i) for i, t in enumerate(tracked.values()) for p, eff in zip(t.params, t.effective)]
         self._signature = self._compute_signature()
+
+    def _layout(self, device: torch.device) -> None:
+        """Hold the sums and counts of the tracked keys (in their order) in two vectors on
+        ``device``; ``_sums[k]`` and ``_counts[k]`` are views of their entries, so a step adds to
+        every key in one operation. A key kept from before keeps its values; a new one starts at 0."""
+        keys = list(self._tracked)
+        sums = torch.zeros(len(keys), dtype=torch.float64, device=device)
+        counts = torch.zeros(len(keys), dtype=torch.float64, device=device)
+        for i, k in enumerate(keys):
+            if k in self._sums:
+                sums[i] = self._sums[k].to(device)
+                counts[i] = self._counts[k].to(device)
+        self._sum_vec, self._count_vec = sums, counts
+        self._sums = {k: sums[i] for i, k in enumerate(keys)}
+        self._counts = {k: counts[i] for i, k in enumerate(keys)}
 
     def _ensure_current(self) -> None:
         if self._compute_signature() != self._signature:
@@ -229,6 +243,37 @@ class SaliencyMeter:
             acc = acc.sqrt()
         return acc
 
+    def _step_values(self, n: int, device: torch.device) -> torch.Tensor:
+        """This step's value of every tracked key (``n`` of them, in key order), as
+        :meth:`_value` computes them one by one: each parameter's product ``g·θ`` (``g·g`` for
+        ``grad_norm``) in its dtype, summed in float64, the sums of a key added in its parameters'
+        order (``index_add_`` adds in index order), from a few list-wide operations."""
+        grads: list[torch.Tensor] = []
+        thetas: list[torch.Tensor] = []
+        owners: list[int] = []
+        for p, eff, i in self._flat:
+            g = p.grad
+            if g is None:
+                continue
+            grads.append(g.detach())
+            owners.append(i)
+            if self.metric != "grad_norm":
+                if eff is None:
+                    thetas.append(p.detach())
+                else:
+                    with torch.no_grad():
+                        thetas.append(eff().detach())
+        vals = torch.zeros(n, dtype=torch.float64, device=device)
+        if grads:
+            prods = torch._foreach_mul(grads, grads if self.metric == "grad_norm" else thetas)
+            if self.metric == "snip":
+                torch._foreach_abs_(prods)
+            sums = torch.stack([q.sum(dtype=torch.float64).to(device) for q in prods])
+            vals.index_add_(0, torch.tensor(owners, device=device), sums)
+        if self.metric == "grad_norm":
+            vals = vals.sqrt()
+        return vals
+
     def after_backward(
         self,
         scaler: Any = None,
@@ -255,7 +300,10 @@ class SaliencyMeter:
         device = self._device()
         if self._skipped is not None and self._skipped.device != device:  # the model was moved
             self._to(device)
-        vals = torch.stack([self._value(self._tracked[k], device) for k in keys])
+        if self.metric == "random":
+            vals = torch.stack([self._value(self._tracked[k], device) for k in keys])
+        else:
+            vals = self._step_values(len(keys), device)
         if self.metric != "random":
             if inv != 1.0:
                 vals = vals * inv
@@ -267,17 +315,14 @@ class SaliencyMeter:
         finite = torch.isfinite(vals).all()
         vals = torch.where(finite, vals, torch.zeros_like(vals))
         inc = finite.to(torch.float64)
-        for i, k in enumerate(keys):
-            self._sums[k].add_(vals[i])
-            self._counts[k].add_(inc)
+        self._sum_vec.add_(vals)
+        self._count_vec.add_(inc)
         skipped = self._skipped
         assert skipped is not None  # set by refresh()
         skipped.add_(1.0 - inc)
 
     def _to(self, device: torch.device) -> None:
-        for d in (self._sums, self._counts):
-            for k in d:
-                d[k] = d[k].to(device)
+        self._layout(device)
         if self._skipped is not None:
             self._skipped = self._skipped.to(device)
 

@@ -261,7 +261,9 @@ def _add_round(sub: Any) -> None:
         help="engine overhead vs a bare PyTorch loop; REP/DYMM/merge share of a round",
         description="FedAvg through the engine vs a bare hand-written PyTorch loop doing the same training "
         "(same data, clients, batch order, model), and the share of a DynamicFL round spent in REP, DYMM "
-        "and merge. Both sides run interleaved; the median of the repeats is reported.",
+        "and merge. Both sides run interleaved; the median of the repeats is reported. Then a round of "
+        "FedAvg and one of DynamicFL at the DynamicFL paper's protocol (Fashion-MNIST when found), side by "
+        "side, with the ratio of their clients' training MACs.",
     )
     p.add_argument("--clients", type=int, default=100, help="clients in the federation (default 100)")
     p.add_argument("--per-round", type=int, default=10, help="clients sampled per round (default 10)")
@@ -271,6 +273,12 @@ def _add_round(sub: Any) -> None:
     p.add_argument("--dataset", default="digits", help="data set (default digits)")
     p.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
     p.add_argument("--dynamicfl-rounds", type=int, default=10, help="rounds of the DynamicFL share measurement")
+    p.add_argument("--paper-rounds", type=int, default=4, metavar="N",
+                   help="rounds of FedAvg and of DynamicFL at the DynamicFL paper's protocol, timed side by side "
+                   "(the first a warm-up; default 4; 0 skips them): JSON dynamicfl_over_fedavg and mac_ratio")
+    p.add_argument("--data-root", default=None, metavar="DIR",
+                   help="folder holding Fashion-MNIST's IDX files for the paper-protocol rounds (default: "
+                   "$FEDHETERO_DATA_DIR or ./data); synthetic images of the same shape when they are not there")
     p.add_argument("--json", help="write the numbers to this file")
     p.set_defaults(func=run_round)
 
@@ -283,7 +291,7 @@ def run_round(args: argparse.Namespace) -> int:
     bench.round_benchmark(
         clients=args.clients, per_round=args.per_round, rounds=args.rounds, repeats=args.repeats,
         model=args.model, dataset=args.dataset, threads=args.threads, dynamicfl_rounds=args.dynamicfl_rounds,
-        json_path=args.json,
+        json_path=args.json, paper=args.paper_rounds, data_root=args.data_root,
     )
     return 0
 

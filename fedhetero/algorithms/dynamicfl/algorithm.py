@@ -558,7 +558,10 @@ class DynamicFL(Algorithm):
             nonlocal res
             if last <= first:
                 return
-            scaled = self._step_scales(model)
+            # the parameters of each step scale, so that a step scales each group's gradients at once
+            by_scale: dict[float, list[nn.Parameter]] = {}
+            for p, scale in self._step_scales(model):
+                by_scale.setdefault(scale, []).append(p)
             unchecked = [self.options.verify]
 
             def after_backward(m: nn.Module) -> None:
@@ -566,9 +569,10 @@ class DynamicFL(Algorithm):
                 if unchecked[0]:  # invariant 2, on the first step after a structural change
                     unchecked[0] = False
                     check_gradients(model, where=f"the first backward pass of epoch {first}")
-                for p, scale in scaled:
-                    if p.grad is not None:
-                        p.grad.mul_(scale)
+                for scale, params in by_scale.items():
+                    grads = [p.grad for p in params if p.grad is not None]
+                    if grads:
+                        torch._foreach_mul_(grads, scale)
 
             def on_epoch_end(epoch: int, m: nn.Module, opt: torch.optim.Optimizer) -> None:
                 # S_l is the saliency of the last epoch: start it afresh after the earlier ones, but

@@ -1,0 +1,66 @@
+"""``fedhetero bench round``'s paper-protocol part (fedhetero.lab.bench.paper_rounds): FedAvg and
+DynamicFL at the DynamicFL paper's protocol side by side, with the ratio of their clients' MACs."""
+
+from __future__ import annotations
+
+import pytest
+
+from fedhetero.cli import main
+from fedhetero.lab.bench import paper_config, paper_rounds, paper_table
+
+
+def test_the_paper_config_is_the_shipped_one(tmp_path):
+    from pathlib import Path
+
+    from fedhetero.core.common.config import to_dict
+    from fedhetero.core.common.configfile import load_config
+
+    root = Path(__file__).resolve().parents[3]
+    shipped = to_dict(load_config(root / "examples/configs/fmnist_dynamicfl_paper.yaml",
+                                  ["data.data_dir=D", "train.rounds=4", "train.eval_every=4", "train.checkpoint_every=4"]))
+    assert to_dict(paper_config("dynamicfl", 4, "D")) == shipped
+
+
+def test_paper_rounds_report_time_and_macs_of_both_methods(tmp_path, monkeypatch):
+    monkeypatch.setenv("FEDHETERO_DATA_DIR", str(tmp_path / "none"))  # no Fashion-MNIST: synthetic images
+    out = paper_rounds(rounds=2, data_root=None, images=1800)
+    assert not out["fashion_mnist"] and "synthetic" in out["data"]
+    fedavg, dyn = out["algorithms"]["fedavg"], out["algorithms"]["dynamicfl"]
+    for r in (fedavg, dyn):
+        assert len(r["rounds_s"]) == 2 and r["round_s"] == r["rounds_s"][1] > 0 and r["clients"] == 18
+    # FedAvg trains the plain model; DynamicFL's tiers 1 : 2 : 3 train about twice its MACs on average
+    assert out["mac_ratio"] == pytest.approx(dyn["client_macs"] / fedavg["client_macs"])
+    assert 1.5 < out["mac_ratio"] < 3.0
+    assert out["dynamicfl_over_fedavg"] == pytest.approx(dyn["round_s"] / fedavg["round_s"])
+    assert "rep" in dyn["timers_s"] and "merge" in dyn["timers_s"]
+    from rich.console import Console
+    import io
+
+    buf = io.StringIO()
+    Console(file=buf, width=200).print(paper_table(out))
+    assert "DynamicFL / FedAvg" in buf.getvalue() and "target ≤ 1.3" in buf.getvalue()
+
+
+def test_bench_round_offers_the_paper_rounds(capsys):
+    with pytest.raises(SystemExit):
+        main(["bench", "round", "--help"])
+    text = capsys.readouterr().out
+    assert "--paper-rounds" in text and "--data-root" in text and "dynamicfl_over_fedavg" in text
+
+
+def test_bench_round_writes_the_ratios_at_the_top_of_its_json(tmp_path, monkeypatch, capsys):
+    import functools
+    import json
+
+    import fedhetero.lab.bench as bench
+
+    monkeypatch.setenv("FEDHETERO_DATA_DIR", str(tmp_path / "none"))
+    monkeypatch.setattr(bench, "paper_rounds", functools.partial(bench.paper_rounds, images=1800))
+    out = tmp_path / "r.json"
+    assert main(["bench", "round", "--clients", "4", "--per-round", "2", "--rounds", "1", "--repeats", "1",
+                 "--dynamicfl-rounds", "1", "--paper-rounds", "2", "--threads", "1", "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    p = data["paper_protocol"]
+    assert data["dynamicfl_over_fedavg"] == p["dynamicfl_over_fedavg"] > 0
+    assert data["mac_ratio"] == p["mac_ratio"] > 1
+    assert "DynamicFL / FedAvg" in capsys.readouterr().out
