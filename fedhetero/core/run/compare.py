@@ -34,7 +34,7 @@ from fedhetero.core.common.config import RunConfig, config_hash, from_dict, to_d
 from fedhetero.core.common.options import ConfigError
 from fedhetero.core.common.configfile import _yaml_problem, apply_overrides, load_config, parse_yaml
 from fedhetero.core.local.context import ClientContext, RunError, build_data
-from fedhetero.core.run.engine import Engine, _check_splits
+from fedhetero.core.run.engine import Engine, check_splits
 from fedhetero.core.method.registry import build_algorithm, get_algorithm
 from fedhetero.core.run.reports import deploys_one_model
 from fedhetero.core.common.rundir import RunDirError, RunLock, atomic_write_text, clear_run, inspect_dir, read_metrics
@@ -180,7 +180,7 @@ def run_comparison(
     for a in algorithms:  # every option, needed split and budget checked before anything runs
         cfg_a = _cfg_for(base, a, base.seed, per_algo.get(a))
         algo = build_algorithm(cfg_a)
-        _check_splits(cfg_a, type(algo), allow_unused=True)
+        check_splits(cfg_a, type(algo), allow_unused=True)
         if base.budget.scenario in type(algo).adapts_to:  # else reported as N/A
             ctx = ctx or ClientContext(base, build_data(base), torch.device(base.device))
             check_budgets(cfg_a, algo, ctx)

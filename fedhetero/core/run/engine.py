@@ -75,7 +75,7 @@ STRICT_ENV = "FEDHETERO_STRICT"
 SMOOTHING_WINDOW = 39
 
 
-__all__ = ["Engine", "RunResult", "run"]
+__all__ = ["Engine", "RunResult", "check_splits", "run"]
 
 @dataclass
 class RunResult:
@@ -199,7 +199,7 @@ class Engine:
             raise ConfigError("device: 'cuda' requested but CUDA is not available; use device=cpu")
         self.algorithm = build_algorithm(cfg)
         cls = type(self.algorithm)
-        _check_splits(cfg, cls, allow_unused=self.shared_splits)
+        check_splits(cfg, cls, allow_unused=self.shared_splits)
         if cfg.budget.scenario not in cls.adapts_to:
             raise ConfigError(
                 f"budget.scenario: {cfg.algorithm.name} cannot follow {cfg.budget.scenario!r} budgets "
@@ -613,7 +613,7 @@ class Engine:
         return RunResult(self.out_dir, summary, history)
 
 
-def _check_splits(cfg: RunConfig, cls: type[Algorithm], allow_unused: bool = False) -> None:
+def check_splits(cfg: RunConfig, cls: type[Algorithm], allow_unused: bool = False) -> None:
     """A server or public split the method does not use only withholds data from the clients; one
     it needs must exist."""
     name = cfg.algorithm.name
