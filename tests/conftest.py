@@ -50,7 +50,7 @@ RAY_DIR_MAX = 38
 @pytest.fixture(scope="session", autouse=True)
 def ray_temp_dir(tmp_path_factory):
     """Ray's session folders (Flower's simulation) go under this test run's own temporary directory,
-    deleted with it, instead of piling up in the system's /tmp/ray; where that path is too long for
+    deleted with it, instead of piling up in Ray's shared default folder; where that path is too long for
     Ray's sockets, a short temporary directory of the run's own, deleted at its end."""
     import shutil
     import tempfile

@@ -17,4 +17,4 @@ def test_ray_writes_under_a_directory_of_the_test_runs_own(ray_temp_dir, tmp_pat
     assert path == ray_temp_dir and path.is_dir()
     base = tmp_path_factory.getbasetemp()
     assert path == base / "ray" or (path.parent == Path(tempfile.gettempdir()) and path.name.startswith("fh-ray-"))
-    assert path != Path(tempfile.gettempdir())  # never the system's shared /tmp/ray
+    assert path != Path(tempfile.gettempdir())  # never the system temp folder Ray shares by default

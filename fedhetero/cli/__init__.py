@@ -109,21 +109,12 @@ def _report(exc: Exception) -> int | None:
     return 1
 
 
-def _torchvision_importable() -> None:
-    """Make ``import torchvision`` / ``import timm`` work in this process (after the arguments are
-    read: ``--help`` stays free of torch). With the pinned install (the CPU build of torch and
-    PyPI's torchvision, built for another torch) they fail without it; see
-    :func:`reparam.install_torchvision_fix`."""
-    import reparam  # deferred: imports torch
-
-    reparam.install_torchvision_fix()
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """Run ``fedhetero`` with ``argv`` (default: the process's arguments); returns the exit status.
     ``--help``, ``--version`` and argument errors exit through :class:`SystemExit`, as in argparse."""
     args = build_parser().parse_args(argv)
-    _torchvision_importable()
+    # after the arguments are read, so that --help stays free of torch
+    fedhetero._torchvision_importable()
     try:
         return int(args.func(args) or 0)
     except KeyboardInterrupt:

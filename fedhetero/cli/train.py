@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import shlex
 from pathlib import Path
 from typing import Any
@@ -80,10 +79,10 @@ def run(args: argparse.Namespace) -> int:
 def show_finished(console: Any, out: Path) -> int:
     """Print the result table of the finished run in ``out`` (from its files, nothing trained) and
     how to run it again; exit status 0."""
-    from fedhetero.core.common.rundir import read_metrics
+    from fedhetero.core.run.api import finished_numbers
 
-    summary = json.loads((out / "summary.json").read_text(encoding="utf-8"))
-    print_summary(console, summary, out, None, read_metrics(out / "metrics.jsonl"))
+    summary, history = finished_numbers(out)
+    print_summary(console, summary, out, None, history)
     console.print(f"{out} already held this run, finished: its result above, nothing trained; run it again "
                   "with --overwrite, another --out or another seed (--set seed=N)", markup=False)
     return 0

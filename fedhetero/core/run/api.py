@@ -41,8 +41,8 @@ from fedhetero.core.common.rundir import FinishedRunError, RunDirError, read_met
 from fedhetero.core.run.engine import Engine
 from fedhetero.core.run.reports import default_out_dir, plot_run
 
-__all__ = ["CompareResult", "Config", "RunResult", "build_engine", "compare", "finished_run", "load", "run",
-           "set_items"]
+__all__ = ["CompareResult", "Config", "RunResult", "build_engine", "compare", "finished_numbers", "finished_run",
+           "load", "run", "set_items"]
 
 #: what ``config`` may be: a YAML file, config sections as a dict, a config, or None (the default job)
 Config = Union[str, Path, Mapping[str, Any], RunConfig, None]
@@ -183,6 +183,13 @@ def python_advice() -> Iterator[None]:
         raise RunDirError(text) from None
 
 
+def finished_numbers(out: str | Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """The summary and the per-round rows of the finished run in ``out`` (``summary.json``,
+    ``metrics.jsonl``)."""
+    out = Path(out)
+    return json.loads((out / "summary.json").read_text(encoding="utf-8")), read_metrics(out / "metrics.jsonl")
+
+
 def finished_run(out: str | Path) -> RunResult:
     """The result of the finished run in ``out``, read from its files (``summary.json``,
     ``metrics.jsonl``, ``final_model.pt``, ``config.yaml``); nothing is trained."""
@@ -190,9 +197,8 @@ def finished_run(out: str | Path) -> RunResult:
     from fedhetero.core.run.resume import saved_config
 
     out = Path(out)
-    summary = json.loads((out / "summary.json").read_text(encoding="utf-8"))
-    return RunResult(out=out, summary=summary, history=read_metrics(out / "metrics.jsonl"),
-                     model=load_model(out), config=saved_config(out))
+    summary, history = finished_numbers(out)
+    return RunResult(out=out, summary=summary, history=history, model=load_model(out), config=saved_config(out))
 
 
 #: what a second call of the same run says (see :class:`~fedhetero.core.common.rundir.FinishedRunError`)

@@ -120,6 +120,8 @@ class Engine:
         self._best: float | None = None  # best evaluated accuracy so far (for best_model.pt)
         # its model, held until the next checkpoint writes it (None: best_model.pt is up to date)
         self._best_state: dict[str, torch.Tensor] | None = None
+        # whether every tier deployed the global model at the last evaluation (None: none yet)
+        self._one_model: bool | None = None
         self._hashes: set[str] = set()  # the config hashes this run directory may have recorded
         if resume:
             cfg, self._hashes = resume_config(self.out_dir, cfg, overrides)
@@ -380,6 +382,7 @@ class Engine:
 
     def _evaluate(self) -> dict[str, Any]:
         models = self.algorithm.eval_models(self.ctx)
+        self._one_model = self._deploys_one_model(models)
         res = self.ctx.evaluate(models["global"])
         out: dict[str, Any] = {"accuracy": res["accuracy"], "loss": res["loss"], "tier_accuracy": {}}
         if self.data.val_indices is not None:
@@ -402,11 +405,12 @@ class Engine:
             out["tier_accuracy"][t.name] = cache[id(m)]
         return out
 
-    def _deploys_one_model(self) -> bool:
+    def _deploys_one_model(self, models: dict[str, Any] | None = None) -> bool:
         """Whether every tier deploys the global model: the method gives no tier a model of its own
-        (``"tier:<name>"`` in :meth:`~fedhetero.core.method.algorithm.Algorithm.eval_models`). The
-        result tables show per-tier accuracies only where this is false."""
-        models = self.algorithm.eval_models(self.ctx)
+        (``"tier:<name>"`` in ``models``, :meth:`~fedhetero.core.method.algorithm.Algorithm.eval_models`;
+        asked for when not given). The result tables show per-tier accuracies only where this is
+        false."""
+        models = self.algorithm.eval_models(self.ctx) if models is None else models
         one = models["global"]
         return all(models.get(f"tier:{t.name}", one) is one for t in self.cfg.budget.tiers)
 
@@ -606,7 +610,7 @@ class Engine:
         wall = prior_wall + (time.perf_counter() - t_start)
         summary = summarize(self.cfg, history, self.ctx.plain_macs, wall)
         summary["resumed_from_round"] = start if self.resume else None
-        summary["one_model"] = self._deploys_one_model()
+        summary["one_model"] = self._one_model if self._one_model is not None else self._deploys_one_model()
         summary.update(self.algorithm.summary_metrics(history))
         atomic_write_text(self.out_dir / "summary.json", json.dumps(finite_json(summary), indent=2))
         self.loggers.log_summary(summary)

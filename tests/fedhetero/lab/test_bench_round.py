@@ -23,11 +23,13 @@ def test_the_paper_config_is_the_shipped_one(tmp_path):
 
 def test_paper_rounds_report_time_and_macs_of_both_methods(tmp_path, monkeypatch):
     monkeypatch.setenv("FEDHETERO_DATA_DIR", str(tmp_path / "none"))  # no Fashion-MNIST: synthetic images
-    out = paper_rounds(rounds=2, data_root=None, images=1800)
+    out = paper_rounds(rounds=2, warmup=2, data_root=None, images=1800)
     assert not out["fashion_mnist"] and "synthetic" in out["data"]
     fedavg, dyn = out["algorithms"]["fedavg"], out["algorithms"]["dynamicfl"]
-    for r in (fedavg, dyn):
-        assert len(r["rounds_s"]) == 2 and r["round_s"] == r["rounds_s"][1] > 0 and r["clients"] == 18
+    for r in (fedavg, dyn):  # only the two rounds after the warm-up are timed
+        assert len(r["rounds_s"]) == 2 and r["round_s"] == pytest.approx(sum(r["rounds_s"]) / 2) and r["clients"] == 18
+    # after two rounds of 9 of 90 clients, most of rounds 3 and 4's clients are first-timers
+    assert 0.5 < out["first_time_share"] <= 1.0
     # FedAvg trains the plain model; DynamicFL's tiers 1 : 2 : 3 train about twice its MACs on average
     assert out["mac_ratio"] == pytest.approx(dyn["client_macs"] / fedavg["client_macs"])
     assert 1.5 < out["mac_ratio"] < 3.0
@@ -45,7 +47,8 @@ def test_bench_round_offers_the_paper_rounds(capsys):
     with pytest.raises(SystemExit):
         main(["bench", "round", "--help"])
     text = capsys.readouterr().out
-    assert "--paper-rounds" in text and "--data-root" in text and "dynamicfl_over_fedavg" in text
+    assert "--paper-rounds" in text and "--paper-warmup" in text and "--data-root" in text
+    assert "dynamicfl_over_fedavg" in text
 
 
 def test_bench_round_writes_the_ratios_at_the_top_of_its_json(tmp_path, monkeypatch, capsys):
@@ -58,7 +61,8 @@ def test_bench_round_writes_the_ratios_at_the_top_of_its_json(tmp_path, monkeypa
     monkeypatch.setattr(bench, "paper_rounds", functools.partial(bench.paper_rounds, images=1800))
     out = tmp_path / "r.json"
     assert main(["bench", "round", "--clients", "4", "--per-round", "2", "--rounds", "1", "--repeats", "1",
-                 "--dynamicfl-rounds", "1", "--paper-rounds", "2", "--threads", "1", "--json", str(out)]) == 0
+                 "--dynamicfl-rounds", "1", "--paper-rounds", "2", "--paper-warmup", "1", "--threads", "1",
+                 "--json", str(out)]) == 0
     data = json.loads(out.read_text())
     p = data["paper_protocol"]
     assert data["dynamicfl_over_fedavg"] == p["dynamicfl_over_fedavg"] > 0
