@@ -40,7 +40,7 @@ writes one gradient tensor), exact in real arithmetic, and equal to the per-bran
 rounding (tests: float64 relative error ≤ 1e-10 of outputs, input and parameter gradients and
 running statistics). The fused path is used only where it is sure to compute the same thing:
 training mode, floating inputs of float32/float64, outputs of at least
-:data:`FUSED_MIN_OUTPUT_ELEMENTS` elements (below that its fixed cost exceeds what it saves), no
+:data:`FUSED_MIN_OUTPUT_ELEMENTS` elements or :data:`FUSED_MIN_MACS` host multiply-adds per call (below both its fixed cost exceeds what it saves), no
 forward hooks anywhere in the block (hook-based tools such as FLOP counters see the per-branch
 modules), not under tracing/scripting/autocast.
 Everything else runs the branch modules as before. Eval mode
@@ -50,13 +50,13 @@ is untouched. :func:`fused_training` switches the path off, e.g. to time the per
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator, cast
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.nn.modules import module as _mod
 
+from . import kernels
 from .kinds import get_kind
 from .layers import IdentityBasedConv1x1, pad_value
 from .transforms import Window, avg_kernel, merge_1x1_kxk, value_pad, window_input
@@ -68,6 +68,7 @@ __all__ = [
     "FusedForward",
     "FOLD_MIN_POSITIONS_PER_CHANNEL",
     "FUSED_MIN_OUTPUT_ELEMENTS",
+    "FUSED_MIN_MACS",
 ]
 
 _STATE = {"enabled": True}
@@ -83,21 +84,23 @@ FOLD_MIN_POSITIONS_PER_CHANNEL = 8
 #: near 0.26 M, 6 % faster at 4 M for a single block, more in a whole model)
 FUSED_MIN_OUTPUT_ELEMENTS = 1 << 18
 
+#: ... unless the host conv's multiply-adds per call reach this many: wide convs on small maps
+#: (torchvision's resnet18 at 32×32: 512 channels on 1×1 maps, 32 K output elements, 151 M
+#: multiply-adds) spend their time in convolutions, which the fused forward makes cheaper (no padded
+#: intermediate copy, one 1×1 conv for the folded branches); measured there 1.64 → 1.40 times the
+#: plain model's time per multiply-add. LeNet-5's blocks (3–5 M at batch 32) stay per-branch at
+#: any batch size (their outputs pass the element threshold first).
+FUSED_MIN_MACS = 1 << 26
+
 
 def fused_training_enabled() -> bool:
     """Whether blocks use the fused training forward (default ``True``)."""
     return _STATE["enabled"]
 
 
-@contextlib.contextmanager
-def fused_training(enabled: bool = True) -> Iterator[None]:
+def fused_training(enabled: bool = True) -> contextlib.AbstractContextManager[None]:
     """Context manager that switches the fused training forward on or off (restored on exit)."""
-    old = _STATE["enabled"]
-    _STATE["enabled"] = bool(enabled)
-    try:
-        yield
-    finally:
-        _STATE["enabled"] = old
+    return kernels.switched(_STATE, enabled)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -267,14 +270,14 @@ def box_filter(z: Tensor, kernel: tuple[int, int], stride: tuple[int, int], padd
     if stride == (1, 1) and padding[0] <= kernel[0] - 1 and padding[1] <= kernel[1] - 1:
         return _BoxFilter.apply(z, tuple(kernel), tuple(padding))
     c = z.shape[1]
-    return F.conv2d(z, _box(c, kernel, z), None, stride, padding, 1, c)
+    return kernels.conv2d(z, _box(c, kernel, z), None, stride, padding, 1, c)
 
 
 def _padded_fraction(size: tuple[int, int], kernel: tuple[int, int], stride: tuple[int, int],
                      padding: tuple[int, int], like: Tensor) -> Tensor:
     """``(1, 1, H', W')``: the fraction of each pooling window that lies in the padding."""
     ring = _ring_inside(None, torch.ones(1, dtype=like.dtype, device=like.device), padding, size)
-    return F.conv2d(ring, _box(1, kernel, like), None, stride)
+    return kernels.conv2d(ring, _box(1, kernel, like), None, stride)
 
 
 def pool_value_padded(z: Tensor, value: Tensor | None, kernel: tuple[int, int], stride: tuple[int, int],
@@ -295,9 +298,9 @@ def conv_value_padded(z: Tensor, conv: nn.Conv2d, value: Tensor, padding: tuple[
     constant ``inside`` and the conv bias). ``weight`` replaces the weight applied to ``z`` (merged
     first stage); the ring always uses ``conv.weight``."""
     w = conv.weight if weight is None else weight
-    out = F.conv2d(z, w, None, conv.stride, padding, conv.dilation, conv.groups)
+    out = kernels.conv2d(z, w, None, conv.stride, padding, conv.dilation, conv.groups)
     ring = _ring_inside(inside, value.to(z.dtype), padding, _hw(z))
-    corr = F.conv2d(ring, conv.weight, conv.bias, conv.stride, 0, conv.dilation, conv.groups)
+    corr = kernels.conv2d(ring, conv.weight, conv.bias, conv.stride, 0, conv.dilation, conv.groups)
     return out.add_(corr)
 
 
@@ -309,12 +312,7 @@ def _hooked(m: nn.Module) -> bool:
     return bool(m._forward_hooks or m._forward_pre_hooks or m._backward_hooks)
 
 
-def _global_hooks() -> bool:
-    return bool(
-        getattr(_mod, "_global_forward_hooks", None)
-        or getattr(_mod, "_global_forward_pre_hooks", None)
-        or getattr(_mod, "_global_backward_hooks", None)
-    )
+_global_hooks = kernels.global_hooks
 
 
 def _plain_conv(m: Any) -> bool:
@@ -335,7 +333,10 @@ def usable(module: nn.Module, x: Any) -> bool:
     if geometry is not None:
         n, _, h, w = x.shape
         (sh, sw) = geometry.stride
-        if n * geometry.out_channels * ((h + sh - 1) // sh) * ((w + sw - 1) // sw) < FUSED_MIN_OUTPUT_ELEMENTS:
+        (kh, kw) = geometry.kernel_size
+        out = n * geometry.out_channels * ((h + sh - 1) // sh) * ((w + sw - 1) // sw)
+        macs = out * (geometry.in_channels // geometry.groups) * kh * kw
+        if out < FUSED_MIN_OUTPUT_ELEMENTS and macs < FUSED_MIN_MACS:
             return False
     return not any(_hooked(m) for m in module.modules())
 
@@ -370,7 +371,7 @@ def one_by_one_kxk(branch: Any, x: Tensor, moments: _Moments | None) -> Tensor:
     if branch.padding_mode != "zeros" or not _plain_conv(conv2) or tuple(conv2.padding) != (0, 0):
         return branch(x)
     if moments is None or not (_is_1x1(conv1) and tuple(conv1.stride) == (1, 1) and _batch_bn(bn1)):
-        z = bn1(conv1(x))
+        z = bn1(kernels.run_conv(conv1, x))
         return branch.bn2(conv_value_padded(z, conv2, pad_value(bn1), padding))
     a, shift = _fold(bn1, _first_stage_weight(conv1), conv1.groups, moments.get())
     value = pad_value(bn1)  # after the running-statistics update, as in the per-branch forward
@@ -379,7 +380,7 @@ def one_by_one_kxk(branch: Any, x: Tensor, moments: _Moments | None) -> Tensor:
     if conv1.groups == conv2.groups and n * h * w >= 2 * o * kh * kw:
         merged, _ = _merge_first_stage(a, conv2.weight, conv2.groups)
         return branch.bn2(conv_value_padded(x, conv2, value, padding, inside=shift, weight=merged))
-    z = F.conv2d(x, a, shift, 1, 0, 1, conv1.groups)
+    z = kernels.conv2d(x, a, shift, 1, 0, 1, conv1.groups)
     return branch.bn2(conv_value_padded(z, conv2, value, padding))
 
 
@@ -403,14 +404,14 @@ def avg(branch: Any, x: Tensor, moments: _Moments | None) -> Tensor:
             # intermediate, or strided), then convolve at the output resolution;
             # pool(pad_v(Ax + b)) = A·pool_0(x) + b + (v − b)·frac
             pooled = box_filter(x, branch.kernel_size, branch.stride, branch.padding)
-            y = F.conv2d(pooled, a, shift, 1, 0, 1, conv.groups)
+            y = kernels.conv2d(pooled, a, shift, 1, 0, 1, conv.groups)
             if branch.padding != (0, 0):
                 frac = _padded_fraction(_hw(x), branch.kernel_size, branch.stride, branch.padding, x)
                 y = y.add_((value.to(x.dtype) - shift).view(1, -1, 1, 1) * frac)
             return branch.bn2(y)
-        z = F.conv2d(x, a, shift, 1, 0, 1, conv.groups)
+        z = kernels.conv2d(x, a, shift, 1, 0, 1, conv.groups)
     else:
-        z = bn1(conv(x))
+        z = bn1(kernels.run_conv(conv, x))
         value = pad_value(bn1)
     return branch.bn2(pool_value_padded(z, value, branch.kernel_size, branch.stride, branch.padding))
 
@@ -457,7 +458,7 @@ class FusedForward:
         if self._lin_w is None:
             self._lin_w, self._lin_b, self._lin_geo, self._lin_x = a, shift, (stride, conv2d.groups, window), xin
             return None
-        return F.conv2d(xin, a, shift, stride, 0, 1, conv2d.groups)
+        return kernels.conv2d(xin, a, shift, stride, 0, 1, conv2d.groups)
 
     def identity_bn(self, branch: nn.Module, bn: nn.Module, window: Window | None, padding_mode: str) -> Tensor | None:
         """A BN on the input ``window``: with batch statistics it is folded (``None``; into the
@@ -490,7 +491,7 @@ class FusedForward:
             else:
                 parts.append(torch.addcmul(shift.view(1, -1, 1, 1), _windowed(x, window, padding_mode), t.view(1, -1, 1, 1)))
         if lin_w is not None and lin_geo is not None:
-            parts.append(F.conv2d(self._lin_x, lin_w, lin_b, lin_geo[0], 0, 1, lin_geo[1]))
+            parts.append(kernels.conv2d(self._lin_x, lin_w, lin_b, lin_geo[0], 0, 1, lin_geo[1]))
         return parts
 
 

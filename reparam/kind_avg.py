@@ -13,6 +13,7 @@ from torch import Tensor, nn
 from . import fused
 from .errors import ReparamError
 from .geometry import ConvGeometry
+from .kernels import run_conv
 from .kinds import BranchKind, builtin_kind, Fusion
 from .layers import PAD_MODE, box_mean, kaiming_, new_bn, pad_intermediate
 from .merge_algebra import acc_shape, bn_scale_shift, conv_kernel_bias, take_rows
@@ -80,7 +81,7 @@ class AvgBranch(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         out: Tensor
         if self.path == "dense":
-            z = self.bn1(self.conv(x))
+            z = self.bn1(run_conv(self.conv, x))
             z = pad_intermediate(z, self.padding, self.padding_mode, self.bn1)
             out = self.bn2(self._pool(z))
             return out

@@ -26,7 +26,8 @@ from torch import Tensor, nn
 
 from .errors import AlignmentError, ReparamError
 from .geometry import ConvGeometry
-from .kinds import BranchKind, builtin_kind, Fusion, get_kind, is_kind
+from .kernels import run_conv
+from .kinds import BranchKind, anchor_name, builtin_kind, Fusion, get_kind, is_kind
 from .layers import kaiming_, new_bn, normalise_window
 from .merge_algebra import acc_shape, bn_scale_shift, conv_kernel_bias, full_acc, take_rows
 from .transforms import Window, check_alignment, embed_kernel, fuse_bn, window_input
@@ -75,7 +76,10 @@ class ConvBNBranch(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         if self.window is not None:
             x = window_input(x, self.window, self.padding_mode)
-        out: Tensor = self.bn(self.conv(x))
+        # the anchor runs its host conv's own kernel (expansion stays bit-exact); the other
+        # branches let reparam.kernels choose one for their shape
+        conv = self.conv
+        out: Tensor = self.bn(conv(x) if self.kind == anchor_name() else run_conv(conv, x))
         return out
 
     @property

@@ -23,6 +23,7 @@ import torch.fx
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from . import kernels
 from .errors import ReparamError
 from .transforms import Window, bn_stats, identity_kernel, value_pad
 
@@ -138,7 +139,7 @@ class IdentityBasedConv1x1(nn.Conv2d):
         return self.weight + self.id_tensor.to(self.weight.dtype)
 
     def forward(self, x: Tensor) -> Tensor:
-        return F.conv2d(x, self.effective_weight(), None, 1, 0, 1, self.groups)
+        return kernels.conv2d(x, self.effective_weight(), None, 1, 0, 1, self.groups)
 
 
 def new_bn(n: int, eps: float, momentum: float | None, factory: dict[str, Any]) -> nn.BatchNorm2d:

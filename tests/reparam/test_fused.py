@@ -324,6 +324,28 @@ def test_fused_forward_is_skipped_for_small_activations(monkeypatch):
     assert bn_nodes(copy.deepcopy(blk)(x.clone().requires_grad_())) == 3
 
 
+def test_fused_forward_runs_wide_convs_on_small_maps(monkeypatch):
+    """Below the element threshold a block still takes the fused path when its host conv's
+    multiply-adds per call reach FUSED_MIN_MACS (wide convs on small maps)."""
+    blk, x = make_block(CASES[0], torch.Generator().manual_seed(14))
+    g = blk.geometry
+    out_elements = x.shape[0] * 8 * 9 * 9
+    macs = out_elements * (g.in_channels // g.groups) * g.kernel_size[0] * g.kernel_size[1]
+    monkeypatch.setattr(reparam.fused, "FUSED_MIN_OUTPUT_ELEMENTS", out_elements + 1)
+    monkeypatch.setattr(reparam.fused, "FUSED_MIN_MACS", macs)
+    assert bn_nodes(copy.deepcopy(blk)(x.clone().requires_grad_())) == 3
+    monkeypatch.setattr(reparam.fused, "FUSED_MIN_MACS", macs + 1)
+    assert bn_nodes(copy.deepcopy(blk)(x.clone().requires_grad_())) == 7
+
+
+def test_lenet5_blocks_stay_per_branch_at_any_batch_below_the_element_threshold():
+    """The two thresholds leave LeNet-5's blocks (1 → 6 and 6 → 16 channels, 5×5 on 32×32) on the
+    per-branch forward for every batch whose outputs are under FUSED_MIN_OUTPUT_ELEMENTS."""
+    for cin, cout, hw in ((1, 6, 28), (6, 16, 10)):
+        batch = reparam.fused.FUSED_MIN_OUTPUT_ELEMENTS // (cout * hw * hw)  # the largest batch below it
+        assert batch * cout * hw * hw * cin * 25 < reparam.fused.FUSED_MIN_MACS
+
+
 # ------------------------------------------------------------------------------ 1x1 -> KxK composition
 
 

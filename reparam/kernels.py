@@ -1,0 +1,129 @@
+"""Which convolution kernel a branch runs: oneDNN's, or PyTorch's native GEMM convolution for narrow ones.
+
+On CPU, ``F.conv2d`` hands float convolutions to oneDNN, whose kernels keep channels in blocks of
+16 (AVX-512). A branch with fewer channels than that pays for the padded block and for reordering
+its activations into and out of it, whatever its multiply-adds: measured on one thread at batch
+32, a 1×1 conv of 1 → 6 channels on 28×28 maps costs 0.33–1.4 ms forward and backward in oneDNN
+against 0.04–0.14 ms in PyTorch's native convolution (one matrix product per sample, or an
+``unfold`` and one matrix product), a 5×1 conv of 6 → 16 channels 0.22 against 0.18 ms. Expanded
+blocks of small models (LeNet-5: 1 → 6 and 6 → 16 channels) are made of such convolutions.
+
+:func:`conv2d` is ``F.conv2d`` with that choice made from the shapes alone (deterministic: the same
+call always takes the same kernel, on every back end):
+
+* the native kernel for a ``groups = 1``, ``dilation = 1`` convolution on CPU in float32/float64
+  whose kernel has a side of 1 (``1×1``, ``1×K``, ``K×1``) and fewer than
+  :data:`NARROW_CHANNELS` input or output channels, or that has **one** input channel and an input
+  that needs its gradient (oneDNN computes that gradient in a 16-channel block: a 5×5 conv of
+  1 → 6 channels 1.28 against 0.75 ms);
+* oneDNN (``F.conv2d``) for everything else, where it is the faster one (a 5×5 conv of 6 → 16
+  channels 0.45 against 0.66 ms; a 1×1 conv of 64 → 64 channels on 32×32 maps at batch 64,
+  7.8 against 24.8 ms).
+
+Both compute the same convolution; they round differently (a float64 convolution agrees to about
+1e-15 relative). Under tracing, scripting, ``torch.compile``, autocast or a dispatch mode (e.g.
+``FlopCounterMode``), and when :func:`native_convs` switches it off, ``F.conv2d`` runs as before.
+:func:`run_conv` applies it to a branch's ``nn.Conv2d`` unless that module has hooks (hook-based
+tools then see the module run).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.nn.modules import module as _mod
+from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+__all__ = ["NARROW_CHANNELS", "conv2d", "native_conv_preferred", "native_convs", "native_convs_enabled", "run_conv"]
+
+#: oneDNN's channel block on AVX-512 CPUs: convolutions narrower than this pay for the padded block
+NARROW_CHANNELS = 16
+
+_STATE = {"enabled": True}
+_FLOATS = (torch.float32, torch.float64)
+
+
+def native_convs_enabled() -> bool:
+    """Whether :func:`conv2d` may choose the native kernel (default ``True``)."""
+    return _STATE["enabled"]
+
+
+@contextlib.contextmanager
+def switched(state: dict[str, bool], enabled: bool) -> Iterator[None]:
+    """Set ``state["enabled"]`` for the duration of a ``with`` block (restored on exit)."""
+    old = state["enabled"]
+    state["enabled"] = bool(enabled)
+    try:
+        yield
+    finally:
+        state["enabled"] = old
+
+
+def native_convs(enabled: bool = True) -> contextlib.AbstractContextManager[None]:
+    """Context manager that lets :func:`conv2d` choose the native kernel, or not (restored on exit);
+    e.g. to time oneDNN alone. The choice is made when a convolution runs forward; its backward
+    follows the forward's kernel."""
+    return switched(_STATE, enabled)
+
+
+def _pair(v: int | tuple[int, ...] | list[int]) -> tuple[int, int]:
+    if isinstance(v, int):
+        return (v, v)
+    return (int(v[0]), int(v[1])) if len(v) == 2 else (int(v[0]), int(v[0]))
+
+
+def _plain_context(x: Tensor) -> bool:
+    """No tracer, compiler, autocast or dispatch mode is watching."""
+    if torch.jit.is_scripting() or torch.jit.is_tracing() or torch.compiler.is_compiling():
+        return False
+    if torch.is_autocast_enabled(x.device.type):
+        return False
+    return _get_current_dispatch_mode() is None
+
+
+def native_conv_preferred(x: Tensor, weight: Tensor, stride: Any = 1, padding: Any = 0, dilation: Any = 1,
+                          groups: int = 1) -> bool:
+    """Whether :func:`conv2d` runs this convolution with the native kernel (see the module docstring)."""
+    if not _STATE["enabled"] or groups != 1 or isinstance(padding, str) or type(x) is not Tensor:
+        return False  # a tensor subclass or an fx proxy gets F.conv2d, as it would without us
+    if x.device.type != "cpu" or x.dim() != 4 or x.dtype not in _FLOATS or weight.dtype != x.dtype:
+        return False
+    if _pair(dilation) != (1, 1) or not _plain_context(x):
+        return False
+    out_ch, in_ch, kh, kw = weight.shape
+    narrow = (kh == 1 or kw == 1) and min(in_ch, out_ch) < NARROW_CHANNELS
+    return narrow or (in_ch == 1 and x.requires_grad)
+
+
+def conv2d(x: Tensor, weight: Tensor, bias: Tensor | None = None, stride: Any = 1, padding: Any = 0,
+           dilation: Any = 1, groups: int = 1) -> Tensor:
+    """``F.conv2d`` with the kernel chosen from the shapes (module docstring); same arguments."""
+    if native_conv_preferred(x, weight, stride, padding, dilation, groups):
+        # the native backward needs a contiguous input (a cropped window is a strided view)
+        native = torch._C._nn.thnn_conv2d  # type: ignore[attr-defined]  # not in torch's stubs
+        out: Tensor = native(x.contiguous(), weight, list(weight.shape[2:]), bias, list(_pair(stride)), list(_pair(padding)))
+        return out
+    return F.conv2d(x, weight, bias, stride, padding, dilation, groups)
+
+
+def global_hooks() -> bool:
+    """Whether any global module hook is registered (``torch.nn.modules.module``)."""
+    return bool(
+        getattr(_mod, "_global_forward_hooks", None)
+        or getattr(_mod, "_global_forward_pre_hooks", None)
+        or getattr(_mod, "_global_backward_hooks", None)
+    )
+
+
+def run_conv(conv: nn.Module, x: Tensor) -> Tensor:
+    """A branch's conv module on ``x``: a plain ``nn.Conv2d`` (zero padding, no hooks) through
+    :func:`conv2d`; anything else (a nested block, a subclass, a hooked module) as ``conv(x)``."""
+    if (type(x) is Tensor and type(conv) is nn.Conv2d and conv.padding_mode == "zeros" and not conv._forward_hooks
+            and not conv._forward_pre_hooks and not conv._backward_hooks and not global_hooks()):
+        return conv2d(x, conv.weight, conv.bias, conv.stride, conv.padding, conv.dilation, conv.groups)
+    out: Tensor = conv(x)
+    return out
