@@ -85,7 +85,7 @@ QUOTED_UPSTREAM: dict[str, float] = {
     "merged_over_plain": 0.97,
 }
 #: targets of this library (merge: our time over upstream's on the same perturbed model)
-TARGETS: dict[str, float] = {"merge_over_upstream": 0.5, "merged_over_plain": 1.02, "overhead_per_mac": 1.3}
+TARGETS: dict[str, float] = {"merge_over_upstream": 0.5, "merged_over_plain": 1.02, "overhead_per_mac": 1.15}
 
 MODELS = ("resnet18", "tv-resnet18")
 
@@ -658,7 +658,7 @@ def print_table(res: dict, console: Any = None) -> None:
     else:
         t.add_row(f"train step plain / expanded, {label} (ms)", f"{tr['plain']:.0f} / {tr['expanded']:.0f}", "", "", "")
     t.add_row("step time expanded / plain", f"{res['step_ratio']:.2f}", "", "", f"{up['step_ratio']:.2f} (quoted)")
-    t.add_row("overhead per MAC (time ratio / MACs ratio)", f"{res['overhead_per_mac']:.2f}", "<= 1.3",
+    t.add_row("overhead per MAC (time ratio / MACs ratio)", f"{res['overhead_per_mac']:.2f}", f"<= {TARGETS['overhead_per_mac']}",
               ok(res["overhead_per_mac"], TARGETS["overhead_per_mac"]), f"{up['overhead_per_mac']:.2f} (quoted)")
     t.caption = UPSTREAM
     t.caption_justify = "left"
