@@ -24,7 +24,8 @@ Both compute the same convolution; they round differently (a float64 convolution
 1e-15 relative). Under tracing, scripting, ``torch.compile``, autocast or a dispatch mode (e.g.
 ``FlopCounterMode``), and when :func:`native_convs` switches it off, ``F.conv2d`` runs as before.
 :func:`run_conv` applies it to a branch's ``nn.Conv2d`` unless that module has hooks (hook-based
-tools then see the module run).
+tools then see the module run). Every branch conv of a block goes through it except the anchor's,
+which runs its host conv as the plain model does, so that a zero-γ expansion stays bit-exact.
 """
 
 from __future__ import annotations

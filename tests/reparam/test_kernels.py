@@ -76,6 +76,8 @@ def test_the_choice_follows_the_documented_rule() -> None:
     assert not pref(narrow.double(), torch.empty(16, 6, 1, 1))  # dtypes differ: F.conv2d raises as it would
     assert not pref(narrow.to(torch.bfloat16), torch.empty(16, 6, 1, 1, dtype=torch.bfloat16))
     assert not pref(nn.Parameter(narrow), torch.empty(16, 6, 1, 1))  # a tensor subclass
+    # other devices keep F.conv2d (the GPU path is unchanged)
+    assert not pref(torch.empty(2, 6, 8, 8, device="meta"), torch.empty(16, 6, 1, 1, device="meta"))
     with kernels.native_convs(False):
         assert not kernels.native_convs_enabled()
         assert not pref(narrow, torch.empty(16, 6, 1, 1))

@@ -103,3 +103,16 @@ def test_perturbation_leaves_no_initial_value_behind() -> None:
     bns = [m for m in expanded.modules() if isinstance(m, nn.BatchNorm2d)]
     assert all(bool(bn.weight.ne(0).all()) and bool(bn.running_var.ne(1).all()) for bn in bns)
 
+
+
+def test_interleaved_timing_rotates_the_order() -> None:
+    """Every function takes every place in the round-robin: none always runs second."""
+    from fedhetero.lab.bench_reparam import _interleaved
+
+    calls: list[str] = []
+    fns = {k: (lambda k=k: calls.append(k)) for k in ("a", "b", "c")}
+    log: dict[str, list[float]] = {}
+    best = _interleaved(fns, warmup=0, repeats=3, log=log, tag="t")
+    assert set(best) == {"a", "b", "c"} and len(log["t.a"]) == 3
+    rounds = [calls[i:i + 3] for i in range(0, 9, 3)]
+    assert rounds == [["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"]]
