@@ -42,7 +42,7 @@ running statistics). The fused path is used only where it is sure to compute the
 training mode, floating inputs of float32/float64, outputs of at least
 :data:`FUSED_MIN_OUTPUT_ELEMENTS` elements or :data:`FUSED_MIN_MACS` host multiply-adds per call (below both its fixed cost exceeds what it saves), no
 forward hooks anywhere in the block (hook-based tools such as FLOP counters see the per-branch
-modules), not under tracing/scripting/autocast.
+modules), not under tracing/scripting/``torch.compile``/autocast/a dispatch mode.
 Everything else runs the branch modules as before. Eval mode
 is untouched. :func:`fused_training` switches the path off, e.g. to time the per-branch forward.
 """
@@ -308,15 +308,9 @@ def conv_value_padded(z: Tensor, conv: nn.Conv2d, value: Tensor, padding: tuple[
 # applicability
 
 
-def _hooked(m: nn.Module) -> bool:
-    return bool(m._forward_hooks or m._forward_pre_hooks or m._backward_hooks)
-
-
+_hooked = kernels.hooked
 _global_hooks = kernels.global_hooks
-
-
-def _plain_conv(m: Any) -> bool:
-    return type(m) is nn.Conv2d and m.padding_mode == "zeros" and not _hooked(m)
+_plain_conv = kernels.plain_conv
 
 
 def usable(module: nn.Module, x: Any) -> bool:
@@ -325,9 +319,7 @@ def usable(module: nn.Module, x: Any) -> bool:
         return False
     if x.dim() != 4 or x.dtype not in (torch.float32, torch.float64) or x.is_complex():
         return False
-    if torch.jit.is_scripting() or torch.jit.is_tracing() or _global_hooks():
-        return False
-    if torch.is_autocast_enabled(x.device.type):
+    if _global_hooks() or not kernels.plain_context(x):  # tracers, compilers, autocast, dispatch modes
         return False
     geometry = getattr(module, "geometry", None)
     if geometry is not None:

@@ -31,7 +31,7 @@ which runs its host conv as the plain model does, so that a zero-γ expansion st
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator
+from typing import Any, Iterator, cast
 
 import torch
 import torch.nn.functional as F
@@ -77,7 +77,7 @@ def _pair(v: int | tuple[int, ...] | list[int]) -> tuple[int, int]:
     return (int(v[0]), int(v[1])) if len(v) == 2 else (int(v[0]), int(v[0]))
 
 
-def _plain_context(x: Tensor) -> bool:
+def plain_context(x: Tensor) -> bool:
     """No tracer, compiler, autocast or dispatch mode is watching."""
     if torch.jit.is_scripting() or torch.jit.is_tracing() or torch.compiler.is_compiling():
         return False
@@ -93,7 +93,7 @@ def native_conv_preferred(x: Tensor, weight: Tensor, stride: Any = 1, padding: A
         return False  # a tensor subclass or an fx proxy gets F.conv2d, as it would without us
     if x.device.type != "cpu" or x.dim() != 4 or x.dtype not in _FLOATS or weight.dtype != x.dtype:
         return False
-    if _pair(dilation) != (1, 1) or not _plain_context(x):
+    if _pair(dilation) != (1, 1) or not plain_context(x):
         return False
     out_ch, in_ch, kh, kw = weight.shape
     narrow = (kh == 1 or kw == 1) and min(in_ch, out_ch) < NARROW_CHANNELS
@@ -120,11 +120,23 @@ def global_hooks() -> bool:
     )
 
 
+def hooked(m: nn.Module) -> bool:
+    """Whether ``m`` has hooks of its own (forward, forward-pre or backward)."""
+    return bool(m._forward_hooks or m._forward_pre_hooks or m._backward_hooks)
+
+
+def plain_conv(m: Any) -> bool:
+    """Whether ``m`` is an ``nn.Conv2d`` itself (no subclass), zero-padded, without hooks: a conv
+    whose forward may be computed from its parameters instead of calling it."""
+    return type(m) is nn.Conv2d and m.padding_mode == "zeros" and not hooked(m)
+
+
 def run_conv(conv: nn.Module, x: Tensor) -> Tensor:
-    """A branch's conv module on ``x``: a plain ``nn.Conv2d`` (zero padding, no hooks) through
-    :func:`conv2d`; anything else (a nested block, a subclass, a hooked module) as ``conv(x)``."""
-    if (type(x) is Tensor and type(conv) is nn.Conv2d and conv.padding_mode == "zeros" and not conv._forward_hooks
-            and not conv._forward_pre_hooks and not conv._backward_hooks and not global_hooks()):
-        return conv2d(x, conv.weight, conv.bias, conv.stride, conv.padding, conv.dilation, conv.groups)
+    """A branch's conv module on ``x``: a plain ``nn.Conv2d`` (:func:`plain_conv`, no global hooks
+    either) through :func:`conv2d`; anything else (a nested block, a subclass, a hooked module) as
+    ``conv(x)``."""
+    if type(x) is Tensor and plain_conv(conv) and not global_hooks():
+        c = cast(nn.Conv2d, conv)
+        return conv2d(x, c.weight, c.bias, c.stride, c.padding, c.dilation, c.groups)
     out: Tensor = conv(x)
     return out

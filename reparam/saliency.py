@@ -126,6 +126,7 @@ class SaliencyMeter:
         self._counts: dict[Key, torch.Tensor] = {}
         self._sum_vec = torch.zeros(0, dtype=torch.float64)
         self._count_vec = torch.zeros(0, dtype=torch.float64)
+        self._numel_vec = torch.zeros(0, dtype=torch.float64)
         self._flat: list[tuple[nn.Parameter, Callable[[], torch.Tensor] | None, int]] = []
         self._tracked: dict[Key, _Tracked] = {}
         self._signature: tuple = ()
@@ -185,6 +186,9 @@ class SaliencyMeter:
                 sums[i] = self._sums[k].to(device)
                 counts[i] = self._counts[k].to(device)
         self._sum_vec, self._count_vec = sums, counts
+        # each key's parameter count, for normalize="numel" (computed once per structure, not per step)
+        self._numel_vec = torch.tensor([max(t.numel, 1) for t in self._tracked.values()], dtype=torch.float64,
+                                       device=device)
         self._sums = {k: sums[i] for i, k in enumerate(keys)}
         self._counts = {k: counts[i] for i, k in enumerate(keys)}
 
@@ -220,34 +224,14 @@ class SaliencyMeter:
             raise ReparamError(f"scaler.get_scale() returned {scale}; cannot unscale gradients")
         return 1.0 / scale
 
-    def _value(self, t: _Tracked, device: torch.device) -> torch.Tensor:
-        if self.metric == "random":
-            return torch.rand((), generator=self.generator, dtype=torch.float64).to(device)
-        acc = torch.zeros((), dtype=torch.float64, device=device)
-        for p, eff in zip(t.params, t.effective):
-            g = p.grad
-            if g is None:
-                continue
-            g = g.detach()
-            if self.metric == "grad_norm":
-                acc = acc + (g * g).sum(dtype=torch.float64)
-                continue
-            if eff is None:
-                theta = p.detach()
-            else:
-                with torch.no_grad():
-                    theta = eff().detach()
-            prod = g * theta  # parameter dtype; the reduction accumulates in float64
-            acc = acc + (prod.sum(dtype=torch.float64) if self.metric == "synflow" else prod.abs().sum(dtype=torch.float64))
-        if self.metric == "grad_norm":
-            acc = acc.sqrt()
-        return acc
-
     def _step_values(self, n: int, device: torch.device) -> torch.Tensor:
-        """This step's value of every tracked key (``n`` of them, in key order), as
-        :meth:`_value` computes them one by one: each parameter's product ``g·θ`` (``g·g`` for
-        ``grad_norm``) in its dtype, summed in float64, the sums of a key added in its parameters'
-        order (``index_add_`` adds in index order), from a few list-wide operations."""
+        """This step's value of every tracked key (``n`` of them, in key order): per key, the sum
+        over its parameters of ``g·θ`` (``synflow``), ``|g·θ|`` (``snip``) or ``g·g``
+        (``grad_norm``, then its square root), each product in the parameter's dtype and summed in
+        float64, a key's sums added in its parameters' order (``index_add_`` adds in index order);
+        from a few list-wide operations. ``random`` draws one value per key, in key order."""
+        if self.metric == "random":
+            return torch.stack([torch.rand((), generator=self.generator, dtype=torch.float64) for _ in range(n)]).to(device)
         grads: list[torch.Tensor] = []
         thetas: list[torch.Tensor] = []
         owners: list[int] = []
@@ -296,22 +280,15 @@ class SaliencyMeter:
         if not self._tracked:
             return
         inv = self._scaler_inv_scale(scaler, optimizer, unscaled)
-        keys = list(self._tracked)
         device = self._device()
         if self._skipped is not None and self._skipped.device != device:  # the model was moved
             self._to(device)
-        if self.metric == "random":
-            vals = torch.stack([self._value(self._tracked[k], device) for k in keys])
-        else:
-            vals = self._step_values(len(keys), device)
+        vals = self._step_values(len(self._tracked), device)
         if self.metric != "random":
             if inv != 1.0:
                 vals = vals * inv
             if self.normalize == "numel":
-                numels = torch.tensor(
-                    [max(self._tracked[k].numel, 1) for k in keys], dtype=torch.float64, device=vals.device
-                )
-                vals = vals / numels
+                vals = vals / self._numel_vec
         finite = torch.isfinite(vals).all()
         vals = torch.where(finite, vals, torch.zeros_like(vals))
         inc = finite.to(torch.float64)

@@ -79,12 +79,13 @@ def run(args: argparse.Namespace) -> int:
 def show_finished(console: Any, out: Path) -> int:
     """Print the result table of the finished run in ``out`` (from its files, nothing trained) and
     how to run it again; exit status 0."""
+    from fedhetero.core.common.rundir import RUN_AGAIN
     from fedhetero.core.run.api import finished_numbers
 
     summary, history = finished_numbers(out)
     print_summary(console, summary, out, None, history)
-    console.print(f"{out} already held this run, finished: its result above, nothing trained; run it again "
-                  "with --overwrite, another --out or another seed (--set seed=N)", markup=False)
+    console.print(f"{out} already held this run, finished: its result above, nothing trained; {RUN_AGAIN}",
+                  markup=False)
     return 0
 
 

@@ -30,7 +30,8 @@ Rows:
   their forward-MAC ratio, and the overhead per MAC = step-time ratio ÷ MAC ratio. Measured twice:
   first with the C allocator as the process found it, then after :func:`fedhetero.core.run.allocator.tune_malloc`
   (the ``fedhetero`` trainer runs this way), where the expanded model is also timed with the
-  per-branch forward (:func:`reparam.fused.fused_training` off). The target row is the tuned one.
+  per-branch forward (:func:`reparam.fused.fused_training` and :func:`reparam.kernels.native_convs` off:
+  every branch module with ``F.conv2d``, as upstream DBB trains). The target row is the tuned one.
 
 :func:`run_benchmark` returns the numbers as a dict (its ``progress`` callback receives a line per
 step and per timed repeat) and :func:`print_table` prints them, with :data:`UPSTREAM` (what
@@ -55,7 +56,7 @@ import reparam
 from fedhetero.core.run import allocator
 from fedhetero.core.common.console import make_console
 from fedhetero.models import build_model
-from reparam import AvgBranch, ConvBNBranch, IdentityBasedConv1x1, IdentityBranch, OneByOneKxKBranch, flops, fused
+from reparam import AvgBranch, ConvBNBranch, IdentityBasedConv1x1, IdentityBranch, OneByOneKxKBranch, flops, fused, kernels
 from reparam._compat import import_torchvision
 from reparam.block import DiverseBranchBlock
 from reparam.testing import perturb_, rel_err
@@ -540,8 +541,8 @@ def run_benchmark(
         if tuned:
             per_branch = _train_step_fn(copy.deepcopy(expanded).train(), x, y)
 
-            def unfused() -> None:
-                with fused.fused_training(False):
+            def unfused() -> None:  # every branch module with F.conv2d, as upstream DBB trains
+                with fused.fused_training(False), kernels.native_convs(False):
                     per_branch()
 
             train = _interleaved({**train_fns, "expanded_per_branch": unfused}, warmup, train_repeats, log,

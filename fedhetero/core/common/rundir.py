@@ -34,6 +34,7 @@ __all__ = [
     "DiskFullError",
     "MetricsLog",
     "FinishedRunError",
+    "RUN_AGAIN",
     "RunDirError",
     "RunLock",
     "atomic_write_text",
@@ -88,6 +89,10 @@ _FULL_BELOW = 64 * 2**20
 
 class RunDirError(RuntimeError):
     """The run directory cannot be used as asked (in use, damaged, holds another run)."""
+
+
+#: how to train a finished run again, in the command line's words
+RUN_AGAIN = "run it again with --overwrite, another --out or another seed (--set seed=N)"
 
 
 class FinishedRunError(RunDirError):

@@ -53,6 +53,7 @@ from fedhetero.core.run.summary import summarize
 from fedhetero.core.run.metrics import account_round
 from fedhetero.core.method.registry import build_algorithm
 from fedhetero.core.common.rundir import (
+    RUN_AGAIN,
     FinishedRunError,
     MetricsLog,
     RunDirError,
@@ -159,8 +160,7 @@ class Engine:
         if state.holds_run and not self.overwrite:
             if self._is_this_run_finished():
                 raise FinishedRunError(
-                    f"{self.out_dir} already holds this run, finished (the same config); run it again "
-                    "with --overwrite, another --out or another seed (--set seed=N)",
+                    f"{self.out_dir} already holds this run, finished (the same config); {RUN_AGAIN}",
                     self.out_dir,
                 )
             held = describe_run(self.out_dir)

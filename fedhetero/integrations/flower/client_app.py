@@ -51,10 +51,8 @@ from fedhetero.core.run.allocator import tune_malloc
 from fedhetero.core.local.context import client_context
 from fedhetero.integrations.flower.codec import META
 
-import reparam
-
 # an app Flower loads is an entry point: torchvision and timm import here with the pinned install
-reparam.install_torchvision_fix()
+fedhetero._torchvision_importable()
 
 try:  # flwr >= 1.21
     from flwr.clientapp import ClientApp

@@ -43,10 +43,10 @@ from fedhetero.core.run.resume import resume_config
 from fedhetero.core.run.reports import default_out_dir, plot_run
 from fedhetero.integrations.flower.backend import FlowerBackend
 
-import reparam
+import fedhetero
 
 # an app Flower loads is an entry point: torchvision and timm import here with the pinned install
-reparam.install_torchvision_fix()
+fedhetero._torchvision_importable()
 
 try:  # flwr >= 1.21
     from flwr.serverapp import Grid, ServerApp
