@@ -35,7 +35,7 @@ from typing import Any, Iterable, Iterator, Mapping, Sequence, cast
 import torch
 from torch import Tensor, nn
 
-from . import fused
+from . import fused, patchfold
 from .builtin_kinds import KINDS
 from .kind_conv import ConvBNBranch
 from .kinds import anchor_name, applicability, default_kinds, get_kind, is_kind, kind_names, make_branch
@@ -619,8 +619,11 @@ class DiverseBranchBlock(nn.Module):
             return self.reparam_conv(x)
         if self.same_pad:
             return self._forward_same_pad(x)
-        if self.training and len(self._order) > 1 and fused.usable(self, x):
-            return fused.block_forward(self, x)
+        if self.training and len(self._order) > 1:
+            if patchfold.usable(self, x):
+                return patchfold.block_forward(self, x)
+            if fused.usable(self, x):
+                return fused.block_forward(self, x)
         order = self._order
         out = self.branches[order[0]](x)
         if len(order) > 1:

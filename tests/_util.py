@@ -275,3 +275,16 @@ def run_engine(tmp_path: Path, cfg: Any, tag: str, **kw: Any) -> tuple[Any, Any]
 def global_state(eng: Any) -> dict[str, torch.Tensor]:
     """A copy of the engine's global model state."""
     return {k: v.detach().clone() for k, v in eng.algorithm.global_model.state_dict().items()}
+
+
+def bn_nodes(out: torch.Tensor) -> int:
+    """BatchNorm passes in the autograd graph of ``out``."""
+    seen, stack, count = set(), [out.grad_fn], 0
+    while stack:
+        fn = stack.pop()
+        if fn is None or fn in seen:
+            continue
+        seen.add(fn)
+        count += "BatchNorm" in type(fn).__name__
+        stack.extend(f for f, _ in fn.next_functions)
+    return count

@@ -19,6 +19,8 @@ from reparam import DiverseBranchBlock, KINDS
 from reparam.fused import FOLD_MIN_POSITIONS_PER_CHANNEL, channel_moments, fused_training
 from reparam.testing import randomize_bn_, rel_err
 
+from _util import bn_nodes
+
 F64 = torch.float64
 
 
@@ -61,19 +63,6 @@ def make_block(case, gen, *, branches=None, momentum=0.1, bias=False, with_bn=Tr
             prm.add_(torch.randn(prm.shape, generator=gen, dtype=F64) * 0.2)
     x = torch.randn(4, cin, *hw, generator=gen, dtype=F64) + 0.3
     return blk.train(), x
-
-
-def bn_nodes(out: torch.Tensor) -> int:
-    """BatchNorm passes in the autograd graph of ``out``."""
-    seen, stack, count = set(), [out.grad_fn], 0
-    while stack:
-        fn = stack.pop()
-        if fn is None or fn in seen:
-            continue
-        seen.add(fn)
-        count += "BatchNorm" in type(fn).__name__
-        stack.extend(f for f, _ in fn.next_functions)
-    return count
 
 
 def compare(blk, x, steps=2, fused_on=True):

@@ -1,0 +1,416 @@
+"""Patch-moment training forward of a :class:`~reparam.DiverseBranchBlock`: the branches besides
+the anchor as **one** matrix product, exactly.
+
+Every built-in branch is linear up to each of its BatchNorms: a ``1x1``/``1xk``/``kx1`` conv, a
+``1x1_kxk`` or ``1x1_avg`` chain, a nested block. In training mode a BN normalises with the batch
+statistics of its input, which are not known before that input is computed; but when the input is
+an affine function ``y = W·p + b`` of the block input's ``K×K`` patches ``p`` (the columns of
+``unfold(x)`` at the block's stride, padding and dilation), its statistics follow from the patches'
+mean ``μ`` and covariance ``Σ`` alone::
+
+    mean(y) = W μ + b,      var(y) = diag(W Σ Wᵀ)
+
+so the BN becomes the per-channel scale ``t = γ/√(var + ε)`` folded into ``W`` (``t·W``, bias
+``β − t·W μ``) and the next stage composes with it. Intermediate ``1×1`` stages (``1x1_kxk``'s and
+``1x1_avg``'s first BN) read the whole input map, so their statistics come from the channel moments
+of ``x`` (:func:`reparam.fused.channel_moments`); their folded ``T x + u`` then composes into the
+``K×K`` kernel (T-III), an average pool spreads it over the window (T-V), a nested block sums the
+forms of its own branches. The whole non-anchor part of the block is one ``K×K`` kernel ``W_rest``
+and bias ``b_rest``, applied to the patches already unfolded for ``Σ``::
+
+    block(x) = anchor(x) + W_rest · unfold(x) + b_rest
+
+One ``D × D`` Gram matrix (``D = C·K_h·K_w``) and one product replace every branch convolution and
+BatchNorm pass. The anchor still runs its host conv and norm (a nested anchor block recursively the
+same way), so a zero-γ expansion stays bit-exact: zero γ gives an exactly zero ``W_rest``.
+
+Everything is ordinary differentiable tensor algebra (input gradients flow through ``unfold`` and
+``Σ``); running statistics are updated exactly as ``nn.BatchNorm2d`` does (momentum or cumulative
+average, unbiased variance). Exact in real arithmetic; float64 outputs, gradients and running
+statistics agree with the per-branch forward to 1e-10 relative (tests).
+
+**When it is used.** The Gram matrix costs ``M·D²`` multiply-adds for ``M`` output positions, the
+per-branch convolutions it replaces about ``M·D·S`` for ``S`` BatchNorm channels they feed; the path
+is taken when ``D ≤ S`` (a block on few input channels: the first conv of a network, LeNet-5's
+``1 → 6`` conv, a ResNet stem) and everything in the block is understood: groups 1, zero padding,
+``1x1_kxk``/``1x1_avg`` only with padding 0 (their value padding is not affine in the zero-padded
+patches), plain ``BatchNorm2d`` or frozen norms, no hooks, not under tracing, compiling, autocast or
+a dispatch mode. Anything else takes the fused forward (:mod:`reparam.fused`) or the per-branch one.
+:func:`patch_training` switches the path off.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, cast
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from . import kernels
+from .fused import channel_moments, fused_training_enabled
+from .geometry import ConvGeometry
+from .kinds import anchor_name
+from .layers import FrozenIdentityBN, IdentityBasedConv1x1
+from .transforms import embed_kernel, fuse_bn
+
+__all__ = ["patch_training", "patch_training_enabled", "usable", "block_forward", "MAX_PATCH"]
+
+_STATE = {"enabled": True}
+
+#: patches longer than this (``C·K_h·K_w``) never take the path (the Gram matrix grows as its square)
+MAX_PATCH = 1024
+
+Form = tuple[Tensor, Tensor]  # (W (O, C, K_h, K_w) on the block input's patches, b (O,))
+Pre = tuple[Tensor, Tensor] | None  # per-position (T (D, C), u (D,)): the branch input is T x + u
+
+
+def patch_training_enabled() -> bool:
+    """Whether blocks may use the patch-moment training forward (default ``True``)."""
+    return _STATE["enabled"]
+
+
+def patch_training(enabled: bool = True) -> contextlib.AbstractContextManager[None]:
+    """Context manager that switches the patch-moment training forward on or off (restored on exit)."""
+    return kernels.switched(_STATE, enabled)
+
+
+# ---------------------------------------------------------------------------------------------
+# what the path understands (checked before anything is computed: no half-updated statistics)
+
+
+def _is_block(m: Any) -> bool:
+    return isinstance(getattr(m, "geometry", None), ConvGeometry) and isinstance(getattr(m, "branches", None), nn.ModuleDict)
+
+
+def _norm_ok(bn: Any) -> int | None:
+    """Channels of a batch-statistics BN (0 for a norm with fixed statistics); None: not understood."""
+    if kernels.hooked(bn):
+        return None
+    if type(bn) is nn.BatchNorm2d:
+        if bn.training:
+            return int(bn.num_features)
+        return 0 if bn.running_mean is not None and bn.running_var is not None else None
+    if type(bn) is FrozenIdentityBN:
+        return 0
+    return None
+
+
+def _conv_ok(conv: Any, kernel: tuple[int, int] | None = None, identity_based: bool = False) -> bool:
+    return (
+        (type(conv) is nn.Conv2d or (identity_based and type(conv) is IdentityBasedConv1x1))
+        and not kernels.hooked(conv)
+        and conv.groups == 1
+        and conv.padding_mode == "zeros"
+        and (kernel is None or tuple(conv.kernel_size) == kernel)
+    )
+
+
+def _same_geometry(a: ConvGeometry, b: ConvGeometry) -> bool:
+    return (a.kernel_size, a.stride, a.dilation, a.padding, a.groups, a.in_channels) == (
+        b.kernel_size, b.stride, b.dilation, b.padding, b.groups, b.in_channels
+    )
+
+
+def _last_stage(bn: Any, conv: Any, g: ConvGeometry, nested: bool, plain_ok: Callable[[], bool]) -> int | None:
+    """Channels of a branch's last BN plus those of the nested block its conv may be (None: not
+    understood); ``plain_ok`` checks a plain conv."""
+    s = _norm_ok(bn)
+    if s is None:
+        return None
+    if _is_block(conv):
+        inner = _block_channels(conv, g, nested)
+        return None if inner is None else inner + s
+    return s if plain_ok() else None
+
+
+def _branch_channels(name: str, br: Any, g: ConvGeometry, nested: bool) -> int | None:
+    """Batch-statistics BN channels at patch level of one branch (None: not understood).
+    ``nested``: the branch reads a ``1×1`` stage's output (no input padding may be involved)."""
+    if kernels.hooked(br):
+        return None
+    kind = getattr(br, "kind", None)
+    if kind != name:
+        return None
+    if name in ("kxk", "1x1", "1xk", "kx1"):
+        window = getattr(br, "window", None)
+        if br.padding_mode != "zeros" or (nested and window is not None and any(v > 0 for side in window for v in side)):
+            return None
+        return _last_stage(br.bn, br.conv, g, nested, lambda: _conv_ok(br.conv))
+    if name == "1x1_kxk":
+        if br.padding != (0, 0) or br.padding_mode != "zeros" or not _conv_ok(br.conv1, (1, 1), True):
+            return None
+        if tuple(br.conv1.stride) != (1, 1) or tuple(br.conv1.padding) != (0, 0) or _norm_ok(br.bn1) is None:
+            return None
+        conv2 = br.conv2
+        return _last_stage(br.bn2, conv2, g, True, lambda: (
+            _conv_ok(conv2, g.kernel_size) and tuple(conv2.padding) == (0, 0)
+            and (tuple(conv2.stride), tuple(conv2.dilation)) == (g.stride, g.dilation)
+        ))
+    if name == "1x1_avg":
+        if br.path != "dense" or br.padding != (0, 0) or br.padding_mode != "zeros" or g.dilation != (1, 1):
+            return None
+        if br.kernel_size != g.kernel_size or br.stride != g.stride or not _conv_ok(br.conv, (1, 1)):
+            return None
+        if tuple(br.conv.stride) != (1, 1) or tuple(br.conv.padding) != (0, 0) or _norm_ok(br.bn1) is None:
+            return None
+        return _norm_ok(br.bn2)
+    return None
+
+
+def _block_channels(block: Any, g: ConvGeometry, nested: bool) -> int | None:
+    """Batch-statistics BN channels of a nested block (every branch, its anchor included)."""
+    if kernels.hooked(block) or block.reparam_conv is not None or block.same_pad:
+        return None
+    inner_g = block.geometry
+    if nested:  # inside a 1x1_kxk: the block reads the intermediate with padding 0
+        if (inner_g.kernel_size, inner_g.stride, inner_g.dilation, inner_g.groups, inner_g.padding) != (
+            g.kernel_size, g.stride, g.dilation, 1, (0, 0)
+        ):
+            return None
+    elif not _same_geometry(inner_g, g):
+        return None
+    total = 0
+    for name in block.branch_names:
+        s = _branch_channels(name, block.branches[name], inner_g, nested)
+        if s is None:
+            return None
+        total += s
+    return total
+
+
+def _anchor_chain_channels(block: Any, g: ConvGeometry) -> int | None:
+    """Batch-statistics BN channels of the non-anchor branches along the anchor chain."""
+    if kernels.hooked(block) or block.reparam_conv is not None or block.same_pad or not _same_geometry(block.geometry, g):
+        return None
+    total = 0
+    anchor = anchor_name()
+    for name in block.branch_names:
+        br = block.branches[name]
+        if name == anchor:
+            if kernels.hooked(br):
+                return None
+            if _is_block(br.conv):
+                s = _anchor_chain_channels(br.conv, g)
+                if s is None:
+                    return None
+                total += s
+            continue
+        s = _branch_channels(name, br, g, False)
+        if s is None:
+            return None
+        total += s
+    return total
+
+
+def usable(block: Any, x: Any) -> bool:
+    """Whether the patch-moment training forward may run ``block`` on ``x`` (see the module docstring)."""
+    if not (_STATE["enabled"] and fused_training_enabled()) or not block.training or not isinstance(x, Tensor):
+        return False
+    if x.dim() != 4 or x.dtype not in (torch.float32, torch.float64):
+        return False
+    g = block.geometry
+    if g.groups != 1 or len(block.branch_names) < 2:
+        return False
+    d = g.in_channels * g.kernel_size[0] * g.kernel_size[1]
+    if d > MAX_PATCH or kernels.global_hooks() or not kernels.plain_context(x):
+        return False
+    s = _anchor_chain_channels(block, g)
+    # the Gram matrix's backward (when the input needs its gradient) costs about twice its forward
+    return s is not None and 0 < s and d * (3 if x.requires_grad else 1) <= s
+
+
+# ---------------------------------------------------------------------------------------------
+# the forward
+
+
+def _unfold(x: Tensor, g: ConvGeometry) -> Tensor:
+    """``F.unfold(x)`` at the block's geometry, ``(N, C·K_h·K_w, L)``: strided views and one copy
+    (several times faster than ``im2col`` on CPU for narrow inputs)."""
+    (kh, kw), (sh, sw), (ph, pw), (dh, dw) = g.kernel_size, g.stride, g.padding, g.dilation
+    if ph or pw:
+        x = F.pad(x, (pw, pw, ph, ph))
+    n, c, h, w = x.shape
+    ho, wo = (h - dh * (kh - 1) - 1) // sh + 1, (w - dw * (kw - 1) - 1) // sw + 1
+    sn, sc, sy, sx = x.stride()
+    view = x.as_strided((n, c, kh, kw, ho, wo), (sn, sc, sy * dh, sx * dw, sy * sh, sx * sw))
+    return view.reshape(n, c * kh * kw, ho * wo)
+
+
+class _Patches:
+    """The block input's patches ``(N, D, L)``, their mean and covariance over the ``M = N·L``
+    output positions, and (lazily) the channel moments of the whole input map."""
+
+    def __init__(self, x: Tensor, g: ConvGeometry) -> None:
+        self.x = x
+        self.geometry = g
+        cols = _unfold(x, g)
+        n, d, length = cols.shape
+        self.m = n * length
+        if self.m <= 1:
+            raise ValueError(f"Expected more than 1 value per channel when training, got {self.m}")
+        self.mean = cols.sum(dim=(0, 2)) / self.m
+        centred = cols - self.mean.view(1, d, 1)
+        self.cov = torch.bmm(centred, centred.transpose(1, 2)).sum(0) / self.m
+        self._channel: tuple[Tensor, Tensor, int] | None = None
+        self.updates: list[tuple[nn.BatchNorm2d, Tensor, Tensor, int]] = []
+
+    def channel(self) -> tuple[Tensor, Tensor, int]:
+        if self._channel is None:
+            mean, cov = channel_moments(self.x)
+            self._channel = (mean, cov, self.x.shape[0] * self.x.shape[2] * self.x.shape[3])
+        return self._channel
+
+
+def _bn(bn: nn.Module, w: Tensor, b: Tensor, stats: tuple[Tensor, Tensor, int], pm: _Patches) -> Form:
+    """``bn`` applied to ``y = W·p + b`` whose input ``p`` has mean/covariance/count ``stats``
+    (batch statistics; its running-statistics update is queued on ``pm``), or folded with its
+    fixed statistics (T-I)."""
+    if type(bn) is nn.BatchNorm2d and bn.training:
+        bn2d = cast(nn.BatchNorm2d, bn)
+        mean, cov, m = stats
+        o = w.shape[0]
+        wf = w.reshape(o, -1)
+        centre = wf @ mean
+        var = ((wf @ cov) * wf).sum(1).clamp_min(0)
+        full = centre + b
+        pm.updates.append((bn2d, full, var, m))
+        t = torch.rsqrt(var + bn2d.eps)
+        if bn2d.weight is not None:
+            t = t * bn2d.weight
+        # b cancels, as in BatchNorm itself; written through it so that what feeds it (a conv bias,
+        # an earlier BN's β) gets its gradient (zero) as in the per-branch forward, not none
+        shift = t * (b - full)
+        if bn2d.bias is not None:
+            shift = shift + bn2d.bias
+        return w * t.view(-1, 1, 1, 1), shift
+    return fuse_bn(w, b, bn)
+
+
+def _compose(w: Tensor, b: Tensor | None, pre: Pre) -> Form:
+    """A kernel ``(O, D, K_h, K_w)`` on the intermediate ``T x + u`` as one on ``x`` (T-III)."""
+    if b is None:
+        b = w.new_zeros(w.shape[0])
+    if pre is None:
+        return w, b
+    t, u = pre
+    return torch.einsum("odhw,dc->ochw", w, t), b + torch.einsum("odhw,d->o", w, u)
+
+
+def _stage(conv: nn.Module, bn: nn.Module, pre: Pre, pm: _Patches) -> tuple[Tensor, Tensor]:
+    """A ``1×1`` conv → BN on the whole input map, as the per-position affine map ``T x + u``."""
+    a = conv.effective_weight() if isinstance(conv, IdentityBasedConv1x1) else cast(Tensor, conv.weight)
+    a = a.reshape(a.shape[0], a.shape[1])
+    c = cast(Tensor | None, conv.bias)
+    mean, cov, m = pm.channel()
+    if pre is not None:  # the stage reads T' x + u'
+        t0, u0 = pre
+        a, c = a @ t0, (a @ u0 if c is None else c + a @ u0)
+    k, shift = _bn(bn, a.view(*a.shape, 1, 1), a.new_zeros(a.shape[0]) if c is None else c, (mean, cov, m), pm)
+    return k.reshape(k.shape[0], k.shape[1]), shift
+
+
+def _branch_form(name: str, br: Any, g: ConvGeometry, pre: Pre, pm: _Patches) -> Form:
+    if name in ("kxk", "1x1", "1xk", "kx1"):
+        if _is_block(br.conv):
+            w, b = _block_form(br.conv, pre, pm)
+        else:
+            w, b = _compose(embed_kernel(br.conv.weight, g.kernel_size, br.offset), br.conv.bias, pre)
+        return _bn(br.bn, w, b, (pm.mean, pm.cov, pm.m), pm)
+    if name == "1x1_kxk":
+        inner = _stage(br.conv1, br.bn1, pre, pm)
+        if _is_block(br.conv2):
+            w, b = _block_form(br.conv2, inner, pm)
+        else:
+            w, b = _compose(br.conv2.weight, br.conv2.bias, inner)
+        return _bn(br.bn2, w, b, (pm.mean, pm.cov, pm.m), pm)
+    # 1x1_avg (dense): the mean over the window of T x + u
+    t, u = _stage(br.conv, br.bn1, pre, pm)
+    kh, kw = g.kernel_size
+    w = (t / (kh * kw)).view(*t.shape, 1, 1).expand(-1, -1, kh, kw)
+    return _bn(br.bn2, w, u, (pm.mean, pm.cov, pm.m), pm)
+
+
+def _block_form(block: Any, pre: Pre, pm: _Patches) -> Form:
+    """A nested block (every branch, its anchor included) as one affine map on the patches."""
+    w: Tensor | None = None
+    b: Tensor | None = None
+    for name in block.branch_names:
+        wi, bi = _branch_form(name, block.branches[name], block.geometry, pre, pm)
+        w, b = (wi, bi) if w is None or b is None else (w + wi, b + bi)
+    assert w is not None and b is not None
+    return w, b
+
+
+def _rests(block: Any, pm: _Patches, rests: list[Form]) -> None:
+    """The forms of the non-anchor branches along the anchor chain, innermost block first (one
+    summed form per block that has any)."""
+    anchor = anchor_name()
+    br = block.branches[anchor]
+    if _is_block(br.conv):
+        _rests(br.conv, pm, rests)
+    forms = [_branch_form(n, block.branches[n], block.geometry, None, pm) for n in block.branch_names if n != anchor]
+    if forms:
+        w, b = forms[0]
+        for wi, bi in forms[1:]:
+            w, b = w + wi, b + bi
+        rests.append((w, b))
+
+
+def _chain(block: Any, x: Tensor, rest: list[Tensor]) -> Tensor:
+    """The block's output: its anchor (a nested anchor block the same way) plus the next output of
+    the stacked rest convolution, when the block has other branches."""
+    anchor = anchor_name()
+    br = block.branches[anchor]
+    y = _chain(br.conv, x, rest) if _is_block(br.conv) else br.conv(x)
+    out: Tensor = br.bn(y)
+    if len(block.branch_names) > 1:
+        out = out + rest.pop(0)
+    return out
+
+
+def _apply_updates(updates: list[tuple[nn.BatchNorm2d, Tensor, Tensor, int]]) -> None:
+    """The running-statistics updates of ``nn.BatchNorm2d`` in training mode, all at once."""
+    means, vars_, rms, rvs, fs, unbiased = [], [], [], [], [], []
+    counters = []
+    for bn, mean, var, m in updates:
+        if not bn.track_running_stats or bn.running_mean is None or bn.running_var is None:
+            continue
+        factor = 0.0 if bn.momentum is None else float(bn.momentum)
+        if bn.num_batches_tracked is not None:
+            counters.append(bn.num_batches_tracked)
+            if bn.momentum is None:
+                factor = 1.0 / float(bn.num_batches_tracked + 1)
+        means.append(mean.to(bn.running_mean.dtype))
+        vars_.append(var.to(bn.running_var.dtype))
+        rms.append(bn.running_mean)
+        rvs.append(bn.running_var)
+        fs.append(factor)
+        unbiased.append(factor * m / (m - 1))
+    with torch.no_grad():
+        if counters:
+            torch._foreach_add_(counters, 1)
+        if rms:
+            keep = [1.0 - f for f in fs]
+            torch._foreach_mul_(rms, keep)
+            torch._foreach_add_(rms, torch._foreach_mul(means, fs))
+            torch._foreach_mul_(rvs, keep)
+            torch._foreach_add_(rvs, torch._foreach_mul(vars_, unbiased))
+
+
+def block_forward(block: Any, x: Tensor) -> Tensor:
+    """The patch-moment training forward of a block whose :func:`usable` check passed."""
+    g = block.geometry
+    pm = _Patches(x, g)
+    forms: list[Form] = []
+    _rests(block, pm, forms)
+    with torch.no_grad():
+        _apply_updates([(bn, mean.detach(), var.detach(), m) for bn, mean, var, m in pm.updates])
+    if len(forms) == 1:
+        w, b = forms[0]
+    else:
+        w, b = torch.cat([f[0] for f in forms]), torch.cat([f[1] for f in forms])
+    stacked = kernels.conv2d(x, w, b, g.stride, g.padding, g.dilation, 1)
+    o = g.out_channels
+    return _chain(block, x, list(stacked.split(o, dim=1)) if len(forms) > 1 else [stacked])
