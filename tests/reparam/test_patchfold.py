@@ -206,3 +206,16 @@ def test_float32_as_close_to_the_float64_function_as_the_per_branch_forward(seed
     for (name, b), b_ref in zip(new.named_buffers(), truth.buffers()):
         if b.is_floating_point():
             assert float((b.double() - b_ref).abs().max()) <= 1e-5 * max(float(b_ref.abs().max()), 1.0), name
+
+
+def test_batched_folds_with_mixed_norms_equal_per_branch():
+    # BNs folded in one batch may differ in eps and affinity; a norm in eval mode (fixed statistics)
+    # inside a training block folds by its running statistics
+    blk, x = lenet_block(torch.Generator().manual_seed(10), cout=8, nest=("kxk",))
+    blk.branches["1x1"].bn.eps = 1e-3
+    blk.branches["1xk"].bn = nn.BatchNorm2d(8, affine=False).to(F64)
+    blk.branches["kx1"].bn.eval()
+    nested = blk.branches["kxk"].conv
+    nested.branches["1x1"].bn.eps = 3e-4
+    assert patchfold.usable(blk, x)
+    assert compare(blk, x, steps=2) <= 1e-10
