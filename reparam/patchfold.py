@@ -37,7 +37,8 @@ is taken when ``D ≤ S`` (a block on few input channels: the first conv of a ne
 ``1 → 6`` conv, a ResNet stem) and everything in the block is understood: groups 1, zero padding,
 ``1x1_kxk``/``1x1_avg`` only with padding 0 (their value padding is not affine in the zero-padded
 patches), plain ``BatchNorm2d`` or frozen norms, no hooks, not under tracing, compiling, autocast or
-a dispatch mode. Anything else takes the fused forward (:mod:`reparam.fused`) or the per-branch one.
+a dispatch mode, on the CPU (where it was measured; other devices keep the forwards they had).
+Anything else takes the fused forward (:mod:`reparam.fused`) or the per-branch one.
 :func:`patch_training` switches the path off.
 """
 
@@ -210,7 +211,8 @@ def usable(block: Any, x: Any) -> bool:
     """Whether the patch-moment training forward may run ``block`` on ``x`` (see the module docstring)."""
     if not (_STATE["enabled"] and fused_training_enabled()) or not block.training or not isinstance(x, Tensor):
         return False
-    if x.dim() != 4 or x.dtype not in (torch.float32, torch.float64):
+    # CPU only: measured there; other devices keep the fused and per-branch forwards
+    if x.device.type != "cpu" or x.dim() != 4 or x.dtype not in (torch.float32, torch.float64):
         return False
     g = block.geometry
     if g.groups != 1 or len(block.branch_names) < 2:

@@ -148,6 +148,7 @@ def test_path_declines_what_it_does_not_understand():
     grouped = DiverseBranchBlock.from_conv(nn.Conv2d(4, 4, 3, groups=2, bias=False), nn.BatchNorm2d(4),
                                            branches=["1x1"]).train()
     assert not patchfold.usable(grouped, torch.randn(2, 4, 6, 6))
+    assert not patchfold.usable(blk, torch.empty(x.shape, dtype=x.dtype, device="meta"))  # CPU only
 
 
 def test_block_forward_under_no_grad_updates_statistics_once():
