@@ -23,8 +23,9 @@ and bias ``b_rest``, applied to the patches already unfolded for ``Σ``::
 One ``D × D`` Gram matrix (``D = C·K_h·K_w``) and one product replace every branch convolution and
 BatchNorm pass. The folds themselves are small tensor operations, so every BN that can be folded at
 the same time (all branches walk their chains in lockstep) is folded in one batched set of them: a
-handful of waves per block rather than some twenty operations per BN. The anchor still runs its host conv and norm (a nested anchor block recursively the
-same way), so a zero-γ expansion stays bit-exact: zero γ gives an exactly zero ``W_rest``.
+handful of waves per block rather than some twenty operations per BN. The anchor still runs its
+host conv and norm (a nested anchor block recursively the same way), so a zero-γ expansion stays
+bit-exact: zero γ gives an exactly zero ``W_rest``.
 
 Everything is ordinary differentiable tensor algebra (input gradients flow through ``unfold`` and
 ``Σ``); running statistics are updated exactly as ``nn.BatchNorm2d`` does (momentum or cumulative
@@ -52,7 +53,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from . import kernels
-from .fused import channel_moments, fused_training_enabled
+from .fused import _batch_bn, _update_running, channel_moments, fused_training_enabled
 from .geometry import ConvGeometry
 from .kinds import anchor_name
 from .layers import FrozenIdentityBN, IdentityBasedConv1x1
@@ -101,11 +102,10 @@ def _norm_ok(bn: Any) -> int | None:
 
 
 def _conv_ok(conv: Any, kernel: tuple[int, int] | None = None, identity_based: bool = False) -> bool:
+    identity = identity_based and type(conv) is IdentityBasedConv1x1 and conv.padding_mode == "zeros"
     return (
-        (type(conv) is nn.Conv2d or (identity_based and type(conv) is IdentityBasedConv1x1))
-        and not kernels.hooked(conv)
+        (kernels.plain_conv(conv) or (identity and not kernels.hooked(conv)))
         and conv.groups == 1
-        and conv.padding_mode == "zeros"
         and (kernel is None or tuple(conv.kernel_size) == kernel)
     )
 
@@ -162,8 +162,10 @@ def _branch_channels(name: str, br: Any, g: ConvGeometry, nested: bool) -> int |
     return None
 
 
-def _block_channels(block: Any, g: ConvGeometry, nested: bool) -> int | None:
-    """Batch-statistics BN channels of a nested block (every branch, its anchor included)."""
+def _block_channels(block: Any, g: ConvGeometry, nested: bool, chain: bool = False) -> int | None:
+    """Batch-statistics BN channels of a block's branches (None: not understood). ``chain``: the
+    block is on the anchor chain, whose anchors run as modules: an anchor counts only the rest of
+    the nested anchor block it may be."""
     if kernels.hooked(block) or block.reparam_conv is not None or block.same_pad:
         return None
     inner_g = block.geometry
@@ -175,32 +177,13 @@ def _block_channels(block: Any, g: ConvGeometry, nested: bool) -> int | None:
     elif not _same_geometry(inner_g, g):
         return None
     total = 0
-    for name in block.branch_names:
-        s = _branch_channels(name, block.branches[name], inner_g, nested)
-        if s is None:
-            return None
-        total += s
-    return total
-
-
-def _anchor_chain_channels(block: Any, g: ConvGeometry) -> int | None:
-    """Batch-statistics BN channels of the non-anchor branches along the anchor chain."""
-    if kernels.hooked(block) or block.reparam_conv is not None or block.same_pad or not _same_geometry(block.geometry, g):
-        return None
-    total = 0
     anchor = anchor_name()
     for name in block.branch_names:
         br = block.branches[name]
-        if name == anchor:
-            if kernels.hooked(br):
-                return None
-            if _is_block(br.conv):
-                s = _anchor_chain_channels(br.conv, g)
-                if s is None:
-                    return None
-                total += s
-            continue
-        s = _branch_channels(name, br, g, False)
+        if chain and name == anchor:
+            s = None if kernels.hooked(br) else _block_channels(br.conv, g, False, True) if _is_block(br.conv) else 0
+        else:
+            s = _branch_channels(name, br, inner_g, nested)
         if s is None:
             return None
         total += s
@@ -220,7 +203,7 @@ def usable(block: Any, x: Any) -> bool:
     d = g.in_channels * g.kernel_size[0] * g.kernel_size[1]
     if d > MAX_PATCH or kernels.global_hooks() or not kernels.plain_context(x):
         return False
-    s = _anchor_chain_channels(block, g)
+    s = _block_channels(block, g, False, chain=True)
     # the Gram matrix's backward (when the input needs its gradient) costs about twice its forward
     return s is not None and 0 < s and d * (3 if x.requires_grad else 1) <= s
 
@@ -248,7 +231,6 @@ class _Patches:
 
     def __init__(self, x: Tensor, g: ConvGeometry) -> None:
         self.x = x
-        self.geometry = g
         cols = _unfold(x, g)
         n, d, length = cols.shape
         self.m = n * length
@@ -258,7 +240,6 @@ class _Patches:
         centred = cols - self.mean.view(1, d, 1)
         self.cov = torch.bmm(centred, centred.transpose(1, 2)).sum(0) / self.m
         self._channel: tuple[Tensor, Tensor, int] | None = None
-        self.updates: list[tuple[nn.BatchNorm2d, Tensor, Tensor, int]] = []
 
     def channel(self) -> tuple[Tensor, Tensor, int]:
         if self._channel is None:
@@ -277,14 +258,18 @@ Request = tuple[str, nn.Module, Tensor, Tensor]
 FormGen = Generator[list[Request], list[Form], Any]
 
 
+def _cat(ts: list[Tensor]) -> Tensor:
+    return torch.cat(ts) if len(ts) > 1 else ts[0]
+
+
 def _fold(requests: list[Request], pm: _Patches) -> list[Form]:
     """The folded forms of ``requests``: every batch-statistics BN of one statistics source in one
-    batched computation (its running-statistics update queued on ``pm``), fixed norms by their
-    statistics (T-I)."""
+    batched computation (running statistics updated as ``nn.BatchNorm2d`` does), fixed norms by
+    their statistics (T-I)."""
     out: list[Form | None] = [None] * len(requests)
     groups: dict[str, list[int]] = {}
     for i, (key, bn, w, b) in enumerate(requests):
-        if type(bn) is nn.BatchNorm2d and bn.training:
+        if _batch_bn(bn):
             groups.setdefault(key, []).append(i)
         else:
             out[i] = fuse_bn(w, b, bn)
@@ -293,8 +278,8 @@ def _fold(requests: list[Request], pm: _Patches) -> list[Form]:
         bns = [cast(nn.BatchNorm2d, requests[i][1]) for i in idx]
         ws = [requests[i][2] for i in idx]
         sizes = [w.shape[0] for w in ws]
-        wf = torch.cat([w.reshape(w.shape[0], -1) for w in ws]) if len(idx) > 1 else ws[0].reshape(sizes[0], -1)
-        b = torch.cat([requests[i][3] for i in idx]) if len(idx) > 1 else requests[idx[0]][3]
+        wf = _cat([w.reshape(w.shape[0], -1) for w in ws])
+        b = _cat([requests[i][3] for i in idx])
         centre = wf @ mean
         var = ((wf @ cov) * wf).sum(1).clamp_min(0)
         full = centre + b
@@ -306,13 +291,13 @@ def _fold(requests: list[Request], pm: _Patches) -> list[Form]:
                                                dtype=var.dtype, device=var.device))
         gammas: list[Tensor] = [bn.weight if bn.weight is not None else wf.new_ones(o) for bn, o in zip(bns, sizes)]
         betas: list[Tensor] = [bn.bias if bn.bias is not None else wf.new_zeros(o) for bn, o in zip(bns, sizes)]
-        t = t * (torch.cat(gammas) if len(idx) > 1 else gammas[0])
+        t = t * _cat(gammas)
         # b cancels, as in BatchNorm itself; written through it so that what feeds it (a conv bias,
         # an earlier BN's β) gets its gradient (zero) as in the per-branch forward, not none
-        shift = t * (b - full) + (torch.cat(betas) if len(idx) > 1 else betas[0])
+        shift = t * (b - full) + _cat(betas)
         scaled = wf * t.unsqueeze(1)
-        for bn, f, v in zip(bns, full.detach().split(sizes), var.detach().split(sizes)):
-            pm.updates.append((bn, f, v, m))
+        for bn, f, v in zip(bns, full.split(sizes), var.split(sizes)):
+            _update_running(bn, f, v, m)
         for i, w, k, sh in zip(idx, ws, scaled.split(sizes), shift.split(sizes)):
             out[i] = (k.view(w.shape), sh)
     return cast(list[Form], out)
@@ -440,42 +425,11 @@ def _chain(block: Any, x: Tensor, rest: list[Tensor]) -> Tensor:
     return out
 
 
-def _apply_updates(updates: list[tuple[nn.BatchNorm2d, Tensor, Tensor, int]]) -> None:
-    """The running-statistics updates of ``nn.BatchNorm2d`` in training mode, all at once."""
-    means, vars_, rms, rvs, fs, unbiased = [], [], [], [], [], []
-    counters = []
-    for bn, mean, var, m in updates:
-        if not bn.track_running_stats or bn.running_mean is None or bn.running_var is None:
-            continue
-        factor = 0.0 if bn.momentum is None else float(bn.momentum)
-        if bn.num_batches_tracked is not None:
-            counters.append(bn.num_batches_tracked)
-            if bn.momentum is None:
-                factor = 1.0 / float(bn.num_batches_tracked + 1)
-        means.append(mean.to(bn.running_mean.dtype))
-        vars_.append(var.to(bn.running_var.dtype))
-        rms.append(bn.running_mean)
-        rvs.append(bn.running_var)
-        fs.append(factor)
-        unbiased.append(factor * m / (m - 1))
-    with torch.no_grad():
-        if counters:
-            torch._foreach_add_(counters, 1)
-        if rms:
-            keep = [1.0 - f for f in fs]
-            torch._foreach_mul_(rms, keep)
-            torch._foreach_add_(rms, torch._foreach_mul(means, fs))
-            torch._foreach_mul_(rvs, keep)
-            torch._foreach_add_(rvs, torch._foreach_mul(vars_, unbiased))
-
-
 def block_forward(block: Any, x: Tensor) -> Tensor:
     """The patch-moment training forward of a block whose :func:`usable` check passed."""
     g = block.geometry
     pm = _Patches(x, g)
     forms = _rests(block, pm)
-    with torch.no_grad():
-        _apply_updates(pm.updates)  # their statistics are detached already
     if len(forms) == 1:
         w, b = forms[0]
     else:
