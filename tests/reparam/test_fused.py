@@ -26,8 +26,10 @@ F64 = torch.float64
 
 @pytest.fixture(autouse=True)
 def _fuse_small_blocks(monkeypatch):
-    """The matrix below uses small inputs; let the fused forward run on them."""
+    """The matrix below uses small inputs; let the fused forward run on them, folding BatchNorms
+    from 8 positions per input channel (the default threshold is a speed choice, tested below)."""
     monkeypatch.setattr(reparam.fused, "FUSED_MIN_OUTPUT_ELEMENTS", 0)
+    monkeypatch.setattr(reparam.fused, "FOLD_MIN_POSITIONS_PER_CHANNEL", 8)
 
 # (id, cin, cout, kernel, stride, padding, dilation, groups, input hw)
 CASES = [
@@ -168,11 +170,25 @@ def test_fused_not_used_with_hooks_eval_or_when_disabled():
         assert torch.equal(copy.deepcopy(blk).eval()(x), ev(x))
 
 
+@pytest.mark.parametrize("positions, folded", [(127, False), (128, True)])
+def test_batchnorms_folded_from_the_default_positions_per_channel(positions, folded, monkeypatch):
+    """With the default threshold, a block folds its BatchNorms from 128 positions (N·H·W) per input
+    channel and keeps their passes below; both forwards agree to rounding."""
+    monkeypatch.setattr(reparam.fused, "FOLD_MIN_POSITIONS_PER_CHANNEL", FOLD_MIN_POSITIONS_PER_CHANNEL)
+    assert FOLD_MIN_POSITIONS_PER_CHANNEL == 128
+    gen = torch.Generator().manual_seed(9)
+    blk, _ = make_block(("dense", 2, 4, 3, 1, 1, 1, 1, (8, 8)), gen)
+    x = torch.randn(positions, 2, 2, 1, generator=gen, dtype=F64)  # N·H·W = positions × C (C = 2)
+    worst, counts = compare(blk, x)
+    assert counts == (6, 3 if folded else 6)  # 2 → 4 channels: no identity branch
+    assert worst <= 1e-10
+
+
 def test_fused_small_maps_many_channels_keep_batchnorm_passes():
     gen = torch.Generator().manual_seed(8)
     case = ("wide", 32, 32, 3, 1, 1, 1, 1, (2, 2))
     blk, x = make_block(case, gen)
-    assert 4 * 2 * 2 < FOLD_MIN_POSITIONS_PER_CHANNEL * 32
+    assert 4 * 2 * 2 < reparam.fused.FOLD_MIN_POSITIONS_PER_CHANNEL * 32
     worst, counts = compare(blk, x)
     assert counts[0] == counts[1] == 7
     assert worst <= 1e-10

@@ -169,3 +169,72 @@ def test_expanded_lenet_trains_the_same_function_with_either_kernel_in_float64()
         assert _rel(g1[k], g2[k]) <= 1e-9, k
     for k in s1:
         assert _rel(s1[k], s2[k]) <= 1e-12, k
+
+
+# --------------------------------------------------------------------------------------------
+# taps that only meet padding
+
+
+@settings(max_examples=120, deadline=None)
+@given(
+    h=st.integers(1, 6), w=st.integers(1, 6), kh=st.integers(1, 5), kw=st.integers(1, 5), sh=st.integers(1, 3),
+    sw=st.integers(1, 3), ph=st.integers(0, 3), pw=st.integers(0, 3), dil=st.integers(1, 2), groups=st.sampled_from([1, 2]),
+    bias=st.booleans(),
+)
+def test_dropping_dead_taps_is_the_same_convolution_in_float64(h, w, kh, kw, sh, sw, ph, pw, dil, groups, bias) -> None:
+    """Small maps, wide padding: whichever taps are dropped, output and every gradient are F.conv2d's
+    (the dropped taps' weight gradient exactly zero, as it is there)."""
+    if h + 2 * ph < dil * (kh - 1) + 1 or w + 2 * pw < dil * (kw - 1) + 1:
+        return  # no output window
+    gen = torch.Generator().manual_seed(h * 1000 + w * 100 + kh * 10 + kw)
+    x = torch.randn(2, 2 * groups, h, w, generator=gen, dtype=torch.float64, requires_grad=True)
+    wt = torch.randn(4, 2, kh, kw, generator=gen, dtype=torch.float64)
+    bs = torch.randn(4, generator=gen, dtype=torch.float64) if bias else None
+    args = ((sh, sw), (ph, pw), (dil, dil), groups)
+    ref, ref_g = _grads(lambda a, b_, c_: F.conv2d(a, b_, c_, *args), x, wt, bs)
+    out, out_g = _grads(lambda a, b_, c_: kernels.conv2d(a, b_, c_, *args), x, wt, bs)
+    assert out.shape == ref.shape
+    assert _rel(out, ref) <= 1e-12
+    for a, b_ in zip(out_g, ref_g, strict=True):
+        assert _rel(a, b_) <= 1e-12
+    cropped, _ = kernels.crop_dead_taps(x, wt, *args[:3])
+    if cropped.shape != wt.shape:  # what was dropped read only padding: its gradient is exactly 0 in F.conv2d
+        grad_w = ref_g[1]
+        kept = torch.zeros_like(grad_w, dtype=torch.bool)
+        r = kernels._live_taps(h, kh, sh, ph, dil)
+        c = kernels._live_taps(w, kw, sw, pw, dil)
+        r0, r1 = (r[0], r[1]) if r is not None else (0, kh - 1)
+        c0, c1 = (c[0], c[1]) if c is not None else (0, kw - 1)
+        kept[:, :, r0:r1 + 1, c0:c1 + 1] = True
+        assert torch.all(grad_w[~kept] == 0)
+
+
+@pytest.mark.parametrize(
+    "size, kernel, stride, padding, expect_kernel, expect_padding",
+    [
+        ((1, 1), 3, 1, 1, (1, 1), (0, 0)),  # a 3×3 conv on a 1×1 map reads its centre only
+        ((2, 2), 3, 2, 1, (2, 2), (0, 0)),  # stride 2 from 2×2 to 1×1: the lower-right 2×2 taps
+        ((1, 4), 3, 1, 1, (1, 3), (0, 1)),  # one row: the middle row of the kernel
+        ((2, 2), 3, 1, 1, (3, 3), (1, 1)),  # every tap meets the map somewhere: unchanged
+        ((1, 1), 7, 1, 3, (1, 1), (0, 0)),
+        ((3, 3), 5, 1, 1, (3, 3), (0, 0)),  # one window: its outer ring of taps reads padding alone
+        ((3, 3), 3, 1, 1, (3, 3), (1, 1)),
+    ],
+)
+def test_dead_taps_dropped_where_documented(size, kernel, stride, padding, expect_kernel, expect_padding) -> None:
+    x = torch.zeros(1, 8, *size)
+    w = torch.zeros(8, 8, kernel, kernel)
+    cropped, pad = kernels.crop_dead_taps(x, w, stride, padding, 1)
+    assert tuple(cropped.shape[2:]) == expect_kernel
+    assert tuple(kernels._pair(pad)) == expect_padding
+
+
+def test_no_dead_tap_dropping_under_a_tracer() -> None:
+    """A traced graph must not carry the kernel of one input size: traced on a 1×1 map (where only the
+    centre tap is live), it still computes the full 3×3 convolution on a larger map."""
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(4, 4, 3, 3, generator=gen, dtype=torch.float64)
+    traced = torch.jit.trace(lambda a: kernels.conv2d(a, w, None, 1, 1), (torch.randn(1, 4, 1, 1, dtype=torch.float64),),
+                             check_trace=False)
+    x = torch.randn(2, 4, 5, 5, generator=gen, dtype=torch.float64)
+    assert _rel(traced(x), F.conv2d(x, w, None, 1, 1)) <= 1e-12
