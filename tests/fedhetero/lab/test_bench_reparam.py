@@ -116,3 +116,39 @@ def test_interleaved_timing_rotates_the_order() -> None:
     assert set(best) == {"a", "b", "c"} and len(log["t.a"]) == 3
     rounds = [calls[i:i + 3] for i in range(0, 9, 3)]
     assert rounds == [["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"]]
+
+
+def test_busy_machine_signs_from_the_samples() -> None:
+    """The samples of an idle run (spreads of 0.6–2.4 %) raise no sign; those of a run during a
+    burst of other work (the plain model 121–162 ms in the tuned pass against 56–60 before) raise
+    both: the spread and the move between passes."""
+    idle = {"plain": [58.7, 56.0, 55.8, 55.6, 56.2, 55.7, 56.2], "expanded": [174.8, 193.1, 170.3, 168.5, 166.8, 228.0, 166.3]}
+    idle_found = {"plain": [58.1, 57.2, 55.3, 59.8, 63.6, 57.6, 55.1], "expanded": [173.6, 179.8, 217.1, 177.3, 176.2, 175.5, 166.3]}
+    assert bench.busy_signs(idle, idle_found) == []
+    assert bench.busy_signs(idle, None) == []
+    burst = {"plain": [146.3, 120.8, 162.5], "expanded": [260.4, 207.0, 261.0]}
+    found = {"plain": [183.9, 60.0, 58.7], "expanded": [281.4, 191.1, 196.9]}
+    signs = bench.busy_signs(burst, found)
+    assert len(signs) == 3
+    assert any("plain training steps" in s for s in signs) and any("expanded training steps" in s for s in signs)
+    assert any("between the two allocator passes" in s for s in signs)
+    assert bench.busy_signs({"plain": [10.0], "expanded": [30.0]}, None) == []  # one repeat: no spread to judge
+
+
+def test_busy_run_is_not_judged_against_the_target() -> None:
+    """A result with busy signs prints "unsure" in the overhead row's met column and says why."""
+    import io
+
+    from rich.console import Console
+
+    net = _net()
+    res = bench.run_benchmark(batch=2, repeats=1, warmup=0, merge_repeats=1, train_repeats=2, model=net,
+                              input_size=8, threads=None)
+    assert isinstance(res["busy"], list)
+    res["busy"] = ["plain training steps: median 21% above the best (idle: under 15%)"]
+    out = io.StringIO()
+    bench.print_table(res, console=Console(file=out, width=250, color_system=None))
+    text = out.getvalue()
+    row = next(line for line in text.splitlines() if "overhead per MAC (time ratio" in line)
+    assert "unsure" in row and " yes " not in row and " no " not in row
+    assert "the machine looked busy" in text and "median 21% above the best" in text
