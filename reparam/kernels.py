@@ -135,12 +135,12 @@ def crop_dead_taps(x: Tensor, weight: Tensor, stride: Any, padding: Any, dilatio
     if type(x) is not Tensor or isinstance(padding, str) or x.dim() != 4 or weight.dim() != 4:
         return weight, padding  # an fx proxy or a tensor subclass gets the convolution as written
     (sh, sw), (ph, pw), (dh, dw) = _pair(stride), _pair(padding), _pair(dilation)
-    if (ph == 0 and pw == 0) or not plain_context(x):  # a tracer would record one input size's kernel
+    if ph == 0 and pw == 0:
         return weight, padding
     kh, kw = int(weight.shape[2]), int(weight.shape[3])
     rows = _live_taps(int(x.shape[2]), kh, sh, ph, dh) if ph else None
     cols = _live_taps(int(x.shape[3]), kw, sw, pw, dw) if pw else None
-    if rows is None and cols is None:
+    if (rows is None and cols is None) or not plain_context(x):  # a tracer would record one input size's kernel
         return weight, padding
     r0, r1, ph = rows if rows is not None else (0, kh - 1, ph)
     c0, c1, pw = cols if cols is not None else (0, kw - 1, pw)

@@ -53,7 +53,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from . import kernels
-from .fused import _batch_bn, _update_running, channel_moments, fused_training_enabled
+from .fused import _batch_bn, _first_stage_weight, _update_running, channel_moments, fused_training_enabled
 from .geometry import ConvGeometry
 from .kinds import anchor_name
 from .layers import FrozenIdentityBN, IdentityBasedConv1x1
@@ -343,7 +343,7 @@ def _compose(w: Tensor, b: Tensor | None, pre: Pre) -> Form:
 
 def _stage(conv: nn.Module, bn: nn.Module, pre: Pre) -> FormGen:
     """A ``1×1`` conv → BN on the whole input map, as the per-position affine map ``T x + u``."""
-    a = conv.effective_weight() if isinstance(conv, IdentityBasedConv1x1) else cast(Tensor, conv.weight)
+    a = _first_stage_weight(conv)
     a = a.reshape(a.shape[0], a.shape[1])
     c = cast(Tensor | None, conv.bias)
     if pre is not None:  # the stage reads T' x + u'

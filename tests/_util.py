@@ -3,6 +3,7 @@ the rootdir conftest.py)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 from typing import Any
@@ -288,3 +289,40 @@ def bn_nodes(out: torch.Tensor) -> int:
         count += "BatchNorm" in type(fn).__name__
         stack.extend(f for f, _ in fn.next_functions)
     return count
+
+
+def step_against_per_branch(ref: Any, new: Any, x: torch.Tensor, *, input_grad: bool = True,
+                            new_context: Any = None, buffer_floor: float = 0.0) -> tuple[list[float], tuple[torch.Tensor, torch.Tensor]]:
+    """One training step of ``ref`` with the per-branch forward and of ``new`` as it runs (inside
+    ``new_context()`` when given), on copies of ``x``, both backward with one output gradient.
+
+    Returns the relative errors of ``new`` — output, input gradient (with ``input_grad``), every
+    parameter gradient (over the largest reference gradient), every floating buffer (over
+    ``max(max|reference|, buffer_floor)``, 1 when that is 0) — and the two outputs. Asserts that the
+    same parameters received gradients and that integer buffers (batch counts) are equal."""
+    from reparam.fused import fused_training
+    from reparam.testing import rel_err
+
+    xr, xn = x.clone().requires_grad_(input_grad), x.clone().requires_grad_(input_grad)
+    with fused_training(False):
+        o_ref = ref(xr)
+    with new_context() if new_context is not None else contextlib.nullcontext():
+        o_new = new(xn)
+    g = torch.randn_like(o_ref)
+    o_ref.backward(g)
+    o_new.backward(g)
+    errs = [rel_err(o_new, o_ref)]
+    if input_grad:
+        errs.append(rel_err(xn.grad, xr.grad))
+    scale = max(float(p.grad.abs().max()) for p in ref.parameters() if p.grad is not None)
+    for (name, p_ref), p_new in zip(ref.named_parameters(), new.parameters()):
+        assert (p_ref.grad is None) == (p_new.grad is None), name
+        if p_ref.grad is not None:
+            errs.append(float((p_new.grad - p_ref.grad).abs().max()) / scale)
+    for (name, b_ref), b_new in zip(ref.named_buffers(), new.buffers()):
+        if b_ref.is_floating_point():
+            denom = max(float(b_ref.abs().max()), buffer_floor)
+            errs.append(float((b_new - b_ref).abs().max()) / (denom if denom > 0 else 1.0))
+        else:
+            assert torch.equal(b_ref, b_new), name
+    return [float(e) for e in errs], (o_ref, o_new)

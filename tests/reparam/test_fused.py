@@ -19,7 +19,7 @@ from reparam import DiverseBranchBlock, KINDS
 from reparam.fused import FOLD_MIN_POSITIONS_PER_CHANNEL, channel_moments, fused_training
 from reparam.testing import randomize_bn_, rel_err
 
-from _util import bn_nodes
+from _util import bn_nodes, step_against_per_branch
 
 F64 = torch.float64
 
@@ -72,27 +72,9 @@ def compare(blk, x, steps=2, fused_on=True):
     ref, fus = copy.deepcopy(blk), copy.deepcopy(blk)
     worst, counts = 0.0, None
     for _ in range(steps):
-        xr, xf = x.clone().requires_grad_(), x.clone().requires_grad_()
-        with fused_training(False):
-            o_ref = ref(xr)
-        with fused_training(fused_on):
-            o_fus = fus(xf)
+        errs, (o_ref, o_fus) = step_against_per_branch(ref, fus, x, new_context=lambda: fused_training(fused_on))
         counts = (bn_nodes(o_ref), bn_nodes(o_fus))
-        g = torch.randn_like(o_ref)
-        o_ref.backward(g)
-        o_fus.backward(g)
-        errs = [rel_err(o_fus, o_ref), rel_err(xf.grad, xr.grad)]
-        scale = max(float(p.grad.abs().max()) for p in ref.parameters() if p.grad is not None)
-        for (name, p_ref), p_fus in zip(ref.named_parameters(), fus.parameters()):
-            assert (p_ref.grad is None) == (p_fus.grad is None), name
-            if p_ref.grad is not None:
-                errs.append(float((p_fus.grad - p_ref.grad).abs().max()) / scale)
-        for (name, b_ref), b_fus in zip(ref.named_buffers(), fus.buffers()):
-            if b_ref.is_floating_point():
-                errs.append(rel_err(b_fus, b_ref))
-            else:
-                assert torch.equal(b_ref, b_fus), name
-        worst = max(worst, max(float(e) for e in errs))
+        worst = max(worst, *errs)
     return worst, counts
 
 

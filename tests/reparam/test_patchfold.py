@@ -19,7 +19,7 @@ from reparam import DiverseBranchBlock, patchfold
 from reparam.fused import fused_training
 from reparam.testing import randomize_bn_, rel_err
 
-from _util import bn_nodes
+from _util import bn_nodes, step_against_per_branch
 
 F64 = torch.float64
 
@@ -49,28 +49,9 @@ def compare(blk, x, *, steps=2, input_grad=False):
     ref, new = copy.deepcopy(blk), copy.deepcopy(blk)
     worst = 0.0
     for _ in range(steps):
-        xr, xn = x.clone().requires_grad_(input_grad), x.clone().requires_grad_(input_grad)
-        assert patchfold.usable(new, xn)
-        with fused_training(False):
-            o_ref = ref(xr)
-        o_new = new(xn)
-        g = torch.randn_like(o_ref)
-        o_ref.backward(g)
-        o_new.backward(g)
-        errs = [rel_err(o_new, o_ref)]
-        if input_grad:
-            errs.append(rel_err(xn.grad, xr.grad))
-        scale = max(float(p.grad.abs().max()) for p in ref.parameters() if p.grad is not None)
-        for (name, p_ref), p_new in zip(ref.named_parameters(), new.parameters()):
-            assert (p_ref.grad is None) == (p_new.grad is None), name
-            if p_ref.grad is not None:
-                errs.append(float((p_new.grad - p_ref.grad).abs().max()) / scale)
-        for (name, b_ref), b_new in zip(ref.named_buffers(), new.buffers()):
-            if b_ref.is_floating_point():
-                errs.append(float((b_new - b_ref).abs().max()) / max(float(b_ref.abs().max()), 1.0))
-            else:
-                assert torch.equal(b_ref, b_new), name
-        worst = max(worst, max(float(e) for e in errs))
+        assert patchfold.usable(new, x.clone().requires_grad_(input_grad))
+        errs, _ = step_against_per_branch(ref, new, x, input_grad=input_grad, buffer_floor=1.0)
+        worst = max(worst, *errs)
     return worst
 
 
