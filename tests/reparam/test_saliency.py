@@ -203,6 +203,48 @@ def test_non_finite_step_is_skipped_and_means_accumulate():
     assert meter.values() == {} and meter.skipped_steps == 0
 
 
+def _step_reference(net, meter, metric):
+    """One step's value per key as the meter defines it, bit for bit: each parameter's product in
+    its dtype, summed in float64, a key's sums added from 0 in its parameters' order."""
+    out = {}
+    for key, t in meter._tracked.items():
+        v = torch.zeros((), dtype=torch.float64)
+        for p, eff in zip(t.params, t.effective):
+            if p.grad is None:
+                continue
+            theta = p.grad if metric == "grad_norm" else (p.detach() if eff is None else eff().detach())
+            q = p.grad * theta
+            v = v + (q.abs() if metric == "snip" else q).sum(dtype=torch.float64)
+        out[key] = float(v.sqrt() if metric == "grad_norm" else v)
+    return out
+
+
+@pytest.mark.parametrize("metric", ["synflow", "snip", "grad_norm"])
+def test_step_values_are_the_defined_sums_bit_for_bit(metric):
+    """float32, so the order of the float64 sums shows in the bits; after a structure change (the
+    cached key index of the parameters is rebuilt) and with some gradients missing."""
+    net = Net()
+    meter = SaliencyMeter(net, metric=metric)
+    for step, change in enumerate((False, True)):
+        if change:
+            net.block.remove_branch("1x1_avg")
+            net.block.add_branch("kx1")
+        fresh = SaliencyMeter(net, metric=metric)
+        net.zero_grad(set_to_none=True)
+        x, y = _batch(step)
+        nn.functional.cross_entropy(net(x.float()), y).backward()
+        if change:  # a branch without gradients this step: its parameters are left out
+            for p in net.block.branches["1x1"].parameters():
+                p.grad = None
+        expect = _step_reference(net, fresh, metric)
+        fresh.after_backward()
+        meter.after_backward()
+        got = fresh.values()
+        assert got == expect
+        if change:
+            assert got[("block", "1x1")] == 0.0 and meter.counts()[("block", "kx1")] == 1
+
+
 def test_structure_changes_are_followed():
     net = _net()
     meter = SaliencyMeter(net)
