@@ -116,10 +116,10 @@ def _live_taps(size: int, k: int, s: int, p: int, d: int) -> tuple[int, int, int
     if out < 1:
         return None
     # tap u reads rows i·s + u·d − p (i < out): live when some of them lie in [0, size)
-    first = next((u for u in range(k) if u * d - p + (out - 1) * s >= 0 and u * d - p <= size - 1), None)
-    last = next((u for u in reversed(range(k)) if u * d - p + (out - 1) * s >= 0 and u * d - p <= size - 1), None)
-    if first is None or last is None or (first, last) == (0, k - 1):
+    live = [u for u in range(k) if u * d - p + (out - 1) * s >= 0 and u * d - p <= size - 1]
+    if not live or (live[0], live[-1]) == (0, k - 1):
         return None
+    first, last = live[0], live[-1]
     pad = p - first * d
     if pad < 0 or (size + 2 * pad - d * (last - first) - 1) // s + 1 != out:
         return None

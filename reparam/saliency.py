@@ -128,7 +128,6 @@ class SaliencyMeter:
         self._count_vec = torch.zeros(0, dtype=torch.float64)
         self._numel_vec = torch.zeros(0, dtype=torch.float64)
         self._flat: list[tuple[nn.Parameter, Callable[[], torch.Tensor] | None, int]] = []
-        self._owner_index: torch.Tensor | None = None
         self._tracked: dict[Key, _Tracked] = {}
         self._signature: tuple = ()
         self._skipped: torch.Tensor | None = None
@@ -173,7 +172,6 @@ class SaliencyMeter:
         # every tracked parameter in key order, with the index of the key it counts for: one step's
         # values are computed for all of them at once (:meth:`_step_values`)
         self._flat = [(p, eff, i) for i, t in enumerate(tracked.values()) for p, eff in zip(t.params, t.effective)]
-        self._owner_index = None
         self._signature = self._compute_signature()
 
     def _layout(self, device: torch.device) -> None:
@@ -226,12 +224,6 @@ class SaliencyMeter:
             raise ReparamError(f"scaler.get_scale() returned {scale}; cannot unscale gradients")
         return 1.0 / scale
 
-    def _owners(self, device: torch.device) -> torch.Tensor:
-        """The key index of every entry of ``_flat`` on ``device`` (built once per structure)."""
-        if self._owner_index is None or self._owner_index.device != device:
-            self._owner_index = torch.tensor([i for _, _, i in self._flat], dtype=torch.long, device=device)
-        return self._owner_index
-
     def _step_values(self, n: int, device: torch.device) -> torch.Tensor:
         """This step's value of every tracked key (``n`` of them, in key order): per key, the sum
         over its parameters of ``g·θ`` (``synflow``), ``|g·θ|`` (``snip``) or ``g·g``
@@ -260,13 +252,8 @@ class SaliencyMeter:
                 prods = torch._foreach_mul(grads, thetas if products else grads)
                 if self.metric == "snip":
                     torch._foreach_abs_(prods)
-                sums = torch.stack([
-                    q.sum(dtype=torch.float64) if q.device == device else q.sum(dtype=torch.float64).to(device) for q in prods
-                ])
-                if len(owners) == len(self._flat):  # every tracked parameter has its gradient
-                    vals.index_add_(0, self._owners(device), sums)
-                else:
-                    vals.index_add_(0, torch.tensor(owners, device=device), sums)
+                sums = torch.stack([q.sum(dtype=torch.float64).to(device) for q in prods])
+                vals.index_add_(0, torch.tensor(owners, device=device), sums)
         if self.metric == "grad_norm":
             vals = vals.sqrt()
         return vals

@@ -91,7 +91,8 @@ def paper_rounds(*, rounds: int, data_root: str | None, threads: int = 1, warmup
     without its evaluation (``round_s``: their median), the named timers summed over the timed
     rounds (``timers_s``) and the clients' mean training MACs over the timed rounds; at the top,
     ``dynamicfl_over_fedavg`` (DynamicFL's round time over FedAvg's) and ``mac_ratio`` (their
-    clients' mean training MACs, DynamicFL over FedAvg). ``images``: training images (Fashion-MNIST's 60,000; fewer only to test the benchmark)."""
+    clients' mean training MACs, DynamicFL over FedAvg). ``images``: training images
+    (Fashion-MNIST's 60,000; fewer only to test the benchmark)."""
     from fedhetero.lab.bench_vectorize import load_source, write_idx_set  # deferred: only this part needs it
 
     out: dict[str, Any] = {"rounds": rounds, "warmup": warmup, "threads": threads, "algorithms": {}}

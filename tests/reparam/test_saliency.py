@@ -221,8 +221,8 @@ def _step_reference(net, meter, metric):
 
 @pytest.mark.parametrize("metric", ["synflow", "snip", "grad_norm"])
 def test_step_values_are_the_defined_sums_bit_for_bit(metric):
-    """float32, so the order of the float64 sums shows in the bits; after a structure change (the
-    cached key index of the parameters is rebuilt) and with some gradients missing."""
+    """float32, so the order of the float64 sums shows in the bits; after a structure change and
+    with some gradients missing."""
     net = Net()
     meter = SaliencyMeter(net, metric=metric)
     for step, change in enumerate((False, True)):
