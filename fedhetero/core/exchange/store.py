@@ -16,12 +16,20 @@ engine calls before every checkpoint: a resumed run restarts from a checkpoint, 
 it can need was flushed before that checkpoint was written, so nothing a resume reads is lost by
 waiting. Small states written every round (SCAFFOLD's control variates, MOON's previous model of
 100 clients) would otherwise cost one file per client and round.
+
+A version written by :meth:`flush` stays in memory too, as long as it fits beside the writes still
+held (``memory_bytes`` bounds both together; the least recently used written version goes first):
+a client sampled again reads it back without loading its file. The file is what a resumed run (a
+fresh store) reads; within a run the two hold the same values, since a file is written from that
+snapshot and never changed while the run holds it. With the default job (DynamicFL, a checkpoint
+every round) loading each returning client's state from its file took 5 % of the run.
 """
 
 from __future__ import annotations
 
 import os
 import re
+from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +63,9 @@ class ClientStateStore:
         self.memory_bytes = int(memory_bytes)
         self._pending_by_cid: dict[int, dict[int, dict[str, Any]]] = {}  # cid -> {tick: state}
         self._pending_bytes = 0
+        # versions on disk still held in memory, least recently used first: (cid, tick) -> state
+        self._written: OrderedDict[tuple[int, int], dict[str, Any]] = OrderedDict()
+        self._written_bytes = 0
         self._disk: dict[int, dict[int, Path]] = {}  # cid -> {tick: file}, read once per client
 
     def _dir(self, cid: int) -> Path:
@@ -105,12 +116,15 @@ class ClientStateStore:
         old = held.pop(tick, None)
         if old is not None:
             self._pending_bytes -= payload_bytes(old)
+        self._forget(int(cid), tick)  # a file of that version, if any, is about to be replaced
         held[tick] = _clone(state)  # a snapshot, as a file would be
         self._pending_bytes += payload_bytes(held[tick])
         if self._touched is not None:
             self._touched.add(int(cid))
         if self._pending_bytes > self.memory_bytes:
             self.flush()
+        else:
+            self._evict()
 
     def flush(self, upto_round: int | None = None) -> None:
         """Write the states held in memory to their files. With ``upto_round`` (the engine passes
@@ -127,8 +141,24 @@ class ClientStateStore:
                 path = self._file(cid, tick)
                 atomic_save(held[tick], path)
                 self._on_disk(cid)[tick] = path
+                self._written[(int(cid), tick)] = held[tick]  # nothing else refers to it now
+                self._written_bytes += payload_bytes(held[tick])
         self._pending_by_cid.clear()
         self._pending_bytes = 0
+        self._evict()
+
+    def _forget(self, cid: int, tick: int) -> None:
+        """Drop the in-memory copy of a version on disk, if there is one."""
+        kept = self._written.pop((cid, tick), None)
+        if kept is not None:
+            self._written_bytes -= payload_bytes(kept)
+
+    def _evict(self) -> None:
+        """Drop in-memory copies of versions on disk, least recently used first, until they fit
+        beside the writes still held in ``memory_bytes``."""
+        while self._written and self._pending_bytes + self._written_bytes > self.memory_bytes:
+            _, kept = self._written.popitem(last=False)
+            self._written_bytes -= payload_bytes(kept)
 
     def _before(self, cid: int, before_round: int | None, prelude: bool) -> list[tuple[int, Path]]:
         versions = self._versions(cid)
@@ -147,6 +177,10 @@ class ClientStateStore:
         held = self._held(cid).get(tick)
         if held is not None:
             return _clone(held)
+        written = self._written.get((int(cid), tick))
+        if written is not None:
+            self._written.move_to_end((int(cid), tick))
+            return _clone(written)
         try:
             state = torch.load(path, weights_only=True, map_location="cpu")
         except Exception as exc:  # truncated, overwritten, not a weights-only file, …
@@ -174,6 +208,7 @@ class ClientStateStore:
         else:
             path.unlink(missing_ok=True)
             self._on_disk(cid).pop(tick, None)
+            self._forget(int(cid), tick)
 
     def compact(self, upto_round: int) -> None:
         """Keep, per client, only the newest version at or before ``upto_round`` and anything newer.

@@ -80,3 +80,84 @@ def test_store_prelude_versions(tmp_path):
     assert int(st.get(3, before_round=7)["v"]) == 3
     st.rollback(5)
     assert int(st.get(3, before_round=7)["v"]) == 1
+
+
+# ---------------------------------------------------------------- written versions kept in memory
+import tempfile  # noqa: E402
+
+import pytest  # noqa: E402
+from hypothesis import given, settings, strategies as st  # noqa: E402
+
+from fedhetero.core.common.rundir import RunDirError  # noqa: E402
+from fedhetero.core.exchange import store as store_module  # noqa: E402
+from fedhetero.core.exchange.types import payload_bytes  # noqa: E402
+
+
+def test_a_written_version_is_read_back_from_memory(tmp_path, monkeypatch):
+    s = ClientStateStore(tmp_path)
+    s.put(2, {"w": torch.tensor([1.5, 2.5]), "s": {"a|1x1": 0.25}}, round=1)
+    s.flush()
+    assert (tmp_path / "client_000002" / "r000001.pt").is_file()
+
+    def no_load(*_a, **_k):
+        raise AssertionError("read from disk")
+
+    monkeypatch.setattr(store_module.torch, "load", no_load)
+    got = s.get(2, before_round=2)
+    assert got["w"].tolist() == [1.5, 2.5] and got["s"] == {"a|1x1": 0.25}
+    got["w"].zero_()  # a copy, as from a file
+    assert s.get(2)["w"].tolist() == [1.5, 2.5]
+    # with no room for it, a written version is read from its file
+    tight = ClientStateStore(tmp_path / "t", memory_bytes=0)
+    tight.put(2, {"w": torch.tensor([1.0])}, round=1)
+    tight.flush()
+    with pytest.raises(RunDirError, match="read from disk"):
+        tight.get(2)
+
+
+_OPS = st.lists(
+    st.one_of(
+        st.tuples(st.just("put"), st.integers(0, 3), st.integers(1, 6), st.booleans(), st.integers(1, 40)),
+        st.tuples(st.just("flush"), st.none() | st.integers(1, 6)),
+        st.tuples(st.just("compact"), st.integers(1, 6)),
+        st.tuples(st.just("rollback"), st.integers(0, 6)),
+        st.tuples(st.just("get"), st.integers(0, 3), st.none() | st.integers(1, 7)),
+    ),
+    max_size=30,
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(ops=_OPS, memory=st.sampled_from([0, 200, 600, 256 * 2**20]))
+def test_memory_copies_agree_with_the_files_and_fit_the_budget(ops, memory):
+    """Invariants of the copies kept in memory, over random sequences of the store's operations:
+    what the store hands out equals what a fresh store (a resumed run) reads from the files once
+    everything is flushed, and the writes held plus the written versions kept never exceed
+    ``memory_bytes``."""
+    with tempfile.TemporaryDirectory() as d:
+        s = ClientStateStore(d, memory_bytes=memory)
+        for op in ops:
+            if op[0] == "put":
+                _, cid, rnd, prelude, n = op
+                s.put(cid, {"w": torch.arange(n, dtype=torch.float32) + 100 * rnd, "r": rnd}, round=rnd, prelude=prelude)
+            elif op[0] == "flush":
+                s.flush(upto_round=op[1])
+            elif op[0] == "compact":
+                s.flush()
+                s.compact(op[1])
+            elif op[0] == "rollback":
+                s.flush()
+                s.rollback(op[1])
+            else:
+                s.get(op[1], before_round=op[2])
+            kept = sum(payload_bytes(v) for v in s._written.values())
+            assert kept == s._written_bytes
+            assert s._pending_bytes + s._written_bytes <= memory
+        s.flush()
+        fresh = ClientStateStore(d)
+        for cid in range(4):
+            for before in (None, *range(1, 8)):
+                a, b = s.get(cid, before_round=before), fresh.get(cid, before_round=before)
+                assert (a is None) == (b is None)
+                if a is not None:
+                    assert a["r"] == b["r"] and torch.equal(a["w"], b["w"])
