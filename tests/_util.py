@@ -31,7 +31,8 @@ def strip_wall(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     out = []
     for r in rows:
         r = {k: v for k, v in r.items() if k not in ("wall_s", "timers")}
-        r["clients"] = [{k: v for k, v in c.items() if k != "wall_s"} for c in r["clients"]]
+        if "clients" in r:  # each client's wall time of its tasks
+            r["clients"] = [{k: v for k, v in c.items() if k != "wall_s"} for c in r["clients"]]
         out.append(r)
     return out
 

@@ -102,7 +102,8 @@ def paper_rounds(*, rounds: int, data_root: str | None, threads: int = 1, warmup
         out["fashion_mnist"] = bool(source["fashion_mnist"])
         write_idx_set(Path(tmp), source, images)
         for algo in algorithms:
-            _, rows = _timed_run(paper_config(algo, warmup + rounds, tmp, threads))
+            cfg = paper_config(algo, warmup + rounds, tmp, threads)
+            _, rows = _timed_run(cfg)
             seen = {c["cid"] for r in rows[:warmup] for c in r["clients"]}
             timed = rows[warmup:]
             per_round = [r["wall_s"] - r["timers"].get("evaluate", 0.0) for r in timed]
@@ -117,6 +118,7 @@ def paper_rounds(*, rounds: int, data_root: str | None, threads: int = 1, warmup
                 "timers_s": timers,
                 "client_macs": sum(c["macs"] for c in clients) / max(len(clients), 1),
                 "clients": len(clients),
+                "tiers": tier_costs(clients, cfg.train.local_epochs),
             }
             first = 0
             for r in timed:  # a client's first task is in the round that first samples it
@@ -128,6 +130,39 @@ def paper_rounds(*, rounds: int, data_root: str | None, threads: int = 1, warmup
         a, d = out["algorithms"]["fedavg"], out["algorithms"]["dynamicfl"]
         out["dynamicfl_over_fedavg"] = d["round_s"] / a["round_s"]
         out["mac_ratio"] = d["client_macs"] / a["client_macs"]
+        out["tiers"] = tier_ratios(d["tiers"], a["tiers"])
+    return out
+
+
+def tier_costs(clients: list[dict[str, Any]], epochs: int) -> dict[str, dict[str, float]]:
+    """Per tier, from metrics rows' client entries: how many tasks, their wall seconds, the
+    training samples they pushed through their models (samples × ``epochs``), the microseconds
+    per such sample and the mean MACs per sample."""
+    out: dict[str, dict[str, float]] = {}
+    for c in clients:
+        t = out.setdefault(str(c["tier"]), {"clients": 0, "wall_s": 0.0, "samples": 0, "macs": 0.0})
+        t["clients"] += 1
+        t["wall_s"] += float(c.get("wall_s", 0.0))
+        t["samples"] += int(c["num_samples"]) * int(epochs)
+        t["macs"] += float(c["macs"])
+    for t in out.values():
+        t["us_per_sample"] = 1e6 * t["wall_s"] / max(t["samples"], 1)
+        t["macs"] /= max(t["clients"], 1)
+    return out
+
+
+def tier_ratios(method: dict[str, dict[str, float]], base: dict[str, dict[str, float]]) -> dict[str, dict[str, float]]:
+    """Per tier of ``method``: its time per training sample and its MACs per sample over
+    ``base``'s (all of ``base``'s tiers pooled: one model for every tier), and their quotient, the
+    time per MAC relative to ``base``'s."""
+    samples = sum(t["samples"] for t in base.values())
+    base_us = 1e6 * sum(t["wall_s"] for t in base.values()) / max(samples, 1)
+    base_macs = sum(t["macs"] * t["clients"] for t in base.values()) / max(sum(t["clients"] for t in base.values()), 1)
+    out = {}
+    for name, t in method.items():
+        time_ratio = t["us_per_sample"] / base_us if base_us > 0 else float("nan")
+        mac_ratio = t["macs"] / base_macs if base_macs > 0 else float("nan")
+        out[name] = {"time_ratio": time_ratio, "mac_ratio": mac_ratio, "time_per_mac": time_ratio / mac_ratio}
     return out
 
 
@@ -242,6 +277,9 @@ def paper_table(p: dict[str, Any]) -> Table:
     if "dynamicfl_over_fedavg" in p:
         x, y = p["dynamicfl_over_fedavg"], p["mac_ratio"]
         table.add_row("DynamicFL / FedAvg", f"{x:.2f}", f"{y:.2f}", f"time / MACs {x / y:.2f} (target ≤ 1.3)")
+    for name, t in p.get("tiers", {}).items():  # where the time goes, tier by tier
+        table.add_row(f"· DynamicFL {name} tier / FedAvg, per training sample", f"{t['time_ratio']:.2f}",
+                      f"{t['mac_ratio']:.2f}", f"time / MACs {t['time_per_mac']:.2f}")
     return table
 
 

@@ -312,6 +312,7 @@ class Engine:
             assert res is not None
             if res.client_state is not None:
                 self.store.put(task.cid, res.client_state, task.round, prelude=task.prelude)
+            self._seconds[task.cid] = self._seconds.get(task.cid, 0.0) + float(outcome.seconds)
             for k, v in res.timers.items():
                 self.ctx.timers[k] = self.ctx.timers.get(k, 0.0) + v
             ok.append(res)
@@ -523,6 +524,7 @@ class Engine:
     def _run(self) -> RunResult:
         t_start = time.perf_counter()
         self._dropped: list[dict[str, Any]] = []
+        self._seconds: dict[int, float] = {}  # this round's wall time of each client's tasks
         self._best = None
         self._best_state = None
         clean_stale(self.out_dir)
@@ -570,6 +572,7 @@ class Engine:
                     row["session"] = sched.session_of(rnd) + 1
                     row["session_round"] = sched.round_in_session(rnd)
                 self._dropped = []
+                self._seconds = {}
                 if sched is not None and sched.round_in_session(rnd) == 1:
                     self._drive(self.algorithm.session_start(self.ctx, sched.session_of(rnd)))
                 skip = self.algorithm.skip_round(self.ctx, rnd)
@@ -591,7 +594,7 @@ class Engine:
                 if not skip and (rnd % self.cfg.train.eval_every == 0 or rnd == rounds):
                     with self.ctx.timer("evaluate"):
                         row.update(self._evaluate())
-                account_round(row, clients, updates, self.cfg.train, history[-1] if history else None)
+                account_round(row, clients, updates, self.cfg.train, history[-1] if history else None, self._seconds)
                 row["timers"] = {k: round(v, 6) for k, v in self.ctx.timers.items()}
                 if "accuracy" in row and (self._best is None or row["accuracy"] > self._best):
                     self._best = float(row["accuracy"])

@@ -2,14 +2,15 @@
 
 The engine builds one row per round (``metrics.jsonl``): what the method reports
 (:meth:`Algorithm.round_metrics`), the evaluation, and what :func:`account_round` adds from the
-clients' results — one entry per client (tier, budget and MACs, bytes, samples and the client's
-own metrics), the bytes of the round and of the run so far, and the round's simulated wall time
+clients' results — one entry per client (tier, budget and MACs, bytes, samples, the client's own
+metrics and ``wall_s``, the wall time of its tasks where it ran: a batched cohort's time is shared
+equally among its clients, Flower's includes the messages), the bytes of the round and of the run so far, and the round's simulated wall time
 under the device time model (:mod:`fedhetero.core.hetero.timemodel`).
 """
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 from fedhetero.core.common.config import TrainConfig
 from fedhetero.core.hetero.timemodel import ClientCost, TimeModel
@@ -26,9 +27,10 @@ def is_jsonable(v: Any) -> bool:
     return isinstance(v, (int, float, str, bool)) or v is None
 
 
-def client_entry(u: ClientResult, tier: str) -> dict[str, Any]:
-    """One client's entry of a round's row (``tier``: the sampled tier, when the result has none)."""
-    return {
+def client_entry(u: ClientResult, tier: str, wall_s: float | None = None) -> dict[str, Any]:
+    """One client's entry of a round's row (``tier``: the sampled tier, when the result has none;
+    ``wall_s``: the wall time of the client's tasks in the round, where the back end measured it)."""
+    entry = {
         "cid": u.cid,
         "tier": u.tier or tier,
         "budget_macs": float(u.budget_macs),
@@ -39,6 +41,9 @@ def client_entry(u: ClientResult, tier: str) -> dict[str, Any]:
         "num_samples": int(u.num_samples),
         **{k: v for k, v in u.metrics.items() if is_jsonable(v)},
     }
+    if wall_s is not None:
+        entry["wall_s"] = round(float(wall_s), 4)
+    return entry
 
 
 def sample_passes(train: TrainConfig, u: ClientResult) -> float:
@@ -58,11 +63,14 @@ def account_round(
     updates: Sequence[ClientResult],
     train: TrainConfig,
     previous: dict[str, Any] | None,
+    seconds: Mapping[int, float] | None = None,
 ) -> None:
     """Add the clients' entries, the simulated time and the traffic of a round to its ``row``
-    (``previous``: the row before it, for the running totals)."""
+    (``previous``: the row before it, for the running totals; ``seconds``: by client id, the wall
+    time of its tasks in the round, each entry's ``wall_s``)."""
     by_cid = {c.cid: c for c in clients}
-    row["clients"] = [client_entry(u, by_cid[u.cid].tier) for u in updates]
+    walls = seconds or {}
+    row["clients"] = [client_entry(u, by_cid[u.cid].tier, walls.get(u.cid)) for u in updates]
     row["sim_s"] = TIME_MODEL.round_seconds(
         ClientCost(
             macs_per_sample=float(u.macs),

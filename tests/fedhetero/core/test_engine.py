@@ -60,6 +60,20 @@ def test_metrics_record_budget_and_flops_per_client(tmp_path):
     assert set(res.summary["tiers"]) == {"small", "medium", "large"}
 
 
+@pytest.mark.parametrize("backend", ["local", "process"])
+def test_each_client_entry_has_its_tasks_wall_time(tmp_path, backend):
+    """A client entry's ``wall_s`` is the wall time of its tasks in the round: positive, and on the
+    local back end (tasks one after another) the round's entries add up to no more than the client
+    phase that ran them; the process back end reports the time where each task ran."""
+    cfg = _cfg(engine={"backend": backend, "workers": 2}, train={"rounds": 2})
+    res = Engine(cfg, tmp_path, progress=False).run()
+    for r in res.metrics:
+        walls = [c["wall_s"] for c in r["clients"]]
+        assert len(walls) == 3 and all(w > 0 for w in walls)
+        if backend == "local":
+            assert sum(walls) <= r["timers"]["client_phase"] + 1e-3
+
+
 def test_missing_dataset_names_what_to_put_where(tmp_path):
     cfg = _cfg(data={"dataset": "cifar10", "data_dir": str(tmp_path / "nodata")})
     with pytest.raises(FileNotFoundError) as exc:

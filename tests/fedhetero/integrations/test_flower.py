@@ -50,7 +50,7 @@ from fedhetero.integrations.flower.codec import (
     encode_value,
 )
 
-from _util import ROOT, processes
+from _util import ROOT, processes, strip_wall
 
 
 
@@ -248,7 +248,7 @@ def _cfg(name: str = "fedavg", **over):
 
 
 def _strip(rows):
-    return [{k: v for k, v in r.items() if k not in ("wall_s", "timers")} for r in rows]
+    return strip_wall(rows)
 
 
 def _read(out: Path):

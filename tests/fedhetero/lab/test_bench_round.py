@@ -67,7 +67,14 @@ def test_bench_round_writes_the_ratios_at_the_top_of_its_json(tmp_path, monkeypa
     p = data["paper_protocol"]
     assert data["dynamicfl_over_fedavg"] == p["dynamicfl_over_fedavg"] > 0
     assert data["mac_ratio"] == p["mac_ratio"] > 1
-    assert "DynamicFL / FedAvg" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "DynamicFL / FedAvg" in printed
+    # where the time goes, tier by tier: each tier's time per training sample and MACs over FedAvg's
+    assert set(p["tiers"]) <= {"small", "medium", "large"} and p["tiers"]
+    for t in p["tiers"].values():
+        assert t["time_ratio"] > 0 and t["mac_ratio"] >= 1 - 1e-9
+        assert t["time_per_mac"] == pytest.approx(t["time_ratio"] / t["mac_ratio"])
+    assert "tier / FedAvg, per training sample" in printed
 
 
 def test_the_paper_table_shows_the_timers_per_round():
@@ -91,3 +98,25 @@ def test_the_paper_table_shows_the_timers_per_round():
     assert "s per round" in text
     assert "0.085 / 0.030 / 0.010" in text and "0.000 / 0.000 / 0.000" in text
     assert "0.34 / 0.12" not in text
+
+
+def test_tier_costs_and_ratios_from_client_entries():
+    """Per tier: wall seconds over the training samples pushed through the model (samples × epochs)
+    and the mean MACs, each over the baseline's pooled over its tiers (one model for all)."""
+    from fedhetero.lab.bench import tier_costs, tier_ratios
+
+    base = tier_costs([
+        {"tier": "small", "wall_s": 0.3, "num_samples": 100, "macs": 1000},
+        {"tier": "large", "wall_s": 0.9, "num_samples": 300, "macs": 1000},
+    ], epochs=3)
+    assert base["small"]["us_per_sample"] == pytest.approx(1e6 * 0.3 / 300)
+    assert base["large"]["samples"] == 900 and base["large"]["macs"] == 1000
+    method = tier_costs([
+        {"tier": "small", "wall_s": 0.36, "num_samples": 100, "macs": 1000},
+        {"tier": "large", "wall_s": 1.0, "num_samples": 100, "macs": 3000},
+        {"tier": "large", "wall_s": 2.0, "num_samples": 100, "macs": 3000},
+    ], epochs=3)
+    r = tier_ratios(method, base)
+    # the baseline: 1.2 s over 1,200 samples, 1,000 µs a sample, 1,000 MACs
+    assert r["small"] == pytest.approx({"time_ratio": 1.2, "mac_ratio": 1.0, "time_per_mac": 1.2})
+    assert r["large"] == pytest.approx({"time_ratio": 5.0, "mac_ratio": 3.0, "time_per_mac": 5.0 / 3.0})

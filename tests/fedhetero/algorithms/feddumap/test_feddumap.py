@@ -35,7 +35,7 @@ from fedhetero.data.federated import FederatedData
 from fedhetero.core.run.engine import Engine
 from fedhetero.backends.local import LocalBackend
 from fedhetero.algorithms.pruning.rates import aggregation_weights, kept_count
-from _util import ROOT
+from _util import ROOT, strip_wall
 
 FAST_PRUNE = {"prune_round": 1, "prune_rate_mode": "fixed", "fixed_prune_rate": 0.5,
               "hrank_samples": 16, "hrank_batch": 8}
@@ -387,8 +387,7 @@ def test_client_half_runs_from_the_task_alone(tmp_path, name, extra_key):
     eng = Engine(cfg, tmp_path / "pickled", progress=False, backend=backend)
     eng.run()
     assert {"state", "lr", extra_key} <= backend.payload_keys
-    strip = lambda rows: [{k: v for k, v in r.items() if k not in ("wall_s", "timers")} for r in rows]  # noqa: E731
-    assert strip(_rows(tmp_path / "local")) == strip(_rows(tmp_path / "pickled"))
+    assert strip_wall(_rows(tmp_path / "local")) == strip_wall(_rows(tmp_path / "pickled"))
     sa = torch.load(tmp_path / "local" / "checkpoint.pt", weights_only=True)["algorithm"]["global_model"]
     sb = eng.algorithm.global_model.state_dict()
     assert list(sa) == list(sb) and all(torch.equal(sa[k], sb[k]) for k in sa)
@@ -402,8 +401,7 @@ def test_feddumap_on_the_process_backend_equals_local(tmp_path):
     proc = Engine(_cfg("feddumap", opts, engine={"backend": "process", "workers": 2}), tmp_path / "process",
                   progress=False)
     proc.run()
-    strip = lambda rows: [{k: v for k, v in r.items() if k not in ("wall_s", "timers")} for r in rows]  # noqa: E731
-    assert strip(_rows(tmp_path / "local")) == strip(_rows(tmp_path / "process"))
+    assert strip_wall(_rows(tmp_path / "local")) == strip_wall(_rows(tmp_path / "process"))
     sa, sb = local.algorithm.global_model.state_dict(), proc.algorithm.global_model.state_dict()
     assert list(sa) == list(sb) and all(torch.equal(sa[k], sb[k]) for k in sa)
 
