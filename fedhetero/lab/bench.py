@@ -89,9 +89,11 @@ def paper_rounds(*, rounds: int, data_root: str | None, threads: int = 1, warmup
     while the first rounds are first-time clients on fresh weights (``first_time_share`` says how
     many of the timed tasks were still first-time). Per algorithm: the seconds of each timed round
     without its evaluation (``round_s``: their median), the named timers summed over the timed
-    rounds (``timers_s``) and the clients' mean training MACs over the timed rounds; at the top,
-    ``dynamicfl_over_fedavg`` (DynamicFL's round time over FedAvg's) and ``mac_ratio`` (their
-    clients' mean training MACs, DynamicFL over FedAvg). ``images``: training images
+    rounds (``timers_s``), the clients' mean training MACs over the timed rounds and, per tier,
+    their time and MACs per training sample (``tiers``, :func:`tier_costs`); at the top,
+    ``dynamicfl_over_fedavg`` (DynamicFL's round time over FedAvg's), ``mac_ratio`` (their
+    clients' mean training MACs, DynamicFL over FedAvg) and ``tiers`` (DynamicFL's tiers against
+    FedAvg, :func:`tier_ratios`). ``images``: training images
     (Fashion-MNIST's 60,000; fewer only to test the benchmark)."""
     from fedhetero.lab.bench_vectorize import load_source, write_idx_set  # deferred: only this part needs it
 

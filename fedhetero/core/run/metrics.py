@@ -3,9 +3,10 @@
 The engine builds one row per round (``metrics.jsonl``): what the method reports
 (:meth:`Algorithm.round_metrics`), the evaluation, and what :func:`account_round` adds from the
 clients' results — one entry per client (tier, budget and MACs, bytes, samples, the client's own
-metrics and ``wall_s``, the wall time of its tasks where it ran: a batched cohort's time is shared
-equally among its clients, Flower's includes the messages), the bytes of the round and of the run so far, and the round's simulated wall time
-under the device time model (:mod:`fedhetero.core.hetero.timemodel`).
+metrics and ``wall_s``, the wall time of its tasks where they ran: a batched cohort's time is
+shared equally among its clients, Flower's includes the messages), the bytes of the round and of
+the run so far, and the round's simulated wall time under the device time model
+(:mod:`fedhetero.core.hetero.timemodel`).
 """
 
 from __future__ import annotations
