@@ -263,7 +263,8 @@ def _add_round(sub: Any) -> None:
         "(same data, clients, batch order, model), and the share of a DynamicFL round spent in REP, DYMM "
         "and merge. Both sides run interleaved; the median of the repeats is reported. Then a round of "
         "FedAvg and one of DynamicFL at the DynamicFL paper's protocol (Fashion-MNIST when found), side by "
-        "side, with the ratio of their clients' training MACs.",
+        "side, with the ratio of their clients' training MACs and, per DynamicFL tier, its time and MACs per "
+        "training sample against FedAvg's.",
     )
     p.add_argument("--clients", type=int, default=100, help="clients in the federation (default 100)")
     p.add_argument("--per-round", type=int, default=10, help="clients sampled per round (default 10)")
