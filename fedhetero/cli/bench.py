@@ -276,7 +276,8 @@ def _add_round(sub: Any) -> None:
     p.add_argument("--dynamicfl-rounds", type=int, default=10, help="rounds of the DynamicFL share measurement")
     p.add_argument("--paper-rounds", type=int, default=4, metavar="N",
                    help="rounds of FedAvg and of DynamicFL at the DynamicFL paper's protocol, timed side by side "
-                   "after the warm-up (default 4; 0 skips them): JSON dynamicfl_over_fedavg and mac_ratio")
+                   "after the warm-up, and FedAvg again without batched cohorts (default 4; 0 skips them): JSON "
+                   "dynamicfl_over_fedavg, mac_ratio and dynamicfl_over_fedavg_one_by_one")
     p.add_argument("--paper-warmup", type=int, default=30, metavar="N",
                    help="untimed rounds before them, so that the timed tasks are mostly returning clients "
                    "training trained models, as in a real run (default 30: about 3 minutes)")

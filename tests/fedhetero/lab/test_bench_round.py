@@ -19,6 +19,10 @@ def test_the_paper_config_is_the_shipped_one(tmp_path):
     shipped = to_dict(load_config(root / "examples/configs/fmnist_dynamicfl_paper.yaml",
                                   ["data.data_dir=D", "train.rounds=4", "train.eval_every=4", "train.checkpoint_every=4"]))
     assert to_dict(paper_config("dynamicfl", 4, "D")) == shipped
+    # FedAvg without batched cohorts: the same protocol, FedAvg, engine.vectorize off
+    one = to_dict(paper_config("fedavg-one-by-one", 4, "D"))
+    assert one["algorithm"]["name"] == "fedavg" and one["engine"]["vectorize"] is False
+    assert to_dict(paper_config("fedavg", 4, "D"))["engine"]["vectorize"] is None
 
 
 def test_paper_rounds_report_time_and_macs_of_both_methods(tmp_path, monkeypatch):
@@ -75,6 +79,10 @@ def test_bench_round_writes_the_ratios_at_the_top_of_its_json(tmp_path, monkeypa
         assert t["time_ratio"] > 0 and t["mac_ratio"] >= 1 - 1e-9
         assert t["time_per_mac"] == pytest.approx(t["time_ratio"] / t["mac_ratio"])
     assert "tier / FedAvg, per training sample" in printed
+    # FedAvg without its batched cohorts, for the ratio DynamicFL's one-by-one clients meet
+    assert p["dynamicfl_over_fedavg_one_by_one"] == pytest.approx(
+        p["algorithms"]["dynamicfl"]["round_s"] / p["algorithms"]["fedavg-one-by-one"]["round_s"])
+    assert "FedAvg one by one" in printed
 
 
 def test_the_paper_table_shows_the_timers_per_round():
