@@ -32,9 +32,10 @@ import torch.nn.functional as F
 from rich.table import Table
 
 from fedhetero.backends.process import ProcessBackend
-from fedhetero.core.common.config import RunConfig, from_dict, to_dict
+from fedhetero.core.common.config import RunConfig, TrainConfig, from_dict, to_dict
 from fedhetero.core.common.console import make_console
 from fedhetero.core.run.engine import Engine
+from fedhetero.core.run.metrics import sample_passes
 from fedhetero.data import iterate_batches
 
 __all__ = ["bare_fedavg", "engines_benchmark", "memory_benchmark", "paper_rounds", "paper_config", "round_benchmark"]
@@ -131,7 +132,7 @@ def paper_rounds(*, rounds: int, data_root: str | None, threads: int = 1, warmup
                 "timers_s": timers,
                 "client_macs": sum(c["macs"] for c in clients) / max(len(clients), 1),
                 "clients": len(clients),
-                "tiers": tier_costs(clients, cfg.train.local_epochs),
+                "tiers": tier_costs(clients, cfg.train),
             }
             first = 0
             for r in timed:  # a client's first task is in the round that first samples it
@@ -149,16 +150,17 @@ def paper_rounds(*, rounds: int, data_root: str | None, threads: int = 1, warmup
     return out
 
 
-def tier_costs(clients: list[dict[str, Any]], epochs: int) -> dict[str, dict[str, float]]:
+def tier_costs(clients: list[dict[str, Any]], train: TrainConfig) -> dict[str, dict[str, float]]:
     """Per tier, from metrics rows' client entries: how many tasks, their wall seconds, the
-    training samples they pushed through their models (samples × ``epochs``), the microseconds
-    per such sample and the mean MACs per sample."""
+    training samples they pushed through their models (:func:`~fedhetero.core.run.metrics.sample_passes`,
+    as the simulated time counts them), the microseconds per such sample and the mean MACs per
+    sample."""
     out: dict[str, dict[str, float]] = {}
     for c in clients:
         t = out.setdefault(str(c["tier"]), {"clients": 0, "wall_s": 0.0, "samples": 0, "macs": 0.0})
         t["clients"] += 1
         t["wall_s"] += float(c.get("wall_s", 0.0))
-        t["samples"] += int(c["num_samples"]) * int(epochs)
+        t["samples"] += sample_passes(train, int(c["num_samples"]), c.get("steps"))
         t["macs"] += float(c["macs"])
     for t in out.values():
         t["us_per_sample"] = 1e6 * t["wall_s"] / max(t["samples"], 1)

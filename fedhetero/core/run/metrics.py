@@ -47,15 +47,14 @@ def client_entry(u: ClientResult, tier: str, wall_s: float | None = None) -> dic
     return entry
 
 
-def sample_passes(train: TrainConfig, u: ClientResult) -> float:
-    """Samples a client pushed through its model this round (for the simulated time): its
-    reported optimizer steps times the batch size when it trained a fixed number of steps, else
-    its data times the local epochs."""
+def sample_passes(train: TrainConfig, num_samples: int, steps: Any = None) -> float:
+    """Samples a client pushed through its model this round (for the simulated time; from a result
+    or a round's client entry): its reported optimizer ``steps`` times the batch size when it
+    trained a fixed number of steps, else its ``num_samples`` times the local epochs."""
     if getattr(train, "local_steps", None):
-        steps = u.metrics.get("steps")
         n = int(steps) if isinstance(steps, (int, float)) else int(train.local_steps or 0)
         return float(n * train.batch_size)
-    return float(u.num_samples * train.local_epochs)
+    return float(num_samples * train.local_epochs)
 
 
 def account_round(
@@ -75,7 +74,7 @@ def account_round(
     row["sim_s"] = TIME_MODEL.round_seconds(
         ClientCost(
             macs_per_sample=float(u.macs),
-            sample_passes=sample_passes(train, u),
+            sample_passes=sample_passes(train, u.num_samples, u.metrics.get("steps")),
             bytes_up=float(u.bytes_up),
             bytes_down=float(u.bytes_down),
         )

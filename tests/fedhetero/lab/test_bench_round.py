@@ -111,19 +111,22 @@ def test_the_paper_table_shows_the_timers_per_round():
 def test_tier_costs_and_ratios_from_client_entries():
     """Per tier: wall seconds over the training samples pushed through the model (samples × epochs)
     and the mean MACs, each over the baseline's pooled over its tiers (one model for all)."""
+    from fedhetero.core.common.config import TrainConfig
     from fedhetero.lab.bench import tier_costs, tier_ratios
+
+    train = TrainConfig(local_epochs=3)
 
     base = tier_costs([
         {"tier": "small", "wall_s": 0.3, "num_samples": 100, "macs": 1000},
         {"tier": "large", "wall_s": 0.9, "num_samples": 300, "macs": 1000},
-    ], epochs=3)
+    ], train)
     assert base["small"]["us_per_sample"] == pytest.approx(1e6 * 0.3 / 300)
     assert base["large"]["samples"] == 900 and base["large"]["macs"] == 1000
     method = tier_costs([
         {"tier": "small", "wall_s": 0.36, "num_samples": 100, "macs": 1000},
         {"tier": "large", "wall_s": 1.0, "num_samples": 100, "macs": 3000},
         {"tier": "large", "wall_s": 2.0, "num_samples": 100, "macs": 3000},
-    ], epochs=3)
+    ], train)
     r = tier_ratios(method, base)
     # the baseline: 1.2 s over 1,200 samples, 1,000 µs a sample, 1,000 MACs
     assert r["small"] == pytest.approx({"time_ratio": 1.2, "mac_ratio": 1.0, "time_per_mac": 1.2})
