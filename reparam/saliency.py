@@ -303,6 +303,31 @@ class SaliencyMeter:
         if self._skipped is not None:
             self._skipped = self._skipped.to(device)
 
+    # ---------------------------------------------------------------- values computed elsewhere
+
+    def tracked(self) -> list[tuple[Key, list[tuple[nn.Parameter, Callable[[], torch.Tensor] | None]]]]:
+        """The tracked keys in the order of their values, each with the parameters its value is
+        computed from and, for an identity-based 1×1 stage's parameter, the callable giving its
+        effective weight (``R + I``; else None): what code computing the same values for several
+        copies of the model at once (a batched cohort of clients) needs to know."""
+        self._ensure_current()
+        return [(k, list(zip(t.params, t.effective))) for k, t in self._tracked.items()]
+
+    def accumulate(self, sums: torch.Tensor, steps: float, skipped: float = 0.0) -> None:
+        """Add values computed outside the meter, as :meth:`after_backward` would have added them
+        over ``steps`` recorded steps: ``sums`` holds, per key of :meth:`tracked` and in that
+        order, the sum of those steps' values (already normalised when ``normalize="numel"``);
+        ``skipped``: steps left out because a value was not finite."""
+        self._ensure_current()
+        if sums.shape != self._sum_vec.shape:
+            raise ReparamError(f"accumulate: expected {tuple(self._sum_vec.shape)} sums (one per tracked key), "
+                               f"got {tuple(sums.shape)}")
+        self._sum_vec.add_(sums.to(self._sum_vec.device, torch.float64))
+        self._count_vec.add_(float(steps))
+        skipped_vec = self._skipped
+        assert skipped_vec is not None  # set by refresh()
+        skipped_vec.add_(float(skipped))
+
     # ---------------------------------------------------------------- reading
 
     @property

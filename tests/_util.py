@@ -180,14 +180,18 @@ def session_cfg(**over: Any) -> Any:
 
     from fedhetero.core.common.config import from_dict
 
-    data = json.loads(json.dumps(SESSION_BASE))
+    return from_dict(dotted(json.loads(json.dumps(SESSION_BASE)), over))
+
+
+def dotted(data: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    """``data`` (a config as nested dicts) with dotted overrides (``train.rounds``) set in place."""
     for key, value in over.items():
         node = data
-        parts = key.split(".")
-        for p in parts[:-1]:
+        *parts, last = key.split(".")
+        for p in parts:
             node = node.setdefault(p, {})
-        node[parts[-1]] = value
-    return from_dict(data)
+        node[last] = value
+    return data
 
 
 def fedavg_cfg(name: str = "fedavg", backend: str = "local", rounds: int = 3, options: Any = None, **engine: Any) -> Any:

@@ -284,6 +284,11 @@ def _add_round(sub: Any) -> None:
     p.add_argument("--data-root", default=None, metavar="DIR",
                    help="folder holding Fashion-MNIST's IDX files for the paper-protocol rounds (default: "
                    "$FEDHETERO_DATA_DIR or ./data); synthetic images of the same shape when they are not there")
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                   help="where the paper-protocol rounds train: cpu (default) or cuda (a GPU's rows; the engine "
+                   "and share rows always run on the CPU)")
+    p.add_argument("--paper-only", action="store_true",
+                   help="only the paper-protocol rounds (skip the engine-vs-bare and DynamicFL-share rows)")
     p.add_argument("--json", help="write the numbers to this file")
     p.set_defaults(func=run_round)
 
@@ -297,6 +302,7 @@ def run_round(args: argparse.Namespace) -> int:
         clients=args.clients, per_round=args.per_round, rounds=args.rounds, repeats=args.repeats,
         model=args.model, dataset=args.dataset, threads=args.threads, dynamicfl_rounds=args.dynamicfl_rounds,
         json_path=args.json, paper=args.paper_rounds, paper_warmup=args.paper_warmup, data_root=args.data_root,
+        device=args.device, paper_only=args.paper_only,
     )
     return 0
 

@@ -33,6 +33,7 @@ from rich.table import Table
 
 from fedhetero.backends.process import ProcessBackend
 from fedhetero.core.common.config import RunConfig, TrainConfig, from_dict, to_dict
+from fedhetero.core.common.options import ConfigError
 from fedhetero.core.common.console import make_console
 from fedhetero.core.run.engine import Engine
 from fedhetero.core.run.metrics import sample_passes
@@ -63,17 +64,19 @@ def _round_cfg(clients: int, per_round: int, rounds: int, algorithm: str, datase
 PAPER_VARIANTS = {"fedavg-one-by-one": ("fedavg", False)}
 
 
-def paper_config(algorithm: str, rounds: int, data_dir: str, threads: int = 1) -> RunConfig:
+def paper_config(algorithm: str, rounds: int, data_dir: str, threads: int = 1, device: str = "cpu") -> RunConfig:
     """The DynamicFL paper's protocol (as ``examples/configs/fmnist_dynamicfl_paper.yaml``): 90
     devices on Fashion-MNIST (Dirichlet β = 0.5, 10 % held out for validation), 10 % sampled a
     round, E = 3 local epochs of batch 32, SGD lr 0.01 with momentum 0.9, LeNet-5, tiers 1 : 2 : 3
     in equal shares; ``rounds`` rounds, evaluated after the last one only. ``algorithm`` may name
-    a :data:`PAPER_VARIANTS` entry (``fedavg-one-by-one``: FedAvg with batched cohorts off)."""
+    a :data:`PAPER_VARIANTS` entry (``fedavg-one-by-one``: FedAvg with batched cohorts off); ``device``:
+    where clients train and the model is evaluated (``cpu``, ``cuda``)."""
     third = 0.3333333333333333  # the shipped config's shares, as written there
     algorithm, vectorize = PAPER_VARIANTS.get(algorithm, (algorithm, None))
     return from_dict({
         "seed": 0,
         "threads": threads,
+        "device": device,
         "engine": {"vectorize": vectorize},
         "data": {"dataset": "fashion_mnist", "data_dir": data_dir, "partition": "dirichlet", "alpha": 0.5,
                  "num_clients": 90, "val_fraction": 0.1},
@@ -89,7 +92,7 @@ def paper_config(algorithm: str, rounds: int, data_dir: str, threads: int = 1) -
 
 def paper_rounds(*, rounds: int, data_root: str | None, threads: int = 1, warmup: int = 30,
                  algorithms: tuple[str, ...] = ("fedavg", "dynamicfl", "fedavg-one-by-one"),
-                 images: int = 60_000) -> dict[str, Any]:
+                 images: int = 60_000, device: str = "cpu") -> dict[str, Any]:
     """One run per algorithm at the DynamicFL paper's protocol (:func:`paper_config`), on
     Fashion-MNIST when ``data_root`` (or the loader's default folder) holds its IDX files, else on
     synthetic images of its shape (``data`` says which): ``warmup`` untimed rounds, then
@@ -106,17 +109,18 @@ def paper_rounds(*, rounds: int, data_root: str | None, threads: int = 1, warmup
     CPU, 4 or more clients of 10 or more steps), which DynamicFL's clients do not join:
     ``fedavg-one-by-one`` times FedAvg without them, and ``dynamicfl_over_fedavg_one_by_one`` is
     DynamicFL's round time over that. ``images``: training images
-    (Fashion-MNIST's 60,000; fewer only to test the benchmark)."""
+    (Fashion-MNIST's 60,000; fewer only to test the benchmark). ``device``: where the runs train
+    (``cuda``: a GPU's rows; on a GPU cohorts of two or more clients batch)."""
     from fedhetero.lab.bench_vectorize import load_source, write_idx_set  # deferred: only this part needs it
 
-    out: dict[str, Any] = {"rounds": rounds, "warmup": warmup, "threads": threads, "algorithms": {}}
+    out: dict[str, Any] = {"rounds": rounds, "warmup": warmup, "threads": threads, "device": device, "algorithms": {}}
     with tempfile.TemporaryDirectory(prefix="fedhetero-bench-paper-") as tmp:
         source = load_source(data_root, images, 10_000)
         out["data"] = source["data"] if not source["fashion_mnist"] else "Fashion-MNIST"
         out["fashion_mnist"] = bool(source["fashion_mnist"])
         write_idx_set(Path(tmp), source, images)
         for algo in algorithms:
-            cfg = paper_config(algo, warmup + rounds, tmp, threads)
+            cfg = paper_config(algo, warmup + rounds, tmp, threads, device)
             _, rows = _timed_run(cfg)
             seen = {c["cid"] for r in rows[:warmup] for c in r["clients"]}
             timed = rows[warmup:]
@@ -224,13 +228,38 @@ def _bare_fedavg(eng: Engine, cfg: RunConfig, rounds: int) -> float:
 
 def round_benchmark(*, clients: int, per_round: int, rounds: int, repeats: int, model: str, dataset: str,
                     threads: int, dynamicfl_rounds: int, json_path: str | None = None, paper: int = 4,
-                    paper_warmup: int = 30, data_root: str | None = None) -> dict[str, Any]:
+                    paper_warmup: int = 30, data_root: str | None = None, device: str = "cpu",
+                    paper_only: bool = False) -> dict[str, Any]:
     """``fedhetero bench round``: FedAvg through the engine vs :func:`bare_fedavg` (``repeats``
     interleaved runs of ``rounds`` rounds each, the median reported) and the share of a DynamicFL round
-    spent in REP, DYMM and merge (``dynamicfl_rounds`` rounds); prints the table, writes the numbers
-    to ``json_path`` when given and returns them."""
+    spent in REP, DYMM and merge (``dynamicfl_rounds`` rounds), both on the CPU; then ``paper``
+    rounds at the DynamicFL paper's protocol on ``device`` (:func:`paper_rounds`). ``paper_only``
+    skips the first part (a GPU's rows). Prints the tables, writes the numbers to ``json_path`` when
+    given and returns them."""
+    if paper_only and not paper:
+        raise ConfigError("paper_rounds: --paper-only needs paper-protocol rounds (--paper-rounds 1 or more)")
+    if device == "cuda" and paper and not torch.cuda.is_available():  # before the CPU part, not after it
+        raise ConfigError("device: 'cuda' requested but CUDA is not available; use --device cpu")
     torch.set_num_threads(threads)
     console = make_console()
+    out: dict[str, Any] = {}
+    if not paper_only:
+        out.update(_engine_rows(console, clients=clients, per_round=per_round, rounds=rounds, repeats=repeats,
+                                model=model, dataset=dataset, dynamicfl_rounds=dynamicfl_rounds))
+    if paper:
+        p = paper_rounds(rounds=paper, warmup=paper_warmup, data_root=data_root, device=device)
+        out["paper_protocol"] = p
+        out["dynamicfl_over_fedavg"] = p["dynamicfl_over_fedavg"]
+        out["mac_ratio"] = p["mac_ratio"]
+        console.print(paper_table(p))
+    if json_path:
+        Path(json_path).write_text(json.dumps(out, indent=2))
+    return out
+
+
+def _engine_rows(console: Any, *, clients: int, per_round: int, rounds: int, repeats: int, model: str,
+                 dataset: str, dynamicfl_rounds: int) -> dict[str, Any]:
+    """The first part of ``fedhetero bench round``: engine vs bare loop, DynamicFL's shares."""
     cfg = _round_cfg(clients, per_round, rounds, "fedavg", dataset, model)
     eng_t, bare_t = [], []
     # warm-up: one-time costs of a fresh process (lazy imports, first optimizer) are not a round's
@@ -263,23 +292,16 @@ def round_benchmark(*, clients: int, per_round: int, rounds: int, repeats: int, 
     table.add_row("DynamicFL round: merge share", f"{100 * shares['merge']:.2f} %", "")
     table.add_row("DynamicFL round: REP + DYMM + merge", f"{100 * sum(shares.values()):.2f} %", "≤ 5 %")
     console.print(table)
-    out: dict[str, Any] = {"engine_s": e, "bare_s": b, "ratio": e / b, "dynamicfl_shares": shares, "rounds": rounds}
-    if paper:
-        p = paper_rounds(rounds=paper, warmup=paper_warmup, data_root=data_root)
-        out["paper_protocol"] = p
-        out["dynamicfl_over_fedavg"] = p["dynamicfl_over_fedavg"]
-        out["mac_ratio"] = p["mac_ratio"]
-        console.print(paper_table(p))
-    if json_path:
-        Path(json_path).write_text(json.dumps(out, indent=2))
-    return out
+    return {"engine_s": e, "bare_s": b, "ratio": e / b, "dynamicfl_shares": shares, "rounds": rounds}
 
 
 def paper_table(p: dict[str, Any]) -> Table:
     """The table of :func:`paper_rounds`."""
     first, last = p["warmup"] + 1, p["warmup"] + p["rounds"]
+    device = p.get("device", "cpu")
+    where = f"{p['threads']} thread" + ("s" if p["threads"] != 1 else "") + ("" if device == "cpu" else f", {device}")
     table = Table(title=f"A round at the DynamicFL paper's protocol (90 clients, 9 a round, E = 3, LeNet-5, tiers "
-                  f"1 : 2 : 3; {p['threads']} thread; median of rounds {first}–{last}, evaluation excluded)",
+                  f"1 : 2 : 3; {where}; median of rounds {first}–{last}, evaluation excluded)",
                   caption=f"data: {p['data']}; {100 * p['first_time_share']:.0f} % of the timed tasks were a "
                   "client's first (the rest returning clients, as in most of a run)")
     table.add_column("method")

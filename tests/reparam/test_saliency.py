@@ -317,3 +317,38 @@ def test_follows_dtype_change_after_creation():
     meter.after_backward()
     for n in net.block.branch_names:
         assert meter.values()[("block", n)] == pytest.approx(_hand(net, n, "synflow"), rel=1e-12), n
+
+
+@pytest.mark.parametrize("metric, normalize", [("synflow", None), ("snip", "numel"), ("grad_norm", None)])
+def test_values_computed_elsewhere_accumulate_as_recorded_ones(metric, normalize):
+    """``tracked()`` names what each key's value is computed from (an identity-based 1×1 stage at
+    its effective weight ``R + I``) and ``accumulate`` adds such values as ``after_backward`` adds
+    its own: a meter fed the per-step values computed from them, summed over the steps, reads the
+    same values as one that recorded the steps (float64)."""
+    net = Net().double()
+    recorded = SaliencyMeter(net, metric=metric, normalize=normalize)
+    fed = SaliencyMeter(net, metric=metric, normalize=normalize)
+    tracked = fed.tracked()
+    assert [k for k, _ in tracked] == list(recorded.values() or recorded.counts())
+    assert any(eff is not None for _, items in tracked for _, eff in items)  # the 1x1_kxk identity stage
+    total = torch.zeros(len(tracked), dtype=torch.float64)
+    for seed in range(3):
+        _backward(net, seed)
+        recorded.after_backward()
+        step = []
+        for _, items in tracked:
+            v = torch.zeros((), dtype=torch.float64)
+            for p, eff in items:
+                theta = (eff() if eff is not None else p).detach()
+                prod = p.grad * p.grad if metric == "grad_norm" else p.grad * theta
+                v = v + (prod.abs() if metric == "snip" else prod).sum(dtype=torch.float64)
+            numel = max(sum(p.numel() for p, _ in items), 1)
+            step.append((v.sqrt() if metric == "grad_norm" else v) / (numel if normalize == "numel" else 1))
+        total += torch.stack(step)
+    fed.accumulate(total, 3)
+    want, got = recorded.values(), fed.values()
+    assert want.keys() == got.keys() and fed.counts() == recorded.counts()
+    for k in want:
+        assert got[k] == pytest.approx(want[k], rel=1e-12, abs=1e-15)
+    with pytest.raises(ValueError, match="one per tracked key"):
+        fed.accumulate(torch.zeros(len(tracked) + 1, dtype=torch.float64), 1)

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar, Literal, Mapping
+from typing import TYPE_CHECKING, Any, ClassVar, Generator, Literal, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -51,6 +51,7 @@ from fedhetero.core.method.algorithm import Algorithm
 from fedhetero.core.common.options import OPTIONS_PATH, MethodOptions, option, require
 from fedhetero.core.hetero.submodel import SubmodelAggregator, SubmodelSpec, submodel_from
 from fedhetero.core.exchange.types import ClientResult, ClientTask, state_bytes
+from fedhetero.core.local.segments import LocalSegment, SegmentRule, Segments, run_segments
 from reparam.changes import StructureChange, apply_to_optimizer
 from reparam.dymm import dymm, shrink_to_budget
 from reparam.invariants import anchor_filter_norms, check_anchor_scale, check_gradients, check_optimizer, check_same_function
@@ -266,15 +267,29 @@ class DynamicFL(Algorithm):
     # architecture only (plain template, first-round plans, conv input sizes) is cached in the
     # client context, once per process.
     def client_update(self, ctx: ClientContext, task: ClientTask, state: dict[str, Any] | None) -> ClientResult:
-        """REP (or a pruned sub-model), Algorithm 1's local epochs, then the merged upload."""
-        run = self._task(ctx, task)
-        model = self._client_model(run, state)
-        return self._upload(run, self._local_train(run, model))
+        """REP (or a pruned sub-model), Algorithm 1's local epochs, then the merged upload: the
+        segments of :meth:`local_segments`, trained one after another."""
+        return run_segments(ctx, task, self._segments(ctx, task, state))
 
     def local_plan(self, ctx: ClientContext, task: ClientTask, state: dict[str, Any] | None) -> None:
-        """None: REP, Algorithm 1's epochs with DYMM and the merged upload run in
-        :meth:`client_update`, one client at a time."""
+        """None: the structure changes between epochs (DYMM), so no single plan states the local
+        training; :meth:`local_segments` does."""
         return None
+
+    def local_segments(self, ctx: ClientContext, task: ClientTask, state: dict[str, Any] | None) -> Segments | None:
+        """REP, Algorithm 1's epochs as segments split where the structure may change (after DYMM's
+        global epoch, after the second epoch when the budget changes), and the merged upload.
+        Coinciding segments of a round's clients (the same structure, the same epochs) train as one
+        batched cohort, the saliency meter and the blocks' step scaling applied to the stacked
+        gradients (:meth:`_cohort_rule`); with ``verify`` or ``saliency: random`` every segment
+        trains alone (the checks and the random values are per model)."""
+        return self._segments(ctx, task, state)
+
+    def _segments(self, ctx: ClientContext, task: ClientTask, state: dict[str, Any] | None) -> Segments:
+        run = self._task(ctx, task)
+        model = self._client_model(run, state)
+        report = yield from self._local_train(run, model)
+        return self._upload(run, report)
 
     def client_model(self, ctx: ClientContext, task: ClientTask, state: dict[str, Any] | None = None) -> nn.Module:
         """The model this client would train on ``task`` from its private ``state`` (what
@@ -540,10 +555,78 @@ class DynamicFL(Algorithm):
         scales = reparam.branch_step_scales(model)
         return [(p, scales[name]) for name, p in model.named_parameters() if name in scales]
 
-    def _local_train(self, run: _Task, model: nn.Module) -> dict[str, Any]:
+    def _cohort_rule(self, segments: Sequence[LocalSegment]) -> SegmentRule | None:
+        """What each segment's ``after_backward`` does (the saliency meter reads the loss
+        gradients, then the blocks' step scaling), for a cohort of clients of one structure: the
+        meter's value per key and client from the stacked gradients and parameters (``Σ g·θ`` and
+        the other metrics, products in the parameters' dtype, sums in float64, an identity-based
+        1×1 stage at its effective weight ``R + I``), summed over an epoch's steps and handed to
+        each client's meter at the epoch's end; the step scales multiply the stacked gradients."""
+        meters: list[SaliencyMeter] = [s.own for s in segments]
+        model = segments[0].model
+        names = {p: n for n, p in model.named_parameters()}
+        tracked = meters[0].tracked()
+        flat: list[tuple[str, torch.Tensor | None, int]] = []
+        numel = []
+        for k, (_key, items) in enumerate(tracked):
+            for p, effective in items:
+                if p not in names:
+                    return None
+                offset = None
+                if effective is not None:
+                    with torch.no_grad():
+                        offset = (effective() - p).detach()  # the identity of R + I
+                flat.append((names[p], offset, k))
+            numel.append(max(sum(p.numel() for p, _ in items), 1))
+        metric, normalize = self.options.saliency, meters[0].normalize
+        by_scale: dict[float, list[str]] = {}
+        for p, scale in self._step_scales(model):
+            by_scale.setdefault(scale, []).append(names[p])
+        clients, dev = len(segments), next(model.parameters()).device
+        sums = torch.zeros((clients, len(tracked)), dtype=torch.float64, device=dev)
+        steps = torch.zeros(clients, dtype=torch.float64, device=dev)
+        numel_vec = torch.tensor(numel, dtype=torch.float64, device=dev)
+
+        def grad(params: Mapping[str, torch.Tensor], grads: Mapping[str, torch.Tensor]) -> None:
+            with torch.no_grad():
+                if flat:
+                    vals = torch.zeros_like(sums)
+                    for name, offset, k in flat:
+                        g = grads[name]
+                        if metric == "grad_norm":
+                            prod = g * g
+                        else:
+                            theta = params[name] if offset is None else params[name] + offset
+                            prod = g * theta
+                            if metric == "snip":
+                                prod = prod.abs()
+                        vals[:, k] += prod.flatten(1).sum(1, dtype=torch.float64)
+                    if metric == "grad_norm":
+                        vals = vals.sqrt()
+                    if normalize == "numel":
+                        vals = vals / numel_vec
+                    finite = torch.isfinite(vals).all(1)
+                    sums.add_(torch.where(finite.unsqueeze(1), vals, torch.zeros_like(vals)))
+                    steps.add_(finite.to(torch.float64))
+                    skipped.add_((~finite).to(torch.float64))
+                for scale, group in by_scale.items():
+                    torch._foreach_mul_([grads[n] for n in group], scale)
+
+        skipped = torch.zeros_like(steps)
+
+        def epoch_end() -> None:
+            for j, meter in enumerate(meters):
+                meter.accumulate(sums[j], float(steps[j]), float(skipped[j]))
+            sums.zero_()
+            steps.zero_()
+            skipped.zero_()
+
+        return SegmentRule(grad=grad, epoch_end=epoch_end)
+
+    def _local_train(self, run: _Task, model: nn.Module) -> Generator[LocalSegment, dict[str, Any], dict[str, Any]]:
         """Algorithm 1's local epochs, split where the structure may change (after DYMM's global
-        epoch, and after the second epoch when the budget changes). Leaves the trained model and
-        its last-epoch saliency S_l in ``run``."""
+        epoch, and after the second epoch when the budget changes): yields each segment, receives
+        its training report. Leaves the trained model and its last-epoch saliency S_l in ``run``."""
         ctx, client = run.ctx, run.task
         E = ctx.cfg.train.local_epochs
         run.budget = client.budget_macs
@@ -553,7 +636,7 @@ class DynamicFL(Algorithm):
         self._verify_optimizer(model, opt, f"the optimizer was built ({run.mode})")
         res: dict[str, Any] = {"loss": float("nan")}
 
-        def segment(first: int, last: int) -> None:
+        def segment(first: int, last: int) -> Generator[LocalSegment, dict[str, Any], None]:
             """Epochs ``first … last−1`` on the current model, optimizer and saliency meter."""
             nonlocal res
             if last <= first:
@@ -582,20 +665,14 @@ class DynamicFL(Algorithm):
                     meter.reset()
 
             before = self._anchor_norms(model)
-            res = ctx.train(
-                model,
-                client,
-                last - first,
-                optimizer=opt,
-                after_backward=after_backward,
-                on_epoch_end=on_epoch_end,
-                first_epoch=first,
-            )
+            batched = not self.options.verify and self.options.saliency != "random"
+            res = yield LocalSegment(model, opt, first, last, after_backward=after_backward, on_epoch_end=on_epoch_end,
+                                     cohort=self._cohort_rule if batched else None, own=meter)
             self._record_growth(run, before, self._anchor_norms(model))
 
         change_at = 2 if client.budget_after_change is not None and E > 2 else E
         if run.mode == "dymm" and E > 1:
-            segment(0, 1)  # one epoch on ε recording S_g
+            yield from segment(0, 1)  # one epoch on ε recording S_g
             s_global = meter.values()
             with ctx.timer("dymm"):
                 model.eval()
@@ -629,11 +706,11 @@ class DynamicFL(Algorithm):
             start = 1
         else:
             start = 0
-        segment(start, change_at)
+        yield from segment(start, change_at)
         if change_at < E:
             model, opt = self._adapt_budget(run, model, meter, opt)
             meter = self._meter(run, model)
-            segment(change_at, E)
+            yield from segment(change_at, E)
         run.model = model
         run.s_local = meter.values()
         report["mode"] = run.mode

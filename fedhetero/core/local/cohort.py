@@ -127,10 +127,16 @@ def _stacked_for(ctx: "ClientContext", model: nn.Module, clients: int) -> nn.Mod
     own models once per architecture (at three clients); None when the model cannot be stacked."""
     arch = (type(model).__name__, str(ctx.dtype), str(ctx.device),
             tuple((k, tuple(v.shape)) for k, v in model.state_dict().items()),
+            tuple(type(m).__qualname__ for m in model.modules()),
             tuple((name, tuple(_hook_key(h) for h in m._forward_hooks.values()))
                   for name, m in model.named_modules() if m._forward_hooks))
     key = ("stacked", clients, *arch)
-    if key not in ctx.cache:
+    if key in ctx.cache:
+        ctx.cache[key] = ctx.cache.pop(key)  # most recently used last
+    else:
+        held = [k for k in ctx.cache if isinstance(k, tuple) and k and k[0] == "stacked"]
+        for old in held[: max(0, len(held) + 1 - STACKED_KEPT)]:  # the least recently used go
+            del ctx.cache[old]
         checked = ("stacking-checked", *arch)
         state = torch.get_rng_state()
         try:
@@ -147,6 +153,11 @@ def _stacked_for(ctx: "ClientContext", model: nn.Module, clients: int) -> nn.Mod
                 stacked = stacked.to(memory_format=torch.channels_last)  # type: ignore[call-overload]  # Module.to accepts it; the stubs do not say so
         ctx.cache[key] = stacked
     return ctx.cache[key]
+
+
+#: stacked models kept per process (built once per architecture and cohort size): a method whose
+#: clients train many structures (DynamicFL's grown branches) would otherwise keep one of each
+STACKED_KEPT = 16
 
 
 def _clip_per_client(grads: dict[str, torch.Tensor], max_norm: float) -> None:
@@ -607,10 +618,13 @@ def plan_cohorts(steps: Sequence[int], *, min_size: int, max_size: int, slack: f
 
 def structure_key(model: nn.Module) -> tuple[Any, ...]:
     """What clients trained as one cohort must share: the model's class and every state entry's
-    name, shape and dtype, and which parameters train."""
+    name, shape and dtype, which parameters train, and the class of every submodule (a layer
+    whose forward differs with the same entries, such as an identity-based 1×1 conv beside a plain
+    one, is another structure)."""
     return (type(model).__module__, type(model).__qualname__,
             tuple((k, tuple(v.shape), str(v.dtype)) for k, v in model.state_dict().items()),
-            tuple(n for n, p in model.named_parameters() if p.requires_grad))
+            tuple(n for n, p in model.named_parameters() if p.requires_grad),
+            tuple(type(m).__qualname__ for m in model.modules()))
 
 
 def client_bytes(ctx: "ClientContext", model: nn.Module) -> int:

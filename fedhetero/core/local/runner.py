@@ -18,6 +18,7 @@ from torch import nn
 
 from fedhetero.core.local.cohort import client_bytes, client_steps, plan_cohorts, structure_key, train_cohort
 from fedhetero.core.local.objective import LocalObjective, LocalPhase, LocalPlan, LocalSGD, rules_key
+from fedhetero.core.local.segments import Segments, train_segments
 from fedhetero.core.exchange.types import ClientResult, ClientTask, merge_optimizer_state
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -45,6 +46,9 @@ class ClientHalf(Protocol):
     def upload(self, ctx: "ClientContext", task: ClientTask, model: nn.Module, result: dict[str, Any]) -> ClientResult:
         """What travels back to the server."""
 
+    def local_segments(self, ctx: "ClientContext", task: ClientTask, state: dict[str, Any] | None) -> Segments | None:
+        """The client's local training as segments (:mod:`fedhetero.core.local.segments`), or None."""
+
 
 class _Trainee(NamedTuple):
     """One model a cohort trains: a task's model, or one member of it (``LocalPlan.members``)."""
@@ -64,6 +68,7 @@ class _Trainee(NamedTuple):
 def train_cohorts(
     algorithm: ClientHalf, ctx: "ClientContext", tasks: list[ClientTask], states: list[dict[str, Any] | None],
     optimizer_states: list[dict[str, Any] | None] | None = None,
+    measured: dict[int, tuple[float, dict[str, float]]] | None = None,
 ) -> list[ClientResult | None]:
     """The client halves of several tasks of one exchange, trained in batched cohorts where they
     can be. Returns one entry per task: its result, or None for a task the back end then runs one
@@ -76,13 +81,25 @@ def train_cohorts(
     (:func:`~fedhetero.core.local.cohort.plan_cohorts`), cohorts capped by
     ``engine.cohort_memory_mb``; :meth:`Algorithm.client_model` and :meth:`Algorithm.upload`
     run per task as they do one by one, and a task any of whose members found no cohort runs
-    one by one. ``optimizer_states``: each client's kept momentum buffers."""
+    one by one. ``optimizer_states``: each client's kept momentum buffers.
+
+    A method that states its local training as segments (:meth:`Algorithm.local_segments`,
+    DynamicFL's epochs around DYMM) has its tasks advanced together by
+    :func:`~fedhetero.core.local.segments.train_segments`, coinciding segments batched, where
+    small cohorts pay: with ``engine.vectorize: true``, or on a GPU by default (on a CPU the
+    coinciding structures of such a round are too few and too small: those tasks run one by one).
+    Their wall seconds and timers, measured per client, go into ``measured`` by task index."""
     out: list[ClientResult | None] = [None] * len(tasks)
     if len(tasks) < 2:
         return out
     e = ctx.cfg.engine
     auto_cpu = e.vectorize is None and ctx.device.type == "cpu"
     smallest = e.min_cohort if auto_cpu else 2
+    if not auto_cpu and ctx.cfg.train.optimizer_state != "persistent":
+        for i, (result, seconds, timers) in train_segments(algorithm, ctx, tasks, states, smallest=smallest).items():
+            out[i] = result
+            if measured is not None:
+                measured[i] = (seconds, timers)
     steps_of = [client_steps(ctx, t.cid) for t in tasks]
     if auto_cpu:  # a cohort's own cost is repaid over a client's steps: short clients one by one
         steps_of = [n if n >= AUTO_MIN_STEPS else 0 for n in steps_of]
@@ -92,7 +109,7 @@ def train_cohorts(
     groups: dict[Any, list[_Trainee]] = {}
     parts: dict[int, tuple[int, LocalPlan]] = {}
     for i, (task, state) in enumerate(zip(tasks, states)):
-        if steps_of[i] == 0:
+        if steps_of[i] == 0 or out[i] is not None:
             continue
         with ctx.client_scope(task):
             plan = algorithm.local_plan(ctx, task, state)

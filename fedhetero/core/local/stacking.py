@@ -20,6 +20,11 @@ client's channels in its own block:
   generator seeded alike, bit for bit;
 * activations, pooling, flattening and additions act elementwise or per channel, and stay, as do
   forward hooks on a layer (they must act elementwise too: the check below tells);
+* the layers of ``reparam``'s Diverse Branch Blocks: an identity-based 1×1 conv (``R + I``) becomes
+  a grouped one with each client's identity, a frozen identity norm one over every client's
+  channels; the blocks themselves run branch by branch (:func:`stack_model` marks them, so that
+  their fused training forwards, which compute BatchNorm statistics themselves over every row,
+  padded ones included, stay out of a stacked model);
 
 Each stacked parameter is the clients' parameters stacked and reshaped, so ``p.view(C, *shape)``
 is client ``c``'s parameter at row ``c``: the cohort trainer reads and updates the clients through
@@ -37,9 +42,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from reparam import DiverseBranchBlock
+from reparam.layers import FrozenIdentityBN, IdentityBasedConv1x1
+
 __all__ = [
-    "StackedBatchNorm2d", "StackedConv2d", "StackedDropout", "StackedGroupNorm", "StackedLinear", "client_shapes",
-    "load_clients", "stack_model", "stacked_dropouts", "stacked_layers", "views",
+    "StackedBatchNorm2d", "StackedConv2d", "StackedDropout", "StackedGroupNorm", "StackedIdentityConv1x1",
+    "StackedLinear", "client_shapes", "load_clients", "stack_model", "stacked_dropouts", "stacked_layers", "views",
 ]
 
 
@@ -56,6 +64,40 @@ class StackedConv2d(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.conv2d(x, self.weight, self.bias, self.stride, self.padding, self.dilation, self.groups)
+
+
+class StackedIdentityConv1x1(nn.Module):
+    """``C`` copies of an identity-based 1×1 conv (:class:`reparam.layers.IdentityBasedConv1x1`,
+    effective weight ``R + I``) as one grouped convolution: each client's residual ``R`` trains,
+    the identity is every client's own and fixed (a non-persistent buffer, as in the original)."""
+
+    id_tensor: torch.Tensor
+
+    def __init__(self, conv: IdentityBasedConv1x1, clients: int) -> None:
+        super().__init__()
+        self.clients = clients
+        self.groups = conv.groups * clients
+        self.weight = nn.Parameter(conv.weight.detach().repeat(clients, 1, 1, 1))
+        self.register_buffer("id_tensor", conv.id_tensor.detach().repeat(clients, 1, 1, 1), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.conv2d(x, self.weight + self.id_tensor.to(self.weight.dtype), None, 1, 0, 1, self.groups)
+
+
+def _frozen_norm(norm: FrozenIdentityBN, clients: int) -> FrozenIdentityBN:
+    """``C`` copies of a frozen identity norm: one over every client's channels (it acts per
+    channel, with fixed statistics)."""
+    out = FrozenIdentityBN(norm.num_features * clients, norm.eps)
+    with torch.no_grad():
+        for name in ("weight", "bias", "running_mean", "running_var"):
+            getattr(out, name).copy_(getattr(norm, name).repeat(clients))
+    return out.to(norm.running_var.device, norm.running_var.dtype)
+
+
+def _branch_by_branch(_module: nn.Module, _args: Any) -> None:
+    """A forward pre-hook that does nothing: a block with a hook runs its branch modules one by
+    one (its fused training forwards are for unhooked blocks only)."""
+    return None
 
 
 class StackedLinear(nn.Module):
@@ -214,6 +256,10 @@ def _stacked(module: nn.Module, clients: int) -> nn.Module | None:
         return StackedBatchNorm2d(module, clients)
     if type(module) is nn.GroupNorm and module.affine:
         return StackedGroupNorm(module, clients)
+    if type(module) is IdentityBasedConv1x1 and module.padding_mode == "zeros":
+        return StackedIdentityConv1x1(module, clients)
+    if type(module) is FrozenIdentityBN:
+        return _frozen_norm(module, clients)
     return None
 
 
@@ -257,6 +303,9 @@ def stack_model(model: nn.Module, clients: int, in_shape: tuple[int, ...], *, ch
         return None
     if not _replace(stacked, clients):
         return None
+    for m in stacked.modules():
+        if isinstance(m, DiverseBranchBlock):
+            m.register_forward_pre_hook(_branch_by_branch)
     if check and not _agrees(model, stacked, clients, in_shape):
         return None
     return stacked
@@ -300,8 +349,8 @@ def _agrees(model: nn.Module, stacked: nn.Module, clients: int, in_shape: tuple[
                     want = ref(x[:, c]).reshape(3, -1)
                 if got.shape[2] != want.shape[1] or not torch.allclose(got[:, c], want, rtol=1e-9, atol=1e-9):
                     return False
-    except (RuntimeError, ValueError, IndexError):
-        return False
+    except (RuntimeError, ValueError, IndexError, TypeError, AttributeError):
+        return False  # a layer that cannot run on the stacked channels
     return True
 
 

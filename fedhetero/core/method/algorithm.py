@@ -46,6 +46,7 @@ from torch import nn
 
 from fedhetero.core.exchange.aggregation import streamed_mean, weighted_average
 from fedhetero.core.local.objective import LocalPlan
+from fedhetero.core.local.segments import Segments
 from fedhetero.core.exchange.types import (
     ClientInfo,
     ClientResult,
@@ -200,6 +201,20 @@ class Algorithm:
         if objective is not None and objective.finish is not None:
             objective.finish(result)
         return result
+
+    def local_segments(self, ctx: "ClientContext", task: ClientTask, state: dict[str, Any] | None) -> Segments | None:
+        """This client's whole client half as segments of local training, for a method whose
+        model changes between epochs of one local round (so that no :meth:`local_plan` states
+        it): a generator that builds the model, yields each
+        :class:`~fedhetero.core.local.segments.LocalSegment` (epochs on a model with its
+        optimizer), receives what training it reported, does what comes between segments and
+        returns the upload, as :meth:`client_update` would. Clients advanced together
+        (:func:`~fedhetero.core.local.segments.train_segments`) train coinciding segments — the
+        same structure, the same epochs — as one batched cohort, with the same numbers up to the
+        order of floating-point sums. Such a method's :meth:`client_update` runs the same
+        generator alone (:func:`~fedhetero.core.local.segments.run_segments`). Default None: the
+        method's clients train as :meth:`client_update` and :meth:`local_plan` say."""
+        return None
 
     def local_plan(self, ctx: "ClientContext", task: ClientTask, state: dict[str, Any] | None) -> LocalPlan | None:
         """What this client's local training is, as a value (:class:`~fedhetero.core.local.objective.LocalPlan`):

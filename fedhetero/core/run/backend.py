@@ -147,18 +147,25 @@ def run_together(
             state, kept = split_optimizer_state(states.get(t.cid))
             private.append(state)
             buffers.append(kept)
-        results = train_cohorts(algorithm, ctx, ordered, private, buffers)
+        measured: dict[int, tuple[float, dict[str, float]]] = {}
+        results = train_cohorts(algorithm, ctx, ordered, private, buffers, measured)
     except Exception as exc:  # run one by one, which attributes the failure to its client
         warnings.warn(f"engine.vectorize: the batched run of {len(ordered)} clients failed "
                       f"({type(exc).__name__}: {exc}); they run one by one", CohortFallbackWarning, stacklevel=2)
         return {}
-    together = [(t, r) for t, r in zip(ordered, results) if r is not None]
+    together = [(i, t, r) for i, (t, r) in enumerate(zip(ordered, results)) if r is not None]
     if not together:
         return {}
-    share = (time.perf_counter() - t0) / len(together)
-    for _, r in together:
-        r.timers = {}
-    return {t.cid: _checked(t, r, share) for t, r in together}
+    # tasks timed on their own (segments) keep their time and timers; the rest share what is left
+    own = sum(measured[i][0] for i, _, _ in together if i in measured)
+    shared = [i for i, _, _ in together if i not in measured]
+    share = max(time.perf_counter() - t0 - own, 0.0) / max(len(shared), 1)
+    out = {}
+    for i, t, r in together:
+        seconds, timers = measured.get(i, (share, {}))
+        r.timers = dict(timers)
+        out[t.cid] = _checked(t, r, seconds)
+    return out
 
 
 def run_tasks(

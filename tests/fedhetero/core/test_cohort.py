@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from fedhetero.core.run.engine import Engine
-from _util import ROOT, SESSION_BASE, session_cfg
+from _util import ROOT, SESSION_BASE, dotted, session_cfg
 
 
 BASE = SESSION_BASE
@@ -150,13 +150,7 @@ def _fedavg_like(name: str, **over):
                   "momentum": 0.9, "nesterov": True, "weight_decay": 0.001},
         "algorithm": {"name": name},
     }
-    for key, value in over.items():
-        node = data
-        *parts, last = key.split(".")
-        for p in parts:
-            node = node.setdefault(p, {})
-        node[last] = value
-    return from_dict(data)
+    return from_dict(dotted(data, over))
 
 
 @pytest.mark.parametrize(
@@ -236,6 +230,28 @@ def test_stacking_refuses_what_it_cannot_stack():
 
     assert stack_model(Mixing(), 3, (1, 6, 6)) is None
     assert stack_model(Odd(), 3, (8, 1, 1)) is None
+
+
+def test_expanded_models_stack_with_their_reparam_layers():
+    """A model expanded into Diverse Branch Blocks (identity-based 1×1 stages, nested blocks
+    with frozen identity norms) stacks: each stacked forward equals each client's own model
+    (stack_model checks it in float64, train and eval), and every block runs branch by branch."""
+    import reparam
+    from models import build_model
+    from reparam.layers import FrozenIdentityBN, IdentityBasedConv1x1
+    from reparam.planning import fill_to_budget
+    from fedhetero.core.local.stacking import StackedIdentityConv1x1, stack_model
+
+    torch.manual_seed(0)
+    model = reparam.expand(build_model("lenet5", num_classes=10, in_channels=1, norm="bn"), branches="all")
+    fill_to_budget(model, 4 * reparam.model_macs(model, (1, 32, 32)), (1, 32, 32), grow_mode="nested")
+    kinds = {type(m) for m in model.modules()}
+    assert IdentityBasedConv1x1 in kinds and FrozenIdentityBN in kinds
+    stacked = stack_model(model, 3, (1, 32, 32))
+    assert stacked is not None
+    assert any(isinstance(m, StackedIdentityConv1x1) for m in stacked.modules())
+    blocks = [m for m in stacked.modules() if isinstance(m, reparam.DiverseBranchBlock)]
+    assert blocks and all(b._forward_pre_hooks for b in blocks)  # hooked blocks take no fused path
 
 
 def test_stacked_cohort_accuracy_curves_within_the_seed_spread(tmp_path):
@@ -562,9 +578,10 @@ def test_a_resumed_cohort_run_equals_the_uninterrupted_one_bit_for_bit(tmp_path)
 
 
 # ---------------------------------------------------------------------------- local training as a value
-def test_a_method_that_trains_itself_builds_each_client_model_once(tmp_path, monkeypatch):
-    """A method whose plan is None (DynamicFL: REP, DYMM and the merged upload in its own client
-    half) costs the batched path nothing: every client's model is built once, by its own run."""
+def test_a_method_that_trains_in_segments_builds_each_client_model_once(tmp_path, monkeypatch):
+    """A method whose plan is None and whose local training comes in segments (DynamicFL: REP,
+    the epochs around DYMM and the merged upload) builds every client's model once, in its own
+    client half, whether its segments then train alone or in cohorts."""
     from fedhetero.algorithms.dynamicfl.algorithm import DynamicFL
 
     built: list[int] = []
@@ -574,7 +591,8 @@ def test_a_method_that_trains_itself_builds_each_client_model_once(tmp_path, mon
     res = Engine(_fedavg_like("dynamicfl", **{"engine.vectorize": True, "dtype": "float32", "train.rounds": 1}),
                  tmp_path / "d", progress=False).run()
     clients = [c["cid"] for c in res.metrics[0]["clients"]]
-    assert sizes == [] and sorted(built) == sorted(clients) and len(clients) == 6
+    assert sorted(built) == sorted(clients) and len(clients) == 6
+    assert sizes and all(n >= 2 for n in sizes)  # the clients of one structure trained together
 
 
 def test_the_guides_example_trains_in_cohorts_with_its_one_by_one_numbers(tmp_path, monkeypatch):

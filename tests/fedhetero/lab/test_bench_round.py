@@ -23,6 +23,9 @@ def test_the_paper_config_is_the_shipped_one(tmp_path):
     one = to_dict(paper_config("fedavg-one-by-one", 4, "D"))
     assert one["algorithm"]["name"] == "fedavg" and one["engine"]["vectorize"] is False
     assert to_dict(paper_config("fedavg", 4, "D"))["engine"]["vectorize"] is None
+    # the device the rounds train on: the CPU unless a GPU's rows are asked for
+    assert shipped["device"] == "cpu"
+    assert to_dict(paper_config("dynamicfl", 4, "D", device="cuda")) == {**shipped, "device": "cuda"}
 
 
 def test_paper_rounds_report_time_and_macs_of_both_methods(tmp_path, monkeypatch):
@@ -131,3 +134,42 @@ def test_tier_costs_and_ratios_from_client_entries():
     # the baseline: 1.2 s over 1,200 samples, 1,000 µs a sample, 1,000 MACs
     assert r["small"] == pytest.approx({"time_ratio": 1.2, "mac_ratio": 1.0, "time_per_mac": 1.2})
     assert r["large"] == pytest.approx({"time_ratio": 5.0, "mac_ratio": 3.0, "time_per_mac": 5.0 / 3.0})
+
+
+def test_bench_round_paper_only_times_the_paper_rounds_alone(tmp_path, monkeypatch, capsys):
+    import functools
+    import json
+
+    import fedhetero.lab.bench as bench
+
+    def no_engine_rows(*a, **k):
+        raise AssertionError("--paper-only ran the engine-vs-bare rows")
+
+    monkeypatch.setenv("FEDHETERO_DATA_DIR", str(tmp_path / "none"))
+    monkeypatch.setattr(bench, "paper_rounds", functools.partial(bench.paper_rounds, images=1800))
+    monkeypatch.setattr(bench, "_engine_rows", no_engine_rows)
+    out = tmp_path / "r.json"
+    assert main(["bench", "round", "--paper-only", "--paper-rounds", "1", "--paper-warmup", "1",
+                 "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert "engine_s" not in data and "dynamicfl_shares" not in data
+    assert data["paper_protocol"]["device"] == "cpu" and data["dynamicfl_over_fedavg"] > 0
+    assert "DynamicFL / FedAvg" in capsys.readouterr().out
+
+
+def test_bench_round_refuses_what_it_cannot_run_with_one_line(capsys):
+    import torch
+
+    # --paper-only without paper rounds would time nothing
+    assert main(["bench", "round", "--paper-only", "--paper-rounds", "0"]) == 2  # a config error
+    assert "--paper-only needs paper-protocol rounds" in capsys.readouterr().err
+    if not torch.cuda.is_available():  # told before the CPU rows run, not minutes later
+        assert main(["bench", "round", "--device", "cuda"]) == 2
+        assert "CUDA is not available" in capsys.readouterr().err
+
+
+@pytest.mark.skipif("not __import__('torch').cuda.is_available()", reason="needs a CUDA device")
+def test_paper_rounds_run_on_a_gpu(tmp_path, monkeypatch):
+    monkeypatch.setenv("FEDHETERO_DATA_DIR", str(tmp_path / "none"))
+    out = paper_rounds(rounds=1, warmup=1, data_root=None, images=1800, device="cuda")
+    assert out["device"] == "cuda" and out["mac_ratio"] > 1 and out["dynamicfl_over_fedavg"] > 0
