@@ -232,6 +232,29 @@ def test_stacking_refuses_what_it_cannot_stack():
     assert stack_model(Odd(), 3, (8, 1, 1)) is None
 
 
+def test_a_process_keeps_a_bounded_number_of_stacked_models(monkeypatch):
+    """Stacked models are built once per architecture and cohort size and reused; a run whose
+    clients train many structures keeps at most ``STACKED_KEPT`` of them, the least recently used
+    going first."""
+    from types import SimpleNamespace
+
+    from fedhetero.core.local import cohort
+
+    monkeypatch.setattr(cohort, "STACKED_KEPT", 3)
+    ctx = SimpleNamespace(cache={}, dtype=torch.float32, device=torch.device("cpu"), input_shape=(4,))
+    models = [torch.nn.Sequential(torch.nn.Linear(4, n)) for n in range(2, 7)]
+    first = cohort._stacked_for(ctx, models[0], 2)
+    assert first is not None and cohort._stacked_for(ctx, models[0], 2) is first  # reused
+    for m in models[1:3]:
+        cohort._stacked_for(ctx, m, 2)
+    cohort._stacked_for(ctx, models[0], 2)  # used again: now the most recent
+    cohort._stacked_for(ctx, models[3], 2)  # a fourth: the least recently used (models[1]) goes
+    held = [k for k in ctx.cache if k[0] == "stacked"]
+    assert len(held) == 3
+    assert cohort._stacked_for(ctx, models[0], 2) is first
+    assert len([k for k in ctx.cache if k[0] == "stacked"]) == 3
+
+
 def test_expanded_models_stack_with_their_reparam_layers():
     """A model expanded into Diverse Branch Blocks (identity-based 1×1 stages, nested blocks
     with frozen identity norms) stacks: each stacked forward equals each client's own model
