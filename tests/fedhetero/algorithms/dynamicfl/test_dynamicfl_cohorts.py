@@ -120,3 +120,55 @@ def test_on_a_cpu_by_default_dynamicfl_trains_one_by_one(tmp_path, monkeypatch):
     sizes = _spied(monkeypatch)
     Engine(_cfg(None, dtype="float32", rounds=2, **{"train.batch_size": 4}), tmp_path / "d", progress=False).run()
     assert called == [] and sizes == []
+
+
+def _close(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    for k, v in a.items():
+        if v.is_floating_point():
+            assert torch.allclose(v, b[k], rtol=1e-9, atol=1e-9 * float(v.abs().max())), k
+        else:
+            assert torch.equal(v, b[k]), k
+
+
+def test_the_process_back_end_batches_each_executors_share(tmp_path):
+    """On worker processes each executor advances its share of the round's clients together: the
+    model equals the local one-by-one run's up to the order of sums (float64)."""
+    one = Engine(_cfg(False, rounds=2), tmp_path / "one", progress=False).run()
+    proc = Engine(_cfg(True, rounds=2, **{"engine.backend": "process", "engine.workers": 2}), tmp_path / "proc",
+                  progress=False).run()
+    _close(_final(tmp_path / "one"), _final(tmp_path / "proc"))
+    assert [{k: c.get(k) for k in STRUCTURE} for c in _clients(one)] == \
+        [{k: c.get(k) for k in STRUCTURE} for c in _clients(proc)]
+
+
+from hypothesis import given, settings, strategies as st  # noqa: E402
+
+
+@settings(max_examples=4, deadline=None, derandomize=True)
+@given(
+    epochs=st.sampled_from([1, 2, 3]),
+    tiers=st.sampled_from([TIERS, [{"name": "x", "ratio": 1.0, "share": 0.5}, {"name": "y", "ratio": 2.5, "share": 0.5}],
+                           [{"name": "z", "ratio": 3.0, "share": 1.0}]]),
+    saliency=st.sampled_from(["synflow", "snip", "grad_norm"]),
+    block_step=st.sampled_from(["sum", "mean"]),
+    momentum=st.sampled_from([0.0, 0.9]),
+    nesterov=st.booleans(),
+    batch=st.sampled_from([8, 16]),
+)
+def test_cohorts_equal_one_by_one_over_random_setups(tmp_path_factory, epochs, tiers, saliency, block_step, momentum,
+                                                     nesterov, batch):
+    """The invariant over random set-ups: whatever the epochs (DYMM's segment split), tiers,
+    saliency metric, block step and SGD, a run whose coinciding segments train as cohorts equals
+    the one-by-one run up to the order of sums (float64): the final model, each client's loss and
+    the structure decisions."""
+    tmp = tmp_path_factory.mktemp("seg")
+    options = {"saliency": saliency, "block_step": block_step}
+    over = {"budget.tiers": tiers, "train.local_epochs": epochs, "train.momentum": momentum,
+            "train.nesterov": nesterov and momentum > 0, "train.batch_size": batch}
+    one = Engine(_cfg(False, rounds=2, options=options, **over), tmp / "one", progress=False).run()
+    together = Engine(_cfg(True, rounds=2, options=options, **over), tmp / "all", progress=False).run()
+    _close(_final(tmp / "one"), _final(tmp / "all"))
+    for x, y in zip(_clients(one), _clients(together), strict=True):
+        assert {k: x.get(k) for k in STRUCTURE} == {k: y.get(k) for k in STRUCTURE}
+        assert y["loss"] == pytest.approx(x["loss"], rel=1e-9)
