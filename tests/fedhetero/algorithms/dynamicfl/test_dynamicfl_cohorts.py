@@ -48,6 +48,16 @@ def _final(path: Path) -> dict[str, torch.Tensor]:
 STRUCTURE = ("mode", "branches", "grown", "folded", "filled")
 
 
+def _close(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    """Two final models equal up to the order of float64 sums."""
+    assert a.keys() == b.keys()
+    for k, v in a.items():
+        if v.is_floating_point():
+            assert torch.allclose(v, b[k], rtol=1e-9, atol=1e-9 * float(v.abs().max())), k
+        else:
+            assert torch.equal(v, b[k]), k
+
+
 def _clients(res):
     return [c for r in res.metrics for c in r["clients"]]
 
@@ -63,13 +73,7 @@ def test_coinciding_segments_train_as_cohorts_with_one_by_one_numbers(tmp_path, 
     assert sizes == []
     together = Engine(_cfg(True, options=options, **over), tmp_path / "all", progress=False).run()
     assert sizes and min(sizes) >= 2  # coinciding segments trained as cohorts
-    a, b = _final(tmp_path / "one"), _final(tmp_path / "all")
-    assert a.keys() == b.keys()
-    for k, v in a.items():
-        if v.is_floating_point():
-            assert torch.allclose(v, b[k], rtol=1e-9, atol=1e-9 * float(v.abs().max())), k
-        else:
-            assert torch.equal(v, b[k]), k
+    _close(_final(tmp_path / "one"), _final(tmp_path / "all"))
     ca, cb = _clients(one), _clients(together)
     assert [c["cid"] for c in ca] == [c["cid"] for c in cb]
     for x, y in zip(ca, cb):
@@ -120,15 +124,6 @@ def test_on_a_cpu_by_default_dynamicfl_trains_one_by_one(tmp_path, monkeypatch):
     sizes = _spied(monkeypatch)
     Engine(_cfg(None, dtype="float32", rounds=2, **{"train.batch_size": 4}), tmp_path / "d", progress=False).run()
     assert called == [] and sizes == []
-
-
-def _close(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
-    assert a.keys() == b.keys()
-    for k, v in a.items():
-        if v.is_floating_point():
-            assert torch.allclose(v, b[k], rtol=1e-9, atol=1e-9 * float(v.abs().max())), k
-        else:
-            assert torch.equal(v, b[k]), k
 
 
 def test_the_process_back_end_batches_each_executors_share(tmp_path):
