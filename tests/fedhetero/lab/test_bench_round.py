@@ -23,6 +23,8 @@ def test_the_paper_config_is_the_shipped_one(tmp_path):
     one = to_dict(paper_config("fedavg-one-by-one", 4, "D"))
     assert one["algorithm"]["name"] == "fedavg" and one["engine"]["vectorize"] is False
     assert to_dict(paper_config("fedavg", 4, "D"))["engine"]["vectorize"] is None
+    batched = to_dict(paper_config("dynamicfl-batched", 4, "D"))  # DynamicFL's cohorts on a CPU too
+    assert batched == {**shipped, "engine": {**shipped["engine"], "vectorize": True}}
     # the device the rounds train on: the CPU unless a GPU's rows are asked for
     assert shipped["device"] == "cpu"
     assert to_dict(paper_config("dynamicfl", 4, "D", device="cuda")) == {**shipped, "device": "cuda"}
