@@ -20,6 +20,7 @@ from fedhetero.core.exchange.aggregation import weighted_average
 from fedhetero.core.method.algorithm import Algorithm
 from fedhetero.core.common.options import ConfigError, MethodOptions, option, require
 from fedhetero.core.local.objective import Batch, LocalObjective, LocalPhase, LocalPlan, LocalSGD
+from fedhetero.core.local.segments import LocalSegment, SegmentRule, run_segments
 from fedhetero.core.method.registry import build_algorithm, get_algorithm, list_algorithms, register
 from fedhetero.core.exchange.types import ClientInfo, ClientResult, ClientTask, payload_bytes, state_bytes
 
@@ -35,6 +36,7 @@ __all__ = [
     "LocalPhase",
     "LocalPlan",
     "LocalSGD",
+    "LocalSegment",
     "MethodOptions",
     "build_algorithm",
     "get_algorithm",
@@ -43,6 +45,8 @@ __all__ = [
     "payload_bytes",
     "register",
     "require",
+    "run_segments",
+    "SegmentRule",
     "state_bytes",
     "weighted_average",
 ]

@@ -163,6 +163,10 @@ class RunContext:
         self.data = data
         self.device = device
         self.cache: dict[Any, Any] = {}
+        #: True while several clients' client halves are alive at once (segments advanced in
+        #: lockstep, :func:`fedhetero.core.local.segments.train_segments`): :meth:`reusable` then
+        #: hands each call a copy of its own
+        self.overlapping_clients = False
         self.round = 0
         self.input_shape: tuple[int, int, int] = tuple(int(s) for s in data.input_shape)  # type: ignore[assignment]
         self.num_classes = int(data.num_classes)
@@ -227,8 +231,13 @@ class RunContext:
     def reusable(self, key: Any, make: Callable[[], nn.Module]) -> nn.Module:
         """The one cached instance for ``key`` in this process, for a client that loads every
         parameter and buffer into it and changes no structure. It is handed to the next task in
-        this process too: clone what must outlive the task (uploads)."""
-        model = self._cached_model(("reusable", key), make)
+        this process too: clone what must outlive the task (uploads). While several clients'
+        code is alive at once (:attr:`overlapping_clients`: their segments advanced together),
+        each call gets a copy of its own instead."""
+        if self.overlapping_clients:  # several clients' code is alive at once: each gets its own copy
+            model = copy.deepcopy(self._cached_model(("reusable", key), make))
+        else:
+            model = self._cached_model(("reusable", key), make)
         for p in model.parameters():
             p.grad = None
         return model

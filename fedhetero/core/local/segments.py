@@ -25,7 +25,10 @@ What must hold, and is checked where it is cheap:
   client scope, its generator's state carried from one of its pieces to the next, so a client
   whose segments all train alone draws exactly what its one-by-one run draws;
 * each client's wall time and timers are its own: the time of a cohort is shared equally among
-  its clients, everything else is timed per client.
+  its clients, everything else is timed per client;
+* a client's model is its own while the clients overlap: the process's one reusable instance
+  (:meth:`~fedhetero.core.local.context.RunContext.reusable`, which the default ``client_model``
+  loads) is handed out as a copy per call meanwhile.
 """
 
 from __future__ import annotations
@@ -165,6 +168,16 @@ def train_segments(algorithm: SegmentedHalf, ctx: "ClientContext", tasks: "Seque
     number of steps as :func:`~fedhetero.core.local.cohort.plan_cohorts` splits plans), the rest
     alone. Returns, by index into ``tasks``, each such task's upload, its wall seconds and its
     timers; the others are not in it."""
+    held, ctx.overlapping_clients = ctx.overlapping_clients, True  # a reusable model is no longer one client's
+    try:
+        return _lockstep(algorithm, ctx, tasks, states, smallest)
+    finally:
+        ctx.overlapping_clients = held
+
+
+def _lockstep(algorithm: SegmentedHalf, ctx: "ClientContext", tasks: "Sequence[ClientTask]",
+              states: Sequence[dict[str, Any] | None], smallest: int,
+              ) -> dict[int, tuple["ClientResult", float, dict[str, float]]]:
     clients: list[_Client] = []
     for i, (task, state) in enumerate(zip(tasks, states)):
         c = _Client(i, task)
