@@ -166,7 +166,7 @@ def train_segments(algorithm: SegmentedHalf, ctx: "ClientContext", tasks: "Seque
     each step the pending segments are grouped by structure and epochs, groups of ``smallest`` or
     more clients train as batched cohorts (capped by ``engine.cohort_memory_mb``, split by their
     number of steps as :func:`~fedhetero.core.local.cohort.plan_cohorts` splits plans), the rest
-    alone. Returns, by index into ``tasks``, each such task's upload, its wall seconds and its
+    alone; clients are held in windows of at most that memory. Returns, by index into ``tasks``, each such task's upload, its wall seconds and its
     timers; the others are not in it."""
     held, ctx.overlapping_clients = ctx.overlapping_clients, True  # a reusable model is no longer one client's
     try:
@@ -178,7 +178,13 @@ def train_segments(algorithm: SegmentedHalf, ctx: "ClientContext", tasks: "Seque
 def _lockstep(algorithm: SegmentedHalf, ctx: "ClientContext", tasks: "Sequence[ClientTask]",
               states: Sequence[dict[str, Any] | None], smallest: int,
               ) -> dict[int, tuple["ClientResult", float, dict[str, float]]]:
-    clients: list[_Client] = []
+    """The clients in windows: a window takes clients until the memory they hold (their models,
+    by :func:`~fedhetero.core.local.cohort.client_bytes`) reaches ``engine.cohort_memory_mb``,
+    then runs to its uploads, so that a round of many large models is not held at once."""
+    out: dict[int, tuple["ClientResult", float, dict[str, float]]] = {}
+    budget = ctx.cfg.engine.cohort_memory_mb * 2**20
+    window: list[_Client] = []
+    held = 0
     for i, (task, state) in enumerate(zip(tasks, states)):
         c = _Client(i, task)
         with c.scope(ctx):
@@ -186,7 +192,19 @@ def _lockstep(algorithm: SegmentedHalf, ctx: "ClientContext", tasks: "Sequence[C
             if c.segments is None:
                 continue
             c.advance(None)
-        clients.append(c)
+        window.append(c)
+        if c.pending is not None:
+            held += client_bytes(ctx, c.pending.model)
+        if held >= budget:
+            out.update(_run_window(ctx, window, smallest))
+            window, held = [], 0
+    out.update(_run_window(ctx, window, smallest))
+    return out
+
+
+def _run_window(ctx: "ClientContext", clients: list[_Client], smallest: int,
+                ) -> dict[int, tuple["ClientResult", float, dict[str, float]]]:
+    """Advance ``clients`` in lockstep to their uploads (see :func:`train_segments`)."""
     while True:
         pending = [c for c in clients if c.pending is not None]
         if not pending:

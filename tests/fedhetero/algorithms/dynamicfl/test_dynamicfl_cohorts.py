@@ -167,3 +167,25 @@ def test_cohorts_equal_one_by_one_over_random_setups(tmp_path_factory, epochs, t
     for x, y in zip(_clients(one), _clients(together), strict=True):
         assert {k: x.get(k) for k in STRUCTURE} == {k: y.get(k) for k in STRUCTURE}
         assert y["loss"] == pytest.approx(x["loss"], rel=1e-9)
+
+
+def test_the_driver_holds_clients_within_the_memory_budget(tmp_path, monkeypatch):
+    """Clients are advanced in windows that hold at most ``engine.cohort_memory_mb`` of models: a
+    tiny budget holds one client at a time (nothing to batch; the one-by-one numbers bit for bit),
+    the default the round's six."""
+    from fedhetero.core.local import segments
+
+    windows: list[int] = []
+    real = segments._run_window
+    monkeypatch.setattr(segments, "_run_window", lambda ctx, clients, smallest: windows.append(len(clients))
+                        or real(ctx, clients, smallest))
+    sizes = _spied(monkeypatch)
+    Engine(_cfg(False, dtype="float32", rounds=2), tmp_path / "one", progress=False).run()
+    Engine(_cfg(True, dtype="float32", rounds=2, **{"engine.cohort_memory_mb": 0.01}), tmp_path / "tiny",
+           progress=False).run()
+    assert sizes == [] and windows and set(windows) <= {0, 1} and windows.count(1) == 12
+    a, b = _final(tmp_path / "one"), _final(tmp_path / "tiny")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    windows.clear()
+    Engine(_cfg(True, dtype="float32", rounds=2), tmp_path / "all", progress=False).run()
+    assert windows == [6, 6] and sizes
