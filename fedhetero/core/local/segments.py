@@ -224,11 +224,13 @@ def _run_window(ctx: "ClientContext", clients: list[_Client], smallest: int,
             steps = [_segment_steps(ctx, c) for c in members]
             for cohort in plan_cohorts(steps, min_size=smallest, max_size=cap):
                 chosen = [members[k] for k in cohort]
-                t0 = time.perf_counter()
+                t0, own = time.perf_counter(), sum(c.seconds for c in chosen)
                 done = _train_cohort(ctx, chosen)
                 if done is None:
                     continue
-                share = (time.perf_counter() - t0) / len(chosen)
+                # the cohort's time, less what its clients' own code took inside it (timed apart)
+                inner = sum(c.seconds for c in chosen) - own
+                share = max(time.perf_counter() - t0 - inner, 0.0) / len(chosen)
                 for c, report in zip(chosen, done):
                     reports[c.index] = report
                     c.seconds += share
