@@ -189,3 +189,18 @@ def test_the_driver_holds_clients_within_the_memory_budget(tmp_path, monkeypatch
     windows.clear()
     Engine(_cfg(True, dtype="float32", rounds=2), tmp_path / "all", progress=False).run()
     assert windows == [6, 6] and sizes
+
+
+def test_a_resumed_batched_run_equals_the_uninterrupted_one_bit_for_bit(tmp_path, monkeypatch):
+    """Which segments batch together is decided from the round's clients alone, so a batched run
+    stopped and resumed (a fresh process: stacked models rebuilt, client states read from their
+    files) gives the uninterrupted run's model bit for bit."""
+    sizes = _spied(monkeypatch)
+    over = {"train.checkpoint_every": 1}
+    full = Engine(_cfg(True, dtype="float32", rounds=4, **over), tmp_path / "full", progress=False).run()
+    assert sizes
+    Engine(_cfg(True, dtype="float32", rounds=4, **over), tmp_path / "cut", progress=False, stop_after=2).run()
+    resumed = Engine(None, tmp_path / "cut", progress=False, resume=True).run()
+    assert [r.get("accuracy") for r in resumed.metrics] == [r.get("accuracy") for r in full.metrics]
+    a, b = _final(tmp_path / "full"), _final(tmp_path / "cut")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
