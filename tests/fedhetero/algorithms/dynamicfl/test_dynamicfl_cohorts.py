@@ -204,3 +204,16 @@ def test_a_resumed_batched_run_equals_the_uninterrupted_one_bit_for_bit(tmp_path
     assert [r.get("accuracy") for r in resumed.metrics] == [r.get("accuracy") for r in full.metrics]
     a, b = _final(tmp_path / "full"), _final(tmp_path / "cut")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (the CPU runs are the tests above)")
+def test_on_a_gpu_dynamicfl_batches_by_default_with_one_by_one_numbers(tmp_path, monkeypatch):
+    """On a GPU ``engine.vectorize: null`` batches coinciding segments (cohorts of two or more),
+    with the one-by-one numbers up to the order of sums (float64)."""
+    sizes = _spied(monkeypatch)
+    one = Engine(_cfg(False, device="cuda"), tmp_path / "one", progress=False).run()
+    together = Engine(_cfg(None, device="cuda"), tmp_path / "all", progress=False).run()
+    assert sizes and min(sizes) >= 2
+    _close(_final(tmp_path / "one"), _final(tmp_path / "all"))
+    for x, y in zip(_clients(one), _clients(together), strict=True):
+        assert {k: x.get(k) for k in STRUCTURE} == {k: y.get(k) for k in STRUCTURE}
