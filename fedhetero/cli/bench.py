@@ -285,8 +285,8 @@ def _add_round(sub: Any) -> None:
                    help="folder holding Fashion-MNIST's IDX files for the paper-protocol rounds (default: "
                    "$FEDHETERO_DATA_DIR or ./data); synthetic images of the same shape when they are not there")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
-                   help="where the paper-protocol rounds train: cpu (default) or cuda (a GPU's rows; the engine "
-                   "and share rows always run on the CPU)")
+                   help="where the paper-protocol rounds train: cpu (default) or cuda (a GPU's rows, where DynamicFL's "
+                   "coinciding segments train as batched cohorts; the engine and share rows always run on the CPU)")
     p.add_argument("--paper-only", action="store_true",
                    help="only the paper-protocol rounds (skip the engine-vs-bare and DynamicFL-share rows)")
     p.add_argument("--json", help="write the numbers to this file")

@@ -62,7 +62,7 @@ def _round_cfg(clients: int, per_round: int, rounds: int, algorithm: str, datase
 
 #: a method as ``paper_rounds`` times it under another name: (method, ``engine.vectorize``).
 #: ``dynamicfl-batched``: DynamicFL's coinciding segments as cohorts on a CPU too (a GPU batches
-#: them by default); not in the default rows (about 2 minutes more, and 1–6 % on this CPU)
+#: them by default); not in the default rows (about 2 minutes more, and about 3 % on this CPU)
 PAPER_VARIANTS = {"fedavg-one-by-one": ("fedavg", False), "dynamicfl-batched": ("dynamicfl", True)}
 
 
