@@ -66,6 +66,7 @@ def _clients(res):
     ({}, {}),  # the default: synflow saliency over every parameter, blocks stepping by the mean
     ({"saliency": "snip", "saliency_params": "conv_weights", "block_step": "sum"}, {"train.clip_grad_norm": 1.0}),
     ({"saliency": "grad_norm", "grow_mode": "block"}, {"budget.scenario": "increasing"}),
+    ({"global_form": "host", "anchor_norm": "calibrated"}, {"train.nesterov": False}),
 ])
 def test_coinciding_segments_train_as_cohorts_with_one_by_one_numbers(tmp_path, monkeypatch, options, over):
     sizes = _spied(monkeypatch)
