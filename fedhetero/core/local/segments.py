@@ -166,8 +166,8 @@ def train_segments(algorithm: SegmentedHalf, ctx: "ClientContext", tasks: "Seque
     each step the pending segments are grouped by structure and epochs, groups of ``smallest`` or
     more clients train as batched cohorts (capped by ``engine.cohort_memory_mb``, split by their
     number of steps as :func:`~fedhetero.core.local.cohort.plan_cohorts` splits plans), the rest
-    alone; clients are held in windows of at most that memory. Returns, by index into ``tasks``, each such task's upload, its wall seconds and its
-    timers; the others are not in it."""
+    alone; clients are held in windows of at most that memory. Returns, by index into ``tasks``,
+    each such task's upload, its wall seconds and its timers; the others are not in it."""
     held, ctx.overlapping_clients = ctx.overlapping_clients, True  # a reusable model is no longer one client's
     try:
         return _lockstep(algorithm, ctx, tasks, states, smallest)
