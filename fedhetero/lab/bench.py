@@ -107,8 +107,10 @@ def paper_rounds(*, rounds: int, data_root: str | None, threads: int = 1, warmup
     their time and MACs per training sample (``tiers``, :func:`tier_costs`); at the top,
     ``dynamicfl_over_fedavg`` (DynamicFL's round time over FedAvg's), ``mac_ratio`` (their
     clients' mean training MACs, DynamicFL over FedAvg) and ``tiers`` (DynamicFL's tiers against
-    FedAvg, :func:`tier_ratios`). FedAvg trains a round's clients as batched cohorts by default (on a
-    CPU, 4 or more clients of 10 or more steps), which DynamicFL's clients do not join:
+    FedAvg, :func:`tier_ratios`); per algorithm ``cohort_epoch_share``: the share of its clients'
+    epochs that DynamicFL trained in batched cohorts (on a GPU, or ``dynamicfl-batched``). FedAvg
+    trains a round's clients as batched cohorts by default (on a CPU, 4 or more clients of 10 or
+    more steps), which DynamicFL's clients do not join on a CPU:
     ``fedavg-one-by-one`` times FedAvg without them, and ``dynamicfl_over_fedavg_one_by_one`` is
     DynamicFL's round time over that. ``images``: training images
     (Fashion-MNIST's 60,000; fewer only to test the benchmark). ``device``: where the runs train
@@ -139,6 +141,9 @@ def paper_rounds(*, rounds: int, data_root: str | None, threads: int = 1, warmup
                 "client_macs": sum(c["macs"] for c in clients) / max(len(clients), 1),
                 "clients": len(clients),
                 "tiers": tier_costs(clients, cfg.train),
+                # DynamicFL: the share of its clients' epochs that trained in batched cohorts
+                "cohort_epoch_share": sum(int(c.get("cohort_epochs", 0)) for c in clients)
+                / max(len(clients) * cfg.train.local_epochs, 1),
             }
             first = 0
             for r in timed:  # a client's first task is in the round that first samples it
@@ -321,6 +326,9 @@ def paper_table(p: dict[str, Any]) -> Table:
         if "dynamicfl_over_fedavg_one_by_one" in p:
             z = p["dynamicfl_over_fedavg_one_by_one"]
             table.add_row("DynamicFL / FedAvg one by one (no batched cohorts)", f"{z:.2f}", f"{y:.2f}", f"time / MACs {z / y:.2f}")
+    for algo, r in p["algorithms"].items():
+        if r.get("cohort_epoch_share"):
+            table.add_row(f"· {algo}: client-epochs trained in batched cohorts", f"{100 * r['cohort_epoch_share']:.0f} %", "", "")
     for name, t in p.get("tiers", {}).items():  # where the time goes, tier by tier
         table.add_row(f"· DynamicFL {name} tier / FedAvg, per training sample", f"{t['time_ratio']:.2f}",
                       f"{t['mac_ratio']:.2f}", f"time / MACs {t['time_per_mac']:.2f}")

@@ -668,6 +668,8 @@ class DynamicFL(Algorithm):
             batched = not self.options.verify and self.options.saliency != "random"
             res = yield LocalSegment(model, opt, first, last, after_backward=after_backward, on_epoch_end=on_epoch_end,
                                      cohort=self._cohort_rule if batched else None, own=meter)
+            if res.get("cohort"):  # how many of its epochs the client trained in a batched cohort
+                report["cohort_epochs"] = report.get("cohort_epochs", 0) + (last - first)
             self._record_growth(run, before, self._anchor_norms(model))
 
         change_at = 2 if client.budget_after_change is not None and E > 2 else E

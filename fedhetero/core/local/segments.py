@@ -5,7 +5,8 @@ branches after the first epoch), so their local training is no single plan
 (:class:`~fedhetero.core.local.objective.LocalPlan`). They state it as a generator instead
 (:meth:`Algorithm.local_segments <fedhetero.core.method.algorithm.Algorithm.local_segments>`): it
 yields :class:`LocalSegment` values — epochs ``first … last−1`` on a model with its optimizer —
-receives what the trainer reports for each (``{"loss", "steps"}``, as
+receives what the trainer reports for each (``{"loss", "steps"}``, and ``"cohort"``, the number
+of clients it trained with, when it trained in a cohort; as
 :meth:`ClientContext.train <fedhetero.core.local.context.ClientContext.train>` returns it), does
 what it does between them, and returns the client's upload. :func:`run_segments` runs one client's
 segments one after another (its one-by-one local training); :func:`train_segments` advances a
@@ -339,4 +340,4 @@ def _train_cohort(ctx: "ClientContext", chosen: list[_Client]) -> list[dict[str,
                 with c.scope(ctx):
                     if s.on_epoch_end(e, s.model, s.optimizer) is not None:
                         raise RuntimeError("a segment trained in a cohort changed its optimizer after an epoch")
-    return [{"loss": float(r["loss"]), "steps": n} for r, n in zip(reports, steps)]
+    return [{"loss": float(r["loss"]), "steps": n, "cohort": len(chosen)} for r, n in zip(reports, steps)]

@@ -175,3 +175,13 @@ def test_paper_rounds_run_on_a_gpu(tmp_path, monkeypatch):
     monkeypatch.setenv("FEDHETERO_DATA_DIR", str(tmp_path / "none"))
     out = paper_rounds(rounds=1, warmup=1, data_root=None, images=1800, device="cuda")
     assert out["device"] == "cuda" and out["mac_ratio"] > 1 and out["dynamicfl_over_fedavg"] > 0
+
+
+def test_paper_rounds_say_how_often_dynamicfl_batched(tmp_path, monkeypatch):
+    """``cohort_epoch_share``: the share of DynamicFL's client-epochs that trained in batched
+    cohorts — none one by one (a CPU's default), some with its cohorts on (``dynamicfl-batched``:
+    in the first rounds every tier's clients start from the same plan)."""
+    monkeypatch.setenv("FEDHETERO_DATA_DIR", str(tmp_path / "none"))
+    out = paper_rounds(rounds=1, warmup=1, data_root=None, images=1800, algorithms=("dynamicfl", "dynamicfl-batched"))
+    assert out["algorithms"]["dynamicfl"]["cohort_epoch_share"] == 0
+    assert 0 < out["algorithms"]["dynamicfl-batched"]["cohort_epoch_share"] <= 1

@@ -77,6 +77,8 @@ def test_coinciding_segments_train_as_cohorts_with_one_by_one_numbers(tmp_path, 
     _close(_final(tmp_path / "one"), _final(tmp_path / "all"))
     ca, cb = _clients(one), _clients(together)
     assert [c["cid"] for c in ca] == [c["cid"] for c in cb]
+    # each client says how many of its epochs trained in a cohort (only where some did)
+    assert not any("cohort_epochs" in c for c in ca) and any(c.get("cohort_epochs", 0) > 0 for c in cb)
     for x, y in zip(ca, cb):
         # the same structure decisions (saliency to rounding: DYMM chose alike), losses to rounding
         assert {k: x.get(k) for k in STRUCTURE} == {k: y.get(k) for k in STRUCTURE}
