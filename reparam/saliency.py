@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 from torch import nn
@@ -77,6 +77,29 @@ def _effective_weights(branch: nn.Module) -> dict[int, Callable[[], torch.Tensor
                 found[id(p)] = fn
                 break
     return found
+
+
+def _key_values(
+    metric: str, grads: list[torch.Tensor], thetas: list[torch.Tensor], owners: list[int], n: int,
+    device: torch.device, clients: int | None = None,
+) -> torch.Tensor:
+    """Per key (``owners[j]``: the key of parameter ``j``), the sum over its parameters of
+    ``g·θ`` / ``|g·θ|`` / ``g·g`` (then its square root), products in the parameters' dtype, sums
+    in float64 added in index order: ``(n,)`` for one model, ``(clients, n)`` for copies stacked
+    along a first axis."""
+    vals = torch.zeros((n,) if clients is None else (clients, n), dtype=torch.float64, device=device)
+    if grads:
+        prods = torch._foreach_mul(grads, grads if metric == "grad_norm" else thetas)
+        if metric == "snip":
+            torch._foreach_abs_(prods)
+        index = torch.tensor(owners, device=device)
+        if clients is None:
+            vals.index_add_(0, index, torch.stack([q.sum(dtype=torch.float64).to(device) for q in prods]))
+        else:
+            vals.index_add_(1, index, torch.stack([q.flatten(1).sum(1, dtype=torch.float64).to(device) for q in prods], 1))
+    if metric == "grad_norm":
+        vals = vals.sqrt()
+    return vals
 
 
 @dataclass
@@ -247,16 +270,28 @@ class SaliencyMeter:
                 owners.append(i)
                 if products:
                     thetas.append(p if eff is None else eff())
-            vals = torch.zeros(n, dtype=torch.float64, device=device)
-            if grads:
-                prods = torch._foreach_mul(grads, thetas if products else grads)
-                if self.metric == "snip":
-                    torch._foreach_abs_(prods)
-                sums = torch.stack([q.sum(dtype=torch.float64).to(device) for q in prods])
-                vals.index_add_(0, torch.tensor(owners, device=device), sums)
-        if self.metric == "grad_norm":
-            vals = vals.sqrt()
-        return vals
+            return _key_values(self.metric, grads, thetas, owners, n, device)
+
+    def stacked_values(self, grads: Sequence[torch.Tensor], thetas: Sequence[torch.Tensor] | None) -> torch.Tensor:
+        """One step's value of every tracked key for ``C`` copies of the model at once (a batched
+        cohort of clients of this structure), as :meth:`after_backward` computes and normalises it
+        for one: ``grads`` and ``thetas`` hold, for each parameter of :meth:`tracked` in its order,
+        the copies' gradients and parameters stacked along a first axis of size ``C`` (an
+        identity-based stage's at its effective weight; ``thetas`` is not read by ``grad_norm``).
+        Returns ``(C, keys)`` in float64; the per-copy sums over a parameter's entries may round
+        differently from the one-copy sums. Not for ``metric="random"``."""
+        if self.metric == "random":
+            raise ReparamError("stacked_values: random saliency draws per meter; record each copy with its own meter")
+        self._ensure_current()
+        if len(grads) != len(self._flat) or (thetas is not None and len(thetas) != len(grads)):
+            raise ReparamError(f"stacked_values: expected {len(self._flat)} stacked gradients (one per tracked parameter)")
+        if self.metric != "grad_norm" and thetas is None:
+            raise ReparamError(f"stacked_values: metric {self.metric!r} needs the stacked parameters")
+        device = self._sum_vec.device
+        with torch.no_grad():
+            vals = _key_values(self.metric, list(grads), list(thetas or ()), [i for _, _, i in self._flat],
+                               len(self._tracked), device, clients=int(grads[0].shape[0]) if grads else 0)
+        return vals / self._numel_vec if self.normalize == "numel" else vals
 
     def after_backward(
         self,

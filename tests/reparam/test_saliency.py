@@ -352,3 +352,30 @@ def test_values_computed_elsewhere_accumulate_as_recorded_ones(metric, normalize
         assert got[k] == pytest.approx(want[k], rel=1e-12, abs=1e-15)
     with pytest.raises(ValueError, match="one per tracked key"):
         fed.accumulate(torch.zeros(len(tracked) + 1, dtype=torch.float64), 1)
+
+
+@pytest.mark.parametrize("metric, normalize", [("synflow", None), ("snip", "numel"), ("grad_norm", None)])
+def test_stacked_values_of_copies_equal_each_copys_own(metric, normalize):
+    """``stacked_values``: the values of C copies of a model at once, from their gradients and
+    parameters stacked along a first axis (a batched cohort's), equal each copy's own meter's
+    (float64)."""
+    nets = [Net().double() for _ in range(2)]
+    with torch.no_grad():
+        for p in nets[1].parameters():
+            p.mul_(1.3)
+    meters = [SaliencyMeter(n, metric=metric, normalize=normalize) for n in nets]
+    for k, (net, meter) in enumerate(zip(nets, meters)):
+        _backward(net, k)
+        meter.after_backward()
+    per_copy = [[(p, eff) for _, items in m.tracked() for p, eff in items] for m in meters]
+    grads = [torch.stack([pc[j][0].grad for pc in per_copy]) for j in range(len(per_copy[0]))]
+    thetas = [torch.stack([(pc[j][1]() if pc[j][1] is not None else pc[j][0]).detach() for pc in per_copy])
+              for j in range(len(per_copy[0]))]
+    got = meters[0].stacked_values(grads, None if metric == "grad_norm" else thetas)
+    for row, meter in zip(got, meters):
+        want = torch.tensor(list(meter.values().values()), dtype=torch.float64)
+        assert torch.allclose(row, want, rtol=1e-12, atol=1e-15)
+    with pytest.raises(ValueError, match="one per tracked parameter"):
+        meters[0].stacked_values(grads[:-1], None)
+    with pytest.raises(ValueError, match="random"):
+        SaliencyMeter(nets[0], metric="random").stacked_values(grads, thetas)

@@ -558,17 +558,17 @@ class DynamicFL(Algorithm):
     def _cohort_rule(self, segments: Sequence[LocalSegment]) -> SegmentRule | None:
         """What each segment's ``after_backward`` does (the saliency meter reads the loss
         gradients, then the blocks' step scaling), for a cohort of clients of one structure: the
-        meter's value per key and client from the stacked gradients and parameters (``Σ g·θ`` and
-        the other metrics, products in the parameters' dtype, sums in float64, an identity-based
-        1×1 stage at its effective weight ``R + I``), summed over an epoch's steps and handed to
-        each client's meter at the epoch's end; the step scales multiply the stacked gradients."""
+        meter's values per client from the stacked gradients and parameters
+        (:meth:`SaliencyMeter.stacked_values <reparam.saliency.SaliencyMeter.stacked_values>`, an
+        identity-based 1×1 stage at its effective weight ``R + I``), summed over an epoch's steps
+        and handed to each client's meter at the epoch's end; the step scales multiply the stacked
+        gradients."""
         meters: list[SaliencyMeter] = [s.own for s in segments]
         model = segments[0].model
         names = {p: n for n, p in model.named_parameters()}
         tracked = meters[0].tracked()
-        flat: list[tuple[str, torch.Tensor | None, int]] = []
-        numel = []
-        for k, (_key, items) in enumerate(tracked):
+        flat: list[tuple[str, torch.Tensor | None]] = []  # the tracked parameters, in the meter's order
+        for _key, items in tracked:
             for p, effective in items:
                 if p not in names:
                     return None
@@ -576,43 +576,27 @@ class DynamicFL(Algorithm):
                 if effective is not None:
                     with torch.no_grad():
                         offset = (effective() - p).detach()  # the identity of R + I
-                flat.append((names[p], offset, k))
-            numel.append(max(sum(p.numel() for p, _ in items), 1))
-        metric, normalize = self.options.saliency, meters[0].normalize
+                flat.append((names[p], offset))
+        products = self.options.saliency != "grad_norm"
         by_scale: dict[float, list[str]] = {}
         for p, scale in self._step_scales(model):
             by_scale.setdefault(scale, []).append(names[p])
         clients, dev = len(segments), next(model.parameters()).device
         sums = torch.zeros((clients, len(tracked)), dtype=torch.float64, device=dev)
         steps = torch.zeros(clients, dtype=torch.float64, device=dev)
-        numel_vec = torch.tensor(numel, dtype=torch.float64, device=dev)
+        skipped = torch.zeros_like(steps)
 
         def grad(params: Mapping[str, torch.Tensor], grads: Mapping[str, torch.Tensor]) -> None:
             with torch.no_grad():
                 if flat:
-                    vals = torch.zeros_like(sums)
-                    for name, offset, k in flat:
-                        g = grads[name]
-                        if metric == "grad_norm":
-                            prod = g * g
-                        else:
-                            theta = params[name] if offset is None else params[name] + offset
-                            prod = g * theta
-                            if metric == "snip":
-                                prod = prod.abs()
-                        vals[:, k] += prod.flatten(1).sum(1, dtype=torch.float64)
-                    if metric == "grad_norm":
-                        vals = vals.sqrt()
-                    if normalize == "numel":
-                        vals = vals / numel_vec
+                    thetas = [params[n] if off is None else params[n] + off for n, off in flat] if products else None
+                    vals = meters[0].stacked_values([grads[n] for n, _ in flat], thetas)
                     finite = torch.isfinite(vals).all(1)
                     sums.add_(torch.where(finite.unsqueeze(1), vals, torch.zeros_like(vals)))
                     steps.add_(finite.to(torch.float64))
                     skipped.add_((~finite).to(torch.float64))
                 for scale, group in by_scale.items():
                     torch._foreach_mul_([grads[n] for n in group], scale)
-
-        skipped = torch.zeros_like(steps)
 
         def epoch_end() -> None:
             for j, meter in enumerate(meters):

@@ -62,8 +62,8 @@ if TYPE_CHECKING:  # pragma: no cover
     from fedhetero.core.exchange.types import ClientTask
 
 __all__ = [
-    "Cohort", "client_bytes", "client_generator", "client_steps", "cohort_supported", "plan_cohorts", "structure_key",
-    "train_cohort",
+    "Cohort", "client_bytes", "client_generator", "client_steps", "cohort_supported", "epoch_batches", "plan_cohorts",
+    "structure_key", "train_cohort",
 ]
 
 
@@ -125,9 +125,7 @@ def _stacked_for(ctx: "ClientContext", model: nn.Module, clients: int) -> nn.Mod
     """The stacked copy of ``model`` for ``clients`` clients (see :mod:`fedhetero.core.local.stacking`),
     built once per architecture and cohort size in this process and checked against the clients'
     own models once per architecture (at three clients); None when the model cannot be stacked."""
-    arch = (type(model).__name__, str(ctx.dtype), str(ctx.device),
-            tuple((k, tuple(v.shape)) for k, v in model.state_dict().items()),
-            tuple(type(m).__qualname__ for m in model.modules()),
+    arch = (str(ctx.dtype), str(ctx.device), structure_key(model),
             tuple((name, tuple(_hook_key(h) for h in m._forward_hooks.values()))
                   for name, m in model.named_modules() if m._forward_hooks))
     key = ("stacked", clients, *arch)
@@ -298,8 +296,7 @@ class Cohort:
                 seq.extend(own)
             elif t.local_steps is None:
                 for e in range(t.local_epochs):
-                    rows = ctx.client_epoch_rows(task.cid, e)
-                    seq.extend(rows[k: k + bs] for k in range(0, int(rows.numel()), bs))
+                    seq.extend(epoch_batches(ctx, task.cid, e))
             else:
                 per_pass = num_batches(len(ctx.data.client_indices[task.cid]), bs)
                 passes: dict[int, torch.Tensor] = {}
@@ -579,6 +576,14 @@ class Cohort:
 
 
 # ---------------------------------------------------------------------------- the framework's entry
+def epoch_batches(ctx: "ClientContext", cid: int, epoch: int) -> list[torch.Tensor]:
+    """Client ``cid``'s batches of local epoch ``epoch``, as rows of the training set, in the order
+    the one-by-one trainer takes them (in the client scope of the round)."""
+    rows = ctx.client_epoch_rows(cid, epoch)
+    bs = ctx.cfg.train.batch_size
+    return [rows[k: k + bs] for k in range(0, int(rows.numel()), bs)]
+
+
 def client_steps(ctx: "ClientContext", cid: int) -> int:
     """Optimizer steps client ``cid``'s local round takes (0 without data)."""
     t = ctx.cfg.train

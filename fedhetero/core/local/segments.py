@@ -42,8 +42,8 @@ from typing import TYPE_CHECKING, Any, Callable, Generator, Iterator, Mapping, P
 import torch
 from torch import nn
 
-from fedhetero.core.local.cohort import Cohort, client_bytes, cohort_supported, plan_cohorts, structure_key
-from fedhetero.core.local.objective import LocalObjective
+from fedhetero.core.local.cohort import Cohort, client_bytes, cohort_supported, epoch_batches, plan_cohorts, structure_key
+from fedhetero.core.local.objective import LocalObjective, LocalSGD
 from fedhetero.data.batches import num_batches
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -257,10 +257,9 @@ def _segment_steps(ctx: "ClientContext", c: _Client) -> int:
     return (seg.last - seg.first) * num_batches(len(ctx.data.client_indices[c.task.cid]), ctx.cfg.train.batch_size)
 
 
-def _configured(ctx: "ClientContext", seg: LocalSegment) -> bool:
-    """Whether the segment's optimizer is the configured SGD over the model's trainable
+def _configured(sgd: LocalSGD, seg: LocalSegment) -> bool:
+    """Whether the segment's optimizer is ``sgd`` (the configured SGD) over the model's trainable
     parameters (what the cohort runs)."""
-    sgd = ctx.configured_sgd()
     groups = seg.optimizer.param_groups
     if type(seg.optimizer) is not torch.optim.SGD or len(groups) != 1:
         return False
@@ -301,7 +300,8 @@ def _train_cohort(ctx: "ClientContext", chosen: list[_Client]) -> list[dict[str,
         return None
     if any(isinstance(m, nn.modules.dropout._DropoutNd) for m in first.model.modules()):
         return None  # a stacked dropout draws from streams that would not carry over between segments
-    if not all(_configured(ctx, s) for s in segs):  # type: ignore[arg-type]
+    configured = ctx.configured_sgd()  # the round's (the clients' scopes have set it)
+    if not all(_configured(configured, s) for s in segs):  # type: ignore[arg-type]
         return None
     rule = first.cohort(segs)  # type: ignore[arg-type]
     if rule is None:
@@ -310,20 +310,16 @@ def _train_cohort(ctx: "ClientContext", chosen: list[_Client]) -> list[dict[str,
     # piece: the clients' own random states are restored whenever their own code runs again
     with ctx.client_scope(tasks[0]):
         co = Cohort.build(ctx, first.model, tasks, [s.model.state_dict() for s in segs])  # type: ignore[union-attr]
-        sgd = replace(ctx.configured_sgd(), carried=True, persistent=False, masked=False, loss_over="all")
     if co is None:
         return None
+    sgd = replace(configured, carried=True, persistent=False, masked=False, loss_over="all")
     objective = LocalObjective(grad=lambda params, grads, _consts: rule.grad(params, grads))
     buffers: list[dict[str, torch.Tensor] | None] = [_buffers(s) for s in segs]  # type: ignore[arg-type]
     steps = [0] * len(segs)
     reports: list[dict[str, Any]] = []
-    bs = t.batch_size
     for e in range(first.first, first.last):
         with ctx.client_scope(tasks[0]):
-            schedules: list[list[torch.Tensor] | None] = []
-            for task in tasks:  # each client's batches of this epoch, in its own order
-                rows = ctx.client_epoch_rows(task.cid, e)
-                schedules.append([rows[k: k + bs] for k in range(0, int(rows.numel()), bs)])
+            schedules: list[list[torch.Tensor] | None] = [epoch_batches(ctx, task.cid, e) for task in tasks]
             reports = co.train(sgd, objective, None, buffers, schedules=schedules)
         out = co.momentum_out
         for j, s in enumerate(segs):
