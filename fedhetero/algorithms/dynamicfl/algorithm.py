@@ -555,6 +555,14 @@ class DynamicFL(Algorithm):
         scales = reparam.branch_step_scales(model)
         return [(p, scales[name]) for name, p in model.named_parameters() if name in scales]
 
+    def _records(self, epoch: int, last: int, epochs: int) -> bool:
+        """Whether the saliency meter records the steps of ``epoch`` in a segment ending at
+        ``last``: not in an epoch whose values are reset at its end (an epoch before the last of
+        the round that does not end its segment, as ``on_epoch_end`` resets them), since nothing
+        reads them; the same values, the steps' meter work saved. ``random`` records every step (its
+        draws are a stream: skipping some would change the later ones)."""
+        return self.options.saliency == "random" or not (epoch < epochs - 1 and epoch < last - 1)
+
     def _cohort_rule(self, segments: Sequence[LocalSegment]) -> SegmentRule | None:
         """What each segment's ``after_backward`` does (the saliency meter reads the loss
         gradients, then the blocks' step scaling), for a cohort of clients of one structure: the
@@ -563,7 +571,8 @@ class DynamicFL(Algorithm):
         identity-based 1×1 stage at its effective weight ``R + I``), summed over an epoch's steps
         and handed to each client's meter at the epoch's end; the step scales multiply the stacked
         gradients."""
-        meters: list[SaliencyMeter] = [s.own for s in segments]
+        meters: list[SaliencyMeter] = [s.own[0] for s in segments]
+        recording: list[bool] = segments[0].own[1]  # the cohort's segments share their epochs
         model = segments[0].model
         names = {p: n for n, p in model.named_parameters()}
         tracked = meters[0].tracked()
@@ -588,7 +597,7 @@ class DynamicFL(Algorithm):
 
         def grad(params: Mapping[str, torch.Tensor], grads: Mapping[str, torch.Tensor]) -> None:
             with torch.no_grad():
-                if flat:
+                if flat and recording[0]:
                     thetas = [params[n] if off is None else params[n] + off for n, off in flat] if products else None
                     vals = meters[0].stacked_values([grads[n] for n, _ in flat], thetas)
                     finite = torch.isfinite(vals).all(1)
@@ -630,9 +639,11 @@ class DynamicFL(Algorithm):
             for p, scale in self._step_scales(model):
                 by_scale.setdefault(scale, []).append(p)
             unchecked = [self.options.verify]
+            recording = [self._records(first, last, E)]
 
             def after_backward(m: nn.Module) -> None:
-                meter.after_backward()  # saliency reads the loss gradient as it is
+                if recording[0]:
+                    meter.after_backward()  # saliency reads the loss gradient as it is
                 if unchecked[0]:  # invariant 2, on the first step after a structural change
                     unchecked[0] = False
                     check_gradients(model, where=f"the first backward pass of epoch {first}")
@@ -647,11 +658,12 @@ class DynamicFL(Algorithm):
                 # global epoch; the scores a budget change folds or grows by)
                 if epoch < E - 1 and epoch < last - 1:
                     meter.reset()
+                recording[0] = self._records(epoch + 1, last, E)
 
             before = self._anchor_norms(model)
             batched = not self.options.verify and self.options.saliency != "random"
             res = yield LocalSegment(model, opt, first, last, after_backward=after_backward, on_epoch_end=on_epoch_end,
-                                     cohort=self._cohort_rule if batched else None, own=meter)
+                                     cohort=self._cohort_rule if batched else None, own=(meter, recording))
             if res.get("cohort"):  # how many of its epochs the client trained in a batched cohort
                 report["cohort_epochs"] = report.get("cohort_epochs", 0) + (last - first)
             self._record_growth(run, before, self._anchor_norms(model))
