@@ -54,6 +54,11 @@ def test_mean_scales_each_block_gradient_by_its_branch_counts_at_every_step(tmp_
 
     monkeypatch.setattr(SaliencyMeter, "after_backward", reading)
     monkeypatch.setattr(torch.optim.SGD, "step", stepping)
+    # the meter reads every step here (by default it skips the epochs whose values go unread), so
+    # that every step's loss gradient is seen before the scaling
+    from fedhetero.algorithms.dynamicfl.algorithm import DynamicFL
+
+    monkeypatch.setattr(DynamicFL, "_records", lambda self, epoch, last, epochs: True)
     res = Engine(_cfg(block_step="mean"), tmp_path / "run", progress=False).run()
     assert res.summary["dropped_clients"] == 0
     assert checked["steps"] > 0 and checked["scaled"] > 0 and checked["kept"] > 0
