@@ -13,7 +13,8 @@ merged plain weights:
 3. otherwise ε ← REP(ω_g, ζ) — keep the stored structure and branch statistics, re-solve each
    block's main branch so the block equals ω_g's conv exactly (Eq. 4; each main-branch filter keeps
    its norm and its BN's γ takes the global kernel's scale, ``rep_scale``); train one epoch recording
-   S_g; ζ ← DYMM(ε; S_g, S_l) within the budget (Eqs. 12–16); train E−1 epochs recording S_l;
+   S_g; ζ ← DYMM(ε; S_g, S_l) within the budget (Eqs. 12–16); train E−1 epochs, S_l ← saliency of
+   the last (the meter records only the epochs whose values are read);
 4. merge ζ into the plain structure (Eq. 10) and upload; the server averages plain tensors (Eq. 11).
 
 Dynamic budgets: when the engine announces a changed budget (after the second local epoch), the
