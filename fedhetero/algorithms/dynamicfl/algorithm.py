@@ -556,13 +556,19 @@ class DynamicFL(Algorithm):
         scales = reparam.branch_step_scales(model)
         return [(p, scales[name]) for name, p in model.named_parameters() if name in scales]
 
+    @staticmethod
+    def _read(epoch: int, last: int, epochs: int) -> bool:
+        """Whether the saliency of ``epoch`` (of ``epochs``, in a segment ending at ``last``) is
+        read: S_l is the last epoch's, and a segment's last epoch gives what the caller reads next
+        (S_g after the global epoch; the scores a budget change folds or grows by). Any other
+        epoch's values are reset at its end."""
+        return epoch >= epochs - 1 or epoch >= last - 1
+
     def _records(self, epoch: int, last: int, epochs: int) -> bool:
-        """Whether the saliency meter records the steps of ``epoch`` in a segment ending at
-        ``last``: not in an epoch whose values are reset at its end (an epoch before the last of
-        the round that does not end its segment, as ``on_epoch_end`` resets them), since nothing
-        reads them; the same values, the steps' meter work saved. ``random`` records every step (its
-        draws are a stream: skipping some would change the later ones)."""
-        return self.options.saliency == "random" or not (epoch < epochs - 1 and epoch < last - 1)
+        """Whether the saliency meter records the steps of ``epoch``: only where they are read
+        (:meth:`_read`; the same values, the meter's work on the other epochs saved). ``random``
+        records every step (its draws are a stream: skipping some would change the later ones)."""
+        return self.options.saliency == "random" or self._read(epoch, last, epochs)
 
     def _cohort_rule(self, segments: Sequence[LocalSegment]) -> SegmentRule | None:
         """What each segment's ``after_backward`` does (the saliency meter reads the loss
@@ -654,10 +660,7 @@ class DynamicFL(Algorithm):
                         torch._foreach_mul_(grads, scale)
 
             def on_epoch_end(epoch: int, m: nn.Module, opt: torch.optim.Optimizer) -> None:
-                # S_l is the saliency of the last epoch: start it afresh after the earlier ones, but
-                # never at the end of a segment, whose saliency the caller reads next (S_g after the
-                # global epoch; the scores a budget change folds or grows by)
-                if epoch < E - 1 and epoch < last - 1:
+                if not self._read(epoch, last, E):  # S_l is the last epoch's: start it afresh
                     meter.reset()
                 recording[0] = self._records(epoch + 1, last, E)
 
