@@ -38,6 +38,7 @@ averaged per element with the clients that trained each weight.
 from __future__ import annotations
 
 import copy
+import functools
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Generator, Literal, Mapping, Sequence
 
@@ -570,16 +571,25 @@ class DynamicFL(Algorithm):
         records every step (its draws are a stream: skipping some would change the later ones)."""
         return self.options.saliency == "random" or self._read(epoch, last, epochs)
 
-    def _cohort_rule(self, segments: Sequence[LocalSegment]) -> SegmentRule | None:
+    def _scale_groups(self, model: nn.Module) -> dict[float, list[nn.Parameter]]:
+        """The parameters of each step scale (:meth:`_step_scales`), so that a step scales each
+        group's gradients at once."""
+        groups: dict[float, list[nn.Parameter]] = {}
+        for p, scale in self._step_scales(model):
+            groups.setdefault(scale, []).append(p)
+        return groups
+
+    def _cohort_rule(self, segments: Sequence[LocalSegment], epochs: int) -> SegmentRule | None:
         """What each segment's ``after_backward`` does (the saliency meter reads the loss
         gradients, then the blocks' step scaling), for a cohort of clients of one structure: the
         meter's values per client from the stacked gradients and parameters
         (:meth:`SaliencyMeter.stacked_values <reparam.saliency.SaliencyMeter.stacked_values>`, an
         identity-based 1×1 stage at its effective weight ``R + I``), summed over an epoch's steps
-        and handed to each client's meter at the epoch's end; the step scales multiply the stacked
-        gradients."""
-        meters: list[SaliencyMeter] = [s.own[0] for s in segments]
-        recording: list[bool] = segments[0].own[1]  # the cohort's segments share their epochs
+        and handed to each client's meter at the epoch's end, in the epochs the meter records
+        (:meth:`_records`; the cohort's segments share their epochs, ``epochs`` of the round); the
+        step scales multiply the stacked gradients."""
+        meters: list[SaliencyMeter] = [s.own for s in segments]
+        epoch, last = [segments[0].first], segments[0].last  # the epoch the cohort trains now
         model = segments[0].model
         names = {p: n for n, p in model.named_parameters()}
         tracked = meters[0].tracked()
@@ -594,9 +604,7 @@ class DynamicFL(Algorithm):
                         offset = (effective() - p).detach()  # the identity of R + I
                 flat.append((names[p], offset))
         products = self.options.saliency != "grad_norm"
-        by_scale: dict[float, list[str]] = {}
-        for p, scale in self._step_scales(model):
-            by_scale.setdefault(scale, []).append(names[p])
+        by_scale = {scale: [names[p] for p in group] for scale, group in self._scale_groups(model).items()}
         clients, dev = len(segments), next(model.parameters()).device
         sums = torch.zeros((clients, len(tracked)), dtype=torch.float64, device=dev)
         steps = torch.zeros(clients, dtype=torch.float64, device=dev)
@@ -604,7 +612,7 @@ class DynamicFL(Algorithm):
 
         def grad(params: Mapping[str, torch.Tensor], grads: Mapping[str, torch.Tensor]) -> None:
             with torch.no_grad():
-                if flat and recording[0]:
+                if flat and self._records(epoch[0], last, epochs):
                     thetas = [params[n] if off is None else params[n] + off for n, off in flat] if products else None
                     vals = meters[0].stacked_values([grads[n] for n, _ in flat], thetas)
                     finite = torch.isfinite(vals).all(1)
@@ -620,6 +628,7 @@ class DynamicFL(Algorithm):
             sums.zero_()
             steps.zero_()
             skipped.zero_()
+            epoch[0] += 1
 
         return SegmentRule(grad=grad, epoch_end=epoch_end)
 
@@ -641,10 +650,7 @@ class DynamicFL(Algorithm):
             nonlocal res
             if last <= first:
                 return
-            # the parameters of each step scale, so that a step scales each group's gradients at once
-            by_scale: dict[float, list[nn.Parameter]] = {}
-            for p, scale in self._step_scales(model):
-                by_scale.setdefault(scale, []).append(p)
+            by_scale = self._scale_groups(model)
             unchecked = [self.options.verify]
             recording = [self._records(first, last, E)]
 
@@ -667,7 +673,7 @@ class DynamicFL(Algorithm):
             before = self._anchor_norms(model)
             batched = not self.options.verify and self.options.saliency != "random"
             res = yield LocalSegment(model, opt, first, last, after_backward=after_backward, on_epoch_end=on_epoch_end,
-                                     cohort=self._cohort_rule if batched else None, own=(meter, recording))
+                                     cohort=functools.partial(self._cohort_rule, epochs=E) if batched else None, own=meter)
             if res.get("cohort"):  # how many of its epochs the client trained in a batched cohort
                 report["cohort_epochs"] = report.get("cohort_epochs", 0) + (last - first)
             self._record_growth(run, before, self._anchor_norms(model))

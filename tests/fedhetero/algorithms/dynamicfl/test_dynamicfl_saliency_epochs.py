@@ -95,10 +95,10 @@ def test_cohorts_skip_the_same_epochs(tmp_path, monkeypatch):
     seen: list[bool] = []
     real = module.DynamicFL._cohort_rule
 
-    def spied(self, segments):
-        rule = real(self, segments)
-        if rule is not None:
-            seen.append(segments[0].own[1][0])
+    def spied(self, segments, epochs):
+        rule = real(self, segments, epochs)
+        if rule is not None:  # whether the meter records the cohort's first epoch
+            seen.append(self._records(segments[0].first, segments[0].last, epochs))
         return rule
 
     monkeypatch.setattr(module.DynamicFL, "_cohort_rule", spied)
