@@ -62,7 +62,7 @@ def _round_cfg(clients: int, per_round: int, rounds: int, algorithm: str, datase
 
 #: a method as ``paper_rounds`` times it under another name: (method, ``engine.vectorize``).
 #: ``dynamicfl-batched``: DynamicFL's coinciding segments as cohorts on a CPU too (a GPU batches
-#: them by default); not in the default rows (about 2 minutes more, and about 3 % on this CPU)
+#: them by default); not in the default rows (minutes more, and no measurable gain on a 2-core CPU)
 PAPER_VARIANTS = {"fedavg-one-by-one": ("fedavg", False), "dynamicfl-batched": ("dynamicfl", True)}
 
 
@@ -116,6 +116,9 @@ def paper_rounds(*, rounds: int, data_root: str | None, threads: int = 1, warmup
     (Fashion-MNIST's 60,000; fewer only to test the benchmark). ``device``: where the runs train
     (``cuda``: a GPU's rows; on a GPU cohorts of two or more clients batch)."""
     from fedhetero.lab.bench_vectorize import load_source, write_idx_set  # deferred: only this part needs it
+
+    if len(set(algorithms)) != len(algorithms):  # the results are keyed by name: a repeat would replace one
+        raise ConfigError(f"paper_rounds: each algorithm once, got {list(algorithms)}")
 
     out: dict[str, Any] = {"rounds": rounds, "warmup": warmup, "threads": threads, "device": device, "algorithms": {}}
     with tempfile.TemporaryDirectory(prefix="fedhetero-bench-paper-") as tmp:

@@ -185,3 +185,11 @@ def test_paper_rounds_say_how_often_dynamicfl_batched(tmp_path, monkeypatch):
     out = paper_rounds(rounds=1, warmup=1, data_root=None, images=1800, algorithms=("dynamicfl", "dynamicfl-batched"))
     assert out["algorithms"]["dynamicfl"]["cohort_epoch_share"] == 0
     assert 0 < out["algorithms"]["dynamicfl-batched"]["cohort_epoch_share"] <= 1
+
+
+def test_paper_rounds_refuse_an_algorithm_named_twice():
+    from fedhetero.core.common.options import ConfigError
+
+    # the results are keyed by name: the second run would silently replace the first
+    with pytest.raises(ConfigError, match="each algorithm once"):
+        paper_rounds(rounds=1, warmup=0, data_root=None, images=100, algorithms=("dynamicfl", "dynamicfl"))
