@@ -27,6 +27,11 @@ This module evaluates the same function with fewer of them:
   the 1×1 conv, so the block input is pooled and the conv runs at the output resolution (4× fewer
   positions at stride 2).
 
+The branch BatchNorms that are not folded (the last BN of ``1x1_kxk`` and ``1x1_avg``, and every
+BN where folding does not pay) run through :func:`reparam.kernels.batch_norm`, which computes the
+batch statistics itself where PyTorch's CPU kernel is slow for the shape; the anchor's BN runs as
+its module.
+
 Branches that read an input window (``1x1`` or ``identity`` on an unpadded conv, see
 :mod:`reparam.kind_conv`) are folded the same way, with the moments of their window.
 
@@ -185,19 +190,7 @@ def _batch_bn(bn: Any) -> bool:
     return type(bn) is nn.BatchNorm2d and bn.training and not _hooked(bn)
 
 
-def _update_running(bn: nn.BatchNorm2d, mean: Tensor, var: Tensor, m: int) -> None:
-    """The running-statistics update of ``nn.BatchNorm2d`` in training mode, from batch statistics."""
-    if not bn.track_running_stats or bn.running_mean is None or bn.running_var is None:
-        return
-    with torch.no_grad():
-        factor = 0.0 if bn.momentum is None else float(bn.momentum)
-        if bn.num_batches_tracked is not None:
-            bn.num_batches_tracked.add_(1)
-            if bn.momentum is None:
-                factor = 1.0 / float(bn.num_batches_tracked)
-        bn.running_mean.mul_(1.0 - factor).add_(mean.detach().to(bn.running_mean.dtype), alpha=factor)
-        unbiased = var.detach() * (m / (m - 1))
-        bn.running_var.mul_(1.0 - factor).add_(unbiased.to(bn.running_var.dtype), alpha=factor)
+_update_running = kernels.update_running_stats
 
 
 def _fold(bn: nn.BatchNorm2d, weight: Tensor, groups: int, moments: tuple[Tensor, Tensor, int]) -> tuple[Tensor, Tensor]:
@@ -272,6 +265,10 @@ class _BoxFilter(torch.autograd.Function):
 
 def box_filter(z: Tensor, kernel: tuple[int, int], stride: tuple[int, int], padding: tuple[int, int]) -> Tensor:
     """``AvgPool(K, s, P)`` with ``count_include_pad`` (zero padding) for any ``P``."""
+    if _hw(z) == (1, 1) and all(0 <= p <= k - 1 and 1 + 2 * p - k < s for k, s, p in zip(kernel, stride, padding)):
+        # one window on a 1×1 map (torchvision's ResNet-18 at 32×32 input, last stage): it reads
+        # the map's one value and zeros, so the filter is a scaling (1.05 ms a step there as a conv)
+        return z * (1.0 / (kernel[0] * kernel[1]))
     if stride == (1, 1) and padding[0] <= kernel[0] - 1 and padding[1] <= kernel[1] - 1:
         return _BoxFilter.apply(z, tuple(kernel), tuple(padding))
     c = z.shape[1]
@@ -314,6 +311,7 @@ def conv_value_padded(z: Tensor, conv: nn.Conv2d, value: Tensor, padding: tuple[
 
 
 _hooked = kernels.hooked
+_bn = kernels.batch_norm
 _global_hooks = kernels.global_hooks
 _plain_conv = kernels.plain_conv
 
@@ -368,17 +366,17 @@ def one_by_one_kxk(branch: Any, x: Tensor, moments: _Moments | None) -> Tensor:
     if branch.padding_mode != "zeros" or not _plain_conv(conv2) or tuple(conv2.padding) != (0, 0):
         return branch(x)
     if moments is None or not (_is_1x1(conv1) and tuple(conv1.stride) == (1, 1) and _batch_bn(bn1)):
-        z = bn1(kernels.run_conv(conv1, x))
-        return branch.bn2(conv_value_padded(z, conv2, pad_value(bn1), padding))
+        z = _bn(bn1, kernels.run_conv(conv1, x))
+        return _bn(branch.bn2, conv_value_padded(z, conv2, pad_value(bn1), padding))
     a, shift = _fold(bn1, _first_stage_weight(conv1), conv1.groups, moments.get())
     value = pad_value(bn1)  # after the running-statistics update, as in the per-branch forward
     o, _, kh, kw = conv2.weight.shape
     n, _, h, w = x.shape
     if conv1.groups == conv2.groups and n * h * w >= 2 * o * kh * kw:
         merged, _ = _merge_first_stage(a, conv2.weight, conv2.groups)
-        return branch.bn2(conv_value_padded(x, conv2, value, padding, inside=shift, weight=merged))
+        return _bn(branch.bn2, conv_value_padded(x, conv2, value, padding, inside=shift, weight=merged))
     z = kernels.conv2d(x, a, shift, 1, 0, 1, conv1.groups)
-    return branch.bn2(conv_value_padded(z, conv2, value, padding))
+    return _bn(branch.bn2, conv_value_padded(z, conv2, value, padding))
 
 
 def _merge_first_stage(a: Tensor, k2: Tensor, groups: int) -> tuple[Tensor, Tensor]:
@@ -391,7 +389,7 @@ def avg(branch: Any, x: Tensor, moments: _Moments | None) -> Tensor:
     if branch.padding_mode != "zeros":
         return branch(x)
     if branch.path == "depthwise":
-        return branch.bn(pool_value_padded(x, None, branch.kernel_size, branch.stride, branch.padding))
+        return _bn(branch.bn, pool_value_padded(x, None, branch.kernel_size, branch.stride, branch.padding))
     conv, bn1 = branch.conv, branch.bn1
     if moments is not None and _is_1x1(conv) and tuple(conv.stride) == (1, 1) and _batch_bn(bn1):
         a, shift = _fold(bn1, conv.weight, conv.groups, moments.get())
@@ -405,12 +403,12 @@ def avg(branch: Any, x: Tensor, moments: _Moments | None) -> Tensor:
             if branch.padding != (0, 0):
                 frac = _padded_fraction(_hw(x), branch.kernel_size, branch.stride, branch.padding, x)
                 y = y.add_((value.to(x.dtype) - shift).view(1, -1, 1, 1) * frac)
-            return branch.bn2(y)
+            return _bn(branch.bn2, y)
         z = kernels.conv2d(x, a, shift, 1, 0, 1, conv.groups)
     else:
-        z = bn1(kernels.run_conv(conv, x))
+        z = _bn(bn1, kernels.run_conv(conv, x))
         value = pad_value(bn1)
-    return branch.bn2(pool_value_padded(z, value, branch.kernel_size, branch.stride, branch.padding))
+    return _bn(branch.bn2, pool_value_padded(z, value, branch.kernel_size, branch.stride, branch.padding))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -436,37 +434,48 @@ class FusedForward:
         self._identity: tuple[nn.BatchNorm2d, Window | None, str] | None = None
 
     def conv_bn(self, branch: nn.Module, conv: nn.Module, bn: nn.Module, window: Window | None,
-                padding_mode: str) -> Tensor | None:
+                padding_mode: str, own_kernels: bool = False) -> Tensor | None:
         """A ``conv → bn`` branch on its input ``window``: a 1×1 conv (padding 0) followed by a
         batch-statistics BN is folded into the shared 1×1 conv (``None``; the first such branch
-        starts it) or run as its own folded conv; any other runs as ``branch(x)``."""
+        starts it) or run as its own folded conv; any other runs as ``branch(x)``, or, with
+        ``own_kernels`` (the branch is ``bn(conv(window(x)))``), as :func:`reparam.kernels.conv2d`
+        and :func:`reparam.kernels.batch_norm`."""
         x = self.x
-        if self.moments is None or not (_is_1x1(conv) and _batch_bn(bn)):
+
+        def unfolded() -> Tensor:
+            if own_kernels:
+                return _bn(bn, kernels.run_conv(conv, _windowed(x, window, padding_mode)))
             out: Tensor = branch(x)
             return out
+
+        if self.moments is None or not (_is_1x1(conv) and _batch_bn(bn)):
+            return unfolded()
         conv2d, batch_bn = cast(nn.Conv2d, conv), cast(nn.BatchNorm2d, bn)
         xin = _windowed(x, window, padding_mode)
         hin, win = xin.shape[-2:]
         stride = (int(conv2d.stride[0]), int(conv2d.stride[1]))
         if not x.shape[0] * ((hin - 1) // stride[0] + 1) * ((win - 1) // stride[1] + 1) > 1:
-            out = branch(x)
-            return out
+            return unfolded()
         a, shift = _fold(batch_bn, conv2d.weight, conv2d.groups, self.moments.get(stride, window, padding_mode))
         if self._lin_w is None:
             self._lin_w, self._lin_b, self._lin_geo, self._lin_x = a, shift, (stride, conv2d.groups, window), xin
             return None
         return kernels.conv2d(xin, a, shift, stride, 0, 1, conv2d.groups)
 
-    def identity_bn(self, branch: nn.Module, bn: nn.Module, window: Window | None, padding_mode: str) -> Tensor | None:
+    def identity_bn(self, branch: nn.Module, bn: nn.Module, window: Window | None, padding_mode: str,
+                    own_kernels: bool = False) -> Tensor | None:
         """A BN on the input ``window``: with batch statistics it is folded (``None``; into the
         shared 1×1 conv when that reads the same window at stride 1, see :meth:`finish`); otherwise
-        it runs as ``branch(x)``."""
+        it runs as ``branch(x)``, or, with ``own_kernels`` (the branch is ``bn(window(x))``), as
+        :func:`reparam.kernels.batch_norm`."""
         x = self.x
         if self.moments is not None and _batch_bn(bn):
             hin, win = _windowed(x, window, padding_mode).shape[-2:]
             if x.shape[0] * hin * win > 1:
                 self._identity = (cast(nn.BatchNorm2d, bn), window, padding_mode)
                 return None
+        if own_kernels:
+            return _bn(bn, _windowed(x, window, padding_mode))
         out: Tensor = branch(x)
         return out
 

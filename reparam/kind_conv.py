@@ -287,7 +287,8 @@ class CentredConvKind(_ConvBNKind):
 
     def fused_forward(self, branch: nn.Module, x: Tensor, fusion: "Fusion") -> Tensor | None:
         br = cast(ConvBNBranch, branch)
-        return fusion.conv_bn(br, br.conv, br.bn, br.window, br.padding_mode)
+        # the anchor runs its module (host conv and BN kernels: expansion stays bit-exact)
+        return fusion.conv_bn(br, br.conv, br.bn, br.window, br.padding_mode, own_kernels=br.kind != anchor_name())
 
 
 @builtin_kind

@@ -144,4 +144,4 @@ class IdentityKind(BranchKind):
 
     def fused_forward(self, branch: nn.Module, x: Tensor, fusion: "Fusion") -> Tensor | None:
         br = cast(IdentityBranch, branch)
-        return fusion.identity_bn(br, br.bn, br.window, br.padding_mode)
+        return fusion.identity_bn(br, br.bn, br.window, br.padding_mode, own_kernels=True)

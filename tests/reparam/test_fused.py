@@ -27,9 +27,14 @@ F64 = torch.float64
 @pytest.fixture(autouse=True)
 def _fuse_small_blocks(monkeypatch):
     """The matrix below uses small inputs; let the fused forward run on them, folding BatchNorms
-    from 8 positions per input channel (the default threshold is a speed choice, tested below)."""
+    from 8 positions per input channel (the default threshold is a speed choice, tested below), and
+    its unfolded branch BatchNorms in reparam.kernels' forms (tested in test_kernels)."""
     monkeypatch.setattr(reparam.fused, "FUSED_MIN_OUTPUT_ELEMENTS", 0)
     monkeypatch.setattr(reparam.fused, "FOLD_MIN_POSITIONS_PER_CHANNEL", 8)
+    # and the branch BatchNorms take reparam.kernels' own forms wherever their maps allow
+    monkeypatch.setattr(reparam.kernels, "BN_STATS_MIN_ELEMENTS", 0)
+    monkeypatch.setattr(reparam.kernels, "BN_STATS_MIN_CHANNELS", 0)
+    monkeypatch.setattr(reparam.kernels, "BN_FLAT_MIN_CHANNELS", 0)
 
 # (id, cin, cout, kernel, stride, padding, dilation, groups, input hw)
 CASES = [
@@ -368,3 +373,30 @@ def test_trained_1x1_kxk_composition_is_one_batched_gemm_and_float64_exact(group
     # float32 block: merged in float64, rounded once; tolerance relative to the output scale
     blk32 = copy.deepcopy(blk).float()
     assert reparam.testing.assert_equivalent(blk32.merge(), blk32, x.float()) <= 1e-6
+
+
+@pytest.mark.parametrize(
+    "cin, cout, stride, hw",
+    [(8, 8, 1, (1, 1)), (8, 16, 2, (2, 2)), (8, 8, 1, (2, 2)), (6, 6, 2, (1, 2))],
+    ids=["1x1_map", "2x2_to_1x1", "2x2_map", "1x2_map_s2"],
+)
+def test_fused_blocks_on_the_smallest_maps_equal_per_branch_float64(cin, cout, stride, hw):
+    """Blocks on 1×1 and 2×2 maps (torchvision's ResNet-18 at 32×32 input, last stages): dead taps
+    cropped, convs that cover their input as matrix products, the mean filter on a 1×1 map as a
+    scaling — the same training step as the per-branch modules in float64, and those paths run."""
+    gen = torch.Generator().manual_seed(21)
+    blk, _ = make_block(("small", cin, cout, 3, stride, 1, 1, 1, hw), gen)
+    x = torch.randn(6, cin, *hw, generator=gen, dtype=F64) + 0.3
+    worst, _ = compare(blk, x)
+    assert worst <= 1e-10
+    out = copy.deepcopy(blk)(x)  # which operators ran, read from the autograd graph (a dispatch mode would turn the paths off)
+    names, visited, stack = set(), set(), [out.grad_fn]
+    while stack:
+        fn = stack.pop()
+        if fn is not None and id(fn) not in visited:
+            visited.add(id(fn))
+            names.add(type(fn).__name__)
+            stack.extend(f for f, _ in fn.next_functions)
+    if hw == (1, 1):
+        assert "MmBackward0" in names or "AddmmBackward0" in names  # a branch conv as a product
+        assert "MulBackward0" in names                              # the mean filter as a scaling

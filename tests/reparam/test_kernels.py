@@ -238,3 +238,194 @@ def test_no_dead_tap_dropping_under_a_tracer() -> None:
                              check_trace=False)
     x = torch.randn(2, 4, 5, 5, generator=gen, dtype=torch.float64)
     assert _rel(traced(x), F.conv2d(x, w, None, 1, 1)) <= 1e-12
+
+
+# --------------------------------------------------------------------------------------------
+# a kernel that covers its whole input: a matrix product
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    n=st.integers(1, 4), c=st.integers(1, 24), o=st.integers(1, 24), h=st.integers(1, 4), w=st.integers(1, 4),
+    stride=st.integers(1, 3), bias=st.booleans(), xgrad=st.booleans(), view=st.booleans(), dead_ring=st.booleans(),
+)
+def test_a_kernel_covering_its_input_is_the_same_convolution_in_float64(n, c, o, h, w, stride, bias, xgrad, view,
+                                                                        dead_ring) -> None:
+    """One output position per sample: the product of the flattened input and kernel equals F.conv2d,
+    outputs and every gradient; also when the kernel covers the input only once its taps that read
+    padding alone are dropped (a 3×3 kernel, padding 1, on a 1×1 map), and on a strided view."""
+    gen = torch.Generator().manual_seed(n * 10007 + c * 101 + o * 13 + h * 3 + w)
+    if dead_ring:  # a (2h+1)×(2w+1)... kernel with padding reaching the centre only: crops to covering
+        kh, kw, pad = 2 * h + 1, 2 * w + 1, (h, w)
+        h = w = 1
+    else:
+        kh, kw, pad = h, w, (0, 0)
+    base = torch.randn(n, c, h + 1, w + 1, generator=gen, dtype=torch.float64)
+    x = base[..., 1:, 1:] if view else base[..., :h, :w].contiguous()
+    x.requires_grad_(xgrad)
+    wt = torch.randn(o, c, kh, kw, generator=gen, dtype=torch.float64)
+    bs = torch.randn(o, generator=gen, dtype=torch.float64) if bias else None
+    ref, ref_g = _grads(lambda a, b_, c_: F.conv2d(a, b_, c_, stride, pad), x, wt, bs)
+    out, out_g = _grads(lambda a, b_, c_: kernels.conv2d(a, b_, c_, stride, pad), x, wt, bs)
+    assert out.shape == ref.shape == (n, o, 1, 1)
+    assert _rel(out, ref) <= 1e-12
+    assert len(out_g) == len(ref_g)
+    for a, b_ in zip(out_g, ref_g, strict=True):
+        assert _rel(a, b_) <= 1e-12
+    if dead_ring:  # the taps that read padding alone get an exactly zero gradient, as in F.conv2d
+        grad_w = out_g[1] if xgrad else out_g[0]
+        ring = torch.ones_like(grad_w, dtype=torch.bool)
+        ring[:, :, kh // 2, kw // 2] = False
+        assert torch.all(grad_w[ring] == 0)
+
+
+def test_a_covering_kernel_runs_as_a_matrix_product_where_documented() -> None:
+    mm = kernels.matmul_preferred
+    x1 = torch.empty(4, 32, 1, 1)
+    assert mm(x1, torch.empty(32, 32, 1, 1))
+    assert mm(torch.empty(4, 8, 2, 3), torch.empty(16, 8, 2, 3))      # the kernel covers a 2×3 map
+    assert mm(x1, torch.empty(32, 32, 1, 1), dilation=2)               # a 1×1 kernel spans 1 at any dilation
+    assert not mm(torch.empty(4, 8, 3, 3), torch.empty(16, 8, 2, 2))   # more than one output position
+    assert not mm(x1, torch.empty(32, 32, 3, 3), padding=1)            # uncropped: the conv's padding decides
+    assert not mm(torch.empty(4, 8, 3, 3), torch.empty(16, 8, 3, 3), dilation=2)
+    assert not mm(x1, torch.empty(32, 16, 1, 1), groups=2)
+    assert not mm(x1, torch.empty(32, 32, 1, 1), padding="same")
+    assert not mm(x1.double(), torch.empty(32, 32, 1, 1))
+    assert not mm(nn.Parameter(x1), torch.empty(32, 32, 1, 1))
+    assert not mm(torch.empty(4, 32, 1, 1, device="meta"), torch.empty(32, 32, 1, 1, device="meta"))
+    with kernels.native_convs(False):
+        assert not mm(x1, torch.empty(32, 32, 1, 1))
+    w = torch.randn(32, 32, 3, 3, requires_grad=True)
+    out = kernels.conv2d(torch.randn(4, 32, 1, 1), w, None, 1, 1)   # cropped to its centre, then a product
+    assert type(out.grad_fn).__name__ == "ViewBackward0"
+    assert type(out.grad_fn.next_functions[0][0]).__name__ in ("MmBackward0", "AddmmBackward0")
+    with FlopCounterMode(display=False) as counter:  # a dispatch mode sees F.conv2d
+        kernels.conv2d(torch.randn(4, 32, 1, 1), w.detach(), None, 1, 1)
+    assert counter.get_total_flops() == 2 * 4 * 32 * 32 * 9
+
+
+# --------------------------------------------------------------------------------------------
+# a branch's training-mode BatchNorm
+
+
+def _bn_step(bn: nn.Module, x: torch.Tensor, run) -> tuple[torch.Tensor, list[torch.Tensor], dict[str, torch.Tensor]]:
+    x = x.detach().clone().requires_grad_()
+    out = run(bn, x)
+    g = torch.linspace(-1, 1, out.numel(), dtype=out.dtype).reshape(out.shape) * torch.arange(out.numel(), dtype=out.dtype).reshape(out.shape).cos()
+    out.backward(g)
+    grads = [x.grad] + [p.grad for p in bn.parameters()]
+    return out.detach(), grads, {k: v.clone() for k, v in bn.state_dict().items()}
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    n=st.integers(1, 5), c=st.integers(1, 12), h=st.integers(1, 6), w=st.integers(1, 6),
+    form=st.sampled_from(["stats", "flat"]), affine=st.booleans(), track=st.booleans(),
+    momentum=st.sampled_from([0.1, 0.5, None]), steps=st.integers(1, 3), offset=st.floats(-50, 50),
+)
+def test_batch_norm_forms_equal_the_module_in_float64(n, c, h, w, form, affine, track, momentum, steps, offset) -> None:
+    """Either form, any shape it may take (thresholds lifted): outputs, input and parameter
+    gradients, running statistics and batch counts as nn.BatchNorm2d's, over a few steps; inputs
+    far from zero mean (two-pass statistics)."""
+    if n * h * w <= 1:
+        return  # the module refuses one value per channel; the form steps aside (tested below)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(kernels, "BN_STATS_MIN_ELEMENTS", 0)
+        mp.setattr(kernels, "BN_STATS_MIN_CHANNELS", 0)
+        mp.setattr(kernels, "BN_STATS_MIN_POSITIONS", 1 if form == "stats" else 10**9)
+        mp.setattr(kernels, "BN_FLAT_MIN_CHANNELS", 0)
+        mp.setattr(kernels, "BN_FLAT_MAX_POSITIONS", 10**9)
+        _check_bn_form(n, c, h, w, form, affine, track, momentum, steps, offset)
+
+
+def _check_bn_form(n, c, h, w, form, affine, track, momentum, steps, offset) -> None:
+    gen = torch.Generator().manual_seed(n * 1000 + c * 50 + h * 7 + w)
+    ref = nn.BatchNorm2d(c, momentum=momentum, affine=affine, track_running_stats=track).double().train()
+    if affine:
+        with torch.no_grad():
+            ref.weight.uniform_(0.5, 1.5, generator=gen)
+            ref.bias.normal_(0, 1, generator=gen)
+    new = copy.deepcopy(ref)
+    if h * w == 1 and form == "flat":
+        assert kernels.batch_norm_form(new, torch.empty(n, c, h, w, dtype=torch.float64)) is None  # 1×1 maps: the module
+        return
+    for _ in range(steps):
+        x = torch.randn(n, c, h, w, generator=gen, dtype=torch.float64) * 3 + offset
+        assert kernels.batch_norm_form(new, x) == form
+        o_ref, g_ref, s_ref = _bn_step(ref, x, lambda m, a: m(a))
+        o_new, g_new, s_new = _bn_step(new, x, kernels.batch_norm)
+        assert _rel(o_new, o_ref) <= 1e-12
+        for a, b_ in zip(g_new, g_ref, strict=True):
+            assert _rel(a, b_) <= 1e-10  # relative to the largest gradient entry
+        assert s_new.keys() == s_ref.keys()
+        for k in s_ref:
+            if s_ref[k].is_floating_point():
+                assert _rel(s_new[k], s_ref[k]) <= 1e-12, k
+            else:
+                assert torch.equal(s_new[k], s_ref[k]), k
+        for p in (*ref.parameters(), *new.parameters()):
+            p.grad = None
+
+
+def test_batch_norm_form_follows_the_documented_rule() -> None:
+    bn = nn.BatchNorm2d(256).train()
+    form = kernels.batch_norm_form
+    assert form(nn.BatchNorm2d(64).train(), torch.empty(64, 64, 8, 8)) == "stats"      # 2^18 elements, 64 positions
+    assert form(nn.BatchNorm2d(64).train(), torch.empty(32, 64, 8, 8)) is None         # half the elements
+    assert form(nn.BatchNorm2d(6).train(), torch.empty(32, 6, 24, 24)) is None         # LeNet-5's first conv, batch 32
+    assert form(nn.BatchNorm2d(6).train(), torch.empty(92, 6, 28, 28)) is None         # ... and any batch: narrow
+    assert form(nn.BatchNorm2d(16).train(), torch.empty(64, 16, 16, 16)) == "stats"
+    assert form(nn.BatchNorm2d(512).train(), torch.empty(64, 512, 4, 4)) == "stats"
+    assert form(bn, torch.empty(64, 256, 2, 2)) == "flat"
+    assert form(bn, torch.empty(64, 256, 2, 1)) == "flat"
+    assert form(bn, torch.empty(64, 256, 1, 1)) is None                                # 1×1 maps: the module's kernel
+    assert form(nn.BatchNorm2d(64).train(), torch.empty(64, 64, 2, 2)) is None         # too few channels
+    assert form(bn, torch.empty(64, 256, 3, 3)) is None                                # between the two
+    x = torch.empty(64, 256, 2, 2)
+    assert form(copy.deepcopy(bn).eval(), x) is None
+    assert form(bn, x.double()) is None                                                # the module's dtype differs
+    assert form(bn, x.transpose(2, 3)) is None                                         # not contiguous
+    assert form(bn, x.to(memory_format=torch.channels_last)) is None
+    assert form(bn, nn.Parameter(x)) is None
+    assert form(nn.SyncBatchNorm(256).train(), x) is None                              # a subclass runs itself
+    hooked = copy.deepcopy(bn)
+    hooked.register_forward_hook(lambda *a: None)
+    assert form(hooked, x) is None
+    with FlopCounterMode(display=False):
+        assert form(bn, x) is None
+    with kernels.batch_norms(False):
+        assert form(bn, x) is None
+    assert form(bn, x) == "flat"
+    with pytest.raises(ValueError, match="more than 1 value per channel"):
+        kernels.batch_norm(nn.BatchNorm2d(3).train(), torch.randn(1, 3, 1, 1))
+
+
+def test_batch_norm_runs_its_form_and_the_module_elsewhere() -> None:
+    bn = nn.BatchNorm2d(256).train()
+    y = kernels.batch_norm(bn, torch.randn(64, 256, 2, 2, requires_grad=True))
+    assert type(y.grad_fn).__name__ == "_FlatBatchNormBackward"
+    assert int(bn.num_batches_tracked) == 1
+    y = kernels.batch_norm(nn.BatchNorm2d(64).train(), torch.randn(64, 64, 8, 8, requires_grad=True))
+    assert type(y.grad_fn).__name__ == "_StatsBatchNormBackward"
+    y = kernels.batch_norm(nn.BatchNorm2d(6).train(), torch.randn(92, 6, 28, 28, requires_grad=True))
+    assert type(y.grad_fn).__name__ == "NativeBatchNormBackward0"
+
+
+@pytest.mark.parametrize("shape", [(64, 64, 8, 8), (64, 256, 2, 2)])
+def test_batch_norm_forms_in_float32_relative_to_the_output_scale(shape) -> None:
+    """Float32 at the shapes that take each form (a large mean included): within float32 rounding of
+    the module, relative to the scale of each result."""
+    gen = torch.Generator().manual_seed(3)
+    ref = nn.BatchNorm2d(shape[1]).train()
+    with torch.no_grad():
+        ref.weight.uniform_(0.5, 1.5, generator=gen)
+    new = copy.deepcopy(ref)
+    x = torch.randn(*shape, generator=gen) * 2 + 20
+    o_ref, g_ref, s_ref = _bn_step(ref, x, lambda m, a: m(a))
+    o_new, g_new, s_new = _bn_step(new, x, kernels.batch_norm)
+    assert kernels.batch_norm_form(new, x) is not None
+    assert _rel(o_new, o_ref) <= 1e-5
+    for a, b_ in zip(g_new, g_ref, strict=True):
+        assert _rel(a, b_) <= 1e-4
+    assert _rel(s_new["running_mean"], s_ref["running_mean"]) <= 1e-6
+    assert _rel(s_new["running_var"], s_ref["running_var"]) <= 1e-4
