@@ -229,10 +229,9 @@ def run_conv(conv: nn.Module, x: Tensor) -> Tensor:
 #: the elements the two are even on two threads (128 channels on 4×4: 239 against 280 µs)
 BN_STATS_MIN_ELEMENTS = 1 << 18
 BN_STATS_MIN_POSITIONS = 16
-#: ... with at least this many channels: with fewer each channel's run is long and PyTorch's kernel
-#: gains little from the change (LeNet-5's first conv, 64 × 6 × 28 × 28: 476 against 430 µs on two
-#: threads), so narrow BatchNorms (the calibration forward of LeNet-5 blocks, for one) keep it and
-#: their numbers bit for bit
+#: ... with at least this many channels: narrow BatchNorms (the calibration forward of LeNet-5's
+#: blocks on large batches, for one) keep PyTorch's kernel and their numbers bit for bit; the gain
+#: there is small on two threads (64 × 6 × 28 × 28: 476 against 430 µs), larger on one (748 against 418)
 BN_STATS_MIN_CHANNELS = NARROW_CHANNELS
 #: ... and on maps of 2 to :data:`BN_FLAT_MAX_POSITIONS` positions with at least
 #: :data:`BN_FLAT_MIN_CHANNELS` channels it runs the whole BatchNorm, backward included, on the
