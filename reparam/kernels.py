@@ -279,20 +279,37 @@ class _StatsBatchNorm(torch.autograd.Function):
         mean = xv.sum(2).sum(0).div_(m)
         var = torch.linalg.vector_norm(xv - mean.view(1, c, 1), dim=2).square_().sum(0).div_(m)
         y = torch.batch_norm(x, weight, bias, mean, var, False, 0.0, eps, False)
-        ctx.save_for_backward(x, weight, mean, torch.rsqrt(var + eps))
+        ctx.save_for_backward(x, weight, bias, mean, torch.rsqrt(var + eps))
         ctx.eps = eps
         ctx.mark_non_differentiable(mean, var)
         return y, mean, var
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor, _gm: Any, _gv: Any) -> tuple[Tensor | None, Tensor | None, Tensor | None, None]:  # type: ignore[override]
-        x, weight, mean, invstd = ctx.saved_tensors
+        x, weight, bias, mean, invstd = ctx.saved_tensors
+        if torch.is_grad_enabled():
+            return _differentiable_grads(ctx, grad, x, weight, bias)
         need = ctx.needs_input_grad
         dx, dw, db = torch.ops.aten.native_batch_norm_backward(
             grad.contiguous(), x, weight, None, None, mean, invstd, True, ctx.eps,
             [need[0], weight is not None and need[1], need[2]],
         )
         return dx, dw, db, None
+
+
+def _differentiable_grads(ctx: Any, grad: Tensor, x: Tensor, weight: Tensor | None,
+                          bias: Tensor | None) -> tuple[Tensor | None, Tensor | None, Tensor | None, None]:
+    """The gradients when the backward is itself differentiated (``create_graph``, e.g. Hessian-vector
+    products): those of PyTorch's own training-mode BatchNorm recomputed on the saved input, so that
+    their dependence on the batch statistics is part of the graph (the forms' statistics, computed
+    inside ``forward``, are not)."""
+    need = ctx.needs_input_grad[:3]
+    inputs = [t for t, n in zip((x, weight, bias), need) if n and t is not None]
+    with torch.enable_grad():
+        y = F.batch_norm(x, None, None, weight, bias, True, 0.0, ctx.eps)
+    grads = iter(torch.autograd.grad(y, inputs, grad, create_graph=True))
+    dx, dw, db = (next(grads) if n and t is not None else None for t, n in zip((x, weight, bias), need))
+    return dx, dw, db, None
 
 
 def _per_channel(v: Tensor, positions: int) -> Tensor:
@@ -318,13 +335,16 @@ class _FlatBatchNorm(torch.autograd.Function):
         y = xc * _per_channel(scale, length)
         if bias is not None:
             y.add_(_per_channel(bias, length))
-        ctx.save_for_backward(xc, weight, invstd)
+        ctx.save_for_backward(x, weight, bias, xc, invstd)
+        ctx.eps = eps
         ctx.mark_non_differentiable(mean, var)
         return y.view_as(x), mean, var
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor, _gm: Any, _gv: Any) -> tuple[Tensor | None, Tensor | None, Tensor | None, None]:  # type: ignore[override]
-        xc, weight, invstd = ctx.saved_tensors
+        x, weight, bias, xc, invstd = ctx.saved_tensors
+        if torch.is_grad_enabled():
+            return _differentiable_grads(ctx, grad, x, weight, bias)
         n, cl = xc.shape
         c = invstd.shape[0]
         length, m = cl // c, n * (cl // c)

@@ -429,3 +429,30 @@ def test_batch_norm_forms_in_float32_relative_to_the_output_scale(shape) -> None
         assert _rel(a, b_) <= 1e-4
     assert _rel(s_new["running_mean"], s_ref["running_mean"]) <= 1e-6
     assert _rel(s_new["running_var"], s_ref["running_var"]) <= 1e-4
+
+
+@pytest.mark.parametrize("shape", [(64, 64, 8, 8), (64, 256, 2, 2)], ids=["stats", "flat"])
+def test_batch_norm_forms_are_twice_differentiable_in_float64(shape) -> None:
+    """A backward that is itself differentiated (``create_graph``: Hessian-vector products) gets
+    the module's second derivatives: the forms' statistics are computed outside the graph, so their
+    backward then recomputes PyTorch's own BatchNorm on the saved input."""
+    torch.manual_seed(0)
+    bn = nn.BatchNorm2d(shape[1]).double().train()
+    with torch.no_grad():
+        bn.weight.uniform_(0.5, 1.5)
+        bn.bias.normal_()
+    x0 = torch.randn(*shape, dtype=torch.float64)
+    assert kernels.batch_norm_form(bn, x0) == ("stats" if shape[2] == 8 else "flat")
+
+    def hvp(run):
+        b = copy.deepcopy(bn)
+        x = x0.clone().requires_grad_()
+        out = run(b, x)
+        loss = (out ** 3).mean() + out.sin().mean()
+        ps = [x, *b.parameters()]
+        grads = torch.autograd.grad(loss, ps, create_graph=True)
+        return grads, torch.autograd.grad(sum((g * g.detach().sign()).sum() for g in grads), ps)
+
+    (g_new, h_new), (g_ref, h_ref) = hvp(kernels.batch_norm), hvp(lambda m, a: m(a))
+    for a, b_ in zip((*g_new, *h_new), (*g_ref, *h_ref), strict=True):
+        assert _rel(a, b_) <= 1e-12
