@@ -279,16 +279,16 @@ class _StatsBatchNorm(torch.autograd.Function):
         mean = xv.sum(2).sum(0).div_(m)
         var = torch.linalg.vector_norm(xv - mean.view(1, c, 1), dim=2).square_().sum(0).div_(m)
         y = torch.batch_norm(x, weight, bias, mean, var, False, 0.0, eps, False)
-        ctx.save_for_backward(x, weight, bias, mean, torch.rsqrt(var + eps))
+        ctx.save_for_backward(x, weight, mean, torch.rsqrt(var + eps))
         ctx.eps = eps
         ctx.mark_non_differentiable(mean, var)
         return y, mean, var
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor, _gm: Any, _gv: Any) -> tuple[Tensor | None, Tensor | None, Tensor | None, None]:  # type: ignore[override]
-        x, weight, bias, mean, invstd = ctx.saved_tensors
-        if torch.is_grad_enabled():
-            return _differentiable_grads(ctx, grad, x, weight, bias)
+        # PyTorch's training-mode backward is itself twice differentiable (its double backward
+        # takes the saved statistics as functions of the input), so create_graph needs nothing here
+        x, weight, mean, invstd = ctx.saved_tensors
         need = ctx.needs_input_grad
         dx, dw, db = torch.ops.aten.native_batch_norm_backward(
             grad.contiguous(), x, weight, None, None, mean, invstd, True, ctx.eps,
@@ -299,10 +299,10 @@ class _StatsBatchNorm(torch.autograd.Function):
 
 def _differentiable_grads(ctx: Any, grad: Tensor, x: Tensor, weight: Tensor | None,
                           bias: Tensor | None) -> tuple[Tensor | None, Tensor | None, Tensor | None, None]:
-    """The gradients when the backward is itself differentiated (``create_graph``, e.g. Hessian-vector
-    products): those of PyTorch's own training-mode BatchNorm recomputed on the saved input, so that
-    their dependence on the batch statistics is part of the graph (the forms' statistics, computed
-    inside ``forward``, are not)."""
+    """The gradients when the flat form's backward is itself differentiated (``create_graph``, e.g.
+    Hessian-vector products): those of PyTorch's own training-mode BatchNorm recomputed on the saved
+    input, so that their dependence on the batch statistics is part of the graph (the written-out
+    backward treats the statistics, computed inside ``forward``, as constants)."""
     need = ctx.needs_input_grad[:3]
     inputs = [t for t, n in zip((x, weight, bias), need) if n and t is not None]
     with torch.enable_grad():

@@ -434,8 +434,9 @@ def test_batch_norm_forms_in_float32_relative_to_the_output_scale(shape) -> None
 @pytest.mark.parametrize("shape", [(64, 64, 8, 8), (64, 256, 2, 2)], ids=["stats", "flat"])
 def test_batch_norm_forms_are_twice_differentiable_in_float64(shape) -> None:
     """A backward that is itself differentiated (``create_graph``: Hessian-vector products) gets
-    the module's second derivatives: the forms' statistics are computed outside the graph, so their
-    backward then recomputes PyTorch's own BatchNorm on the saved input."""
+    the module's second derivatives: the stats form through PyTorch's own (twice differentiable)
+    backward, the flat form by recomputing PyTorch's BatchNorm on the saved input (its written-out
+    backward treats the statistics as constants: without that, this test fails)."""
     torch.manual_seed(0)
     bn = nn.BatchNorm2d(shape[1]).double().train()
     with torch.no_grad():
