@@ -265,10 +265,15 @@ class _BoxFilter(torch.autograd.Function):
 
 def box_filter(z: Tensor, kernel: tuple[int, int], stride: tuple[int, int], padding: tuple[int, int]) -> Tensor:
     """``AvgPool(K, s, P)`` with ``count_include_pad`` (zero padding) for any ``P``."""
-    if _hw(z) == (1, 1) and all(0 <= p <= k - 1 and 1 + 2 * p - k < s for k, s, p in zip(kernel, stride, padding)):
-        # one window on a 1×1 map (torchvision's ResNet-18 at 32×32 input, last stage): it reads
-        # the map's one value and zeros, so the filter is a scaling (1.05 ms a step there as a conv)
-        return z * (1.0 / (kernel[0] * kernel[1]))
+    out_hw = [(size + 2 * p - k) // s + 1 for size, k, s, p in zip(_hw(z), kernel, stride, padding)]
+    if all(0 <= p <= k - 1 and size <= k - p and (o - 1) * s <= p
+           for size, k, s, p, o in zip(_hw(z), kernel, stride, padding, out_hw)):
+        # every window covers the whole map (torchvision's ResNet-18 at 32×32 input: 3×3 windows on
+        # its 2×2 and 1×1 maps), so each output is the map's sum over K_h·K_w: 0.47 ms forward and
+        # backward at 64 × 256 × 2 × 2 as a depthwise conv
+        total = z.sum((2, 3), keepdim=True) if _hw(z) != (1, 1) else z
+        out = total * (1.0 / (kernel[0] * kernel[1]))
+        return out if out_hw == [1, 1] else out.expand(-1, -1, *out_hw).contiguous()
     if stride == (1, 1) and padding[0] <= kernel[0] - 1 and padding[1] <= kernel[1] - 1:
         return _BoxFilter.apply(z, tuple(kernel), tuple(padding))
     c = z.shape[1]

@@ -381,11 +381,12 @@ def update_running_stats(bn: nn.BatchNorm2d, mean: Tensor, var: Tensor, m: int) 
 def batch_norm(bn: nn.Module, x: Tensor) -> Tensor:
     """``bn(x)`` for a branch's training-mode ``nn.BatchNorm2d``, faster where PyTorch's CPU kernel is
     slow for the shape (:func:`batch_norm_form`): on maps of 16 positions or more, 2^18 elements or
-    more and 16 channels or more the statistics are computed here (``"stats"``), on maps of 2 to 4 positions with 128
-    channels or more the whole BatchNorm runs on the ``(N, C·H·W)`` view (``"flat"``); elsewhere, and
-    for anything but a plain CPU float BatchNorm in training mode, the module runs itself. The same
-    function (float64 outputs, gradients and running statistics within 1e-12 of the module's),
-    rounded differently. The anchor keeps its module (expansion stays bit-exact)."""
+    more and 16 channels or more the statistics are computed here (``"stats"``); on maps of 2 to 4
+    positions with 128 channels or more the whole BatchNorm runs on the ``(N, C·H·W)`` view
+    (``"flat"``); elsewhere, and for anything but a plain CPU float BatchNorm in training mode, the
+    module runs itself. The same function (float64 outputs, first and second derivatives and running
+    statistics within 1e-10–1e-12 of the module's), rounded differently. The anchor keeps its module
+    (expansion stays bit-exact)."""
     form = batch_norm_form(bn, x)
     if form is None:
         out: Tensor = bn(x)

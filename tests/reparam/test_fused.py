@@ -400,3 +400,31 @@ def test_fused_blocks_on_the_smallest_maps_equal_per_branch_float64(cin, cout, s
     if hw == (1, 1):
         assert "MmBackward0" in names or "AddmmBackward0" in names  # a branch conv as a product
         assert "MulBackward0" in names                              # the mean filter as a scaling
+
+
+def test_box_filter_is_avg_pool_with_zero_padding_on_small_maps_float64():
+    """The mean filter (count_include_pad), including the shortcut where every window covers the
+    whole map (1×1 and 2×2 maps under 3×3 windows): outputs and input gradients equal avg_pool2d's
+    on every small geometry avg_pool2d accepts."""
+    import itertools
+
+    import torch.nn.functional as F
+
+    from reparam.fused import box_filter
+
+    gen = torch.Generator().manual_seed(5)
+    checked = shortcut = 0
+    for size, k, s, p in itertools.product(itertools.product([1, 2, 3], [1, 2, 3]), itertools.product([1, 2, 3, 5], [1, 3]),
+                                           itertools.product([1, 2], [1, 3]), itertools.product(range(3), range(2))):
+        if any(pp > kk // 2 or sz + 2 * pp < kk for sz, kk, pp in zip(size, k, p)):
+            continue  # avg_pool2d refuses padding over half the kernel; no window at all
+        z = torch.randn(2, 3, *size, generator=gen, dtype=F64, requires_grad=True)
+        ref = F.avg_pool2d(z, k, s, p, count_include_pad=True)
+        out = box_filter(z, k, s, p)
+        g = torch.randn(ref.shape, generator=gen, dtype=F64)
+        (g_ref,), (g_out,) = torch.autograd.grad(ref, z, g), torch.autograd.grad(out, z, g)
+        assert out.shape == ref.shape and out.is_contiguous()
+        assert rel_err(out, ref) <= 1e-13 and rel_err(g_out, g_ref) <= 1e-13
+        checked += 1
+        shortcut += out.grad_fn is not None and type(out.grad_fn).__name__ in ("MulBackward0", "CloneBackward0")
+    assert checked > 100 and shortcut > 10
