@@ -28,9 +28,8 @@ This module evaluates the same function with fewer of them:
   positions at stride 2).
 
 The branch BatchNorms that are not folded (the last BN of ``1x1_kxk`` and ``1x1_avg``, and every
-BN where folding does not pay) run through :func:`reparam.kernels.batch_norm`, which computes the
-batch statistics itself where PyTorch's CPU kernel is slow for the shape; the anchor's BN runs as
-its module.
+BN where folding does not pay) run through :func:`reparam.kernels.batch_norm`, as they do in the
+branch modules' own forwards; the anchor's BN runs as its module.
 
 Branches that read an input window (``1x1`` or ``identity`` on an unpadded conv, see
 :mod:`reparam.kind_conv`) are folded the same way, with the moments of their window.
@@ -185,14 +184,6 @@ def _windowed(x: Tensor, window: Window | None, padding_mode: str) -> Tensor:
 # folding
 
 
-def _batch_bn(bn: Any) -> bool:
-    """A plain ``BatchNorm2d`` that normalises with batch statistics in this forward."""
-    return type(bn) is nn.BatchNorm2d and bn.training and not _hooked(bn)
-
-
-_update_running = kernels.update_running_stats
-
-
 def _fold(bn: nn.BatchNorm2d, weight: Tensor, groups: int, moments: tuple[Tensor, Tensor, int]) -> tuple[Tensor, Tensor]:
     """``(t·W, β − t·W x̄)`` with ``BN(conv1x1(x, W) + c) == conv1x1(x, t·W) + (β − t·W x̄)`` (batch
     statistics; a conv bias ``c`` cancels). ``weight`` is ``(O, C/g, 1, 1)``; updates running stats."""
@@ -217,7 +208,7 @@ def _fold_identity(bn: nn.BatchNorm2d, moments: tuple[Tensor, Tensor, int]) -> t
 def _scale_shift(bn: nn.BatchNorm2d, weight: Tensor | None, y_mean: Tensor, y_var: Tensor, m: int) -> tuple[Tensor, Tensor]:
     if m <= 1:
         raise ValueError(f"Expected more than 1 value per channel when training, got {m}")
-    _update_running(bn, y_mean, y_var, m)
+    kernels.update_running_stats(bn, y_mean, y_var, m)
     t = torch.rsqrt(y_var + bn.eps)
     if bn.weight is not None:
         t = t * bn.weight
@@ -271,8 +262,7 @@ def box_filter(z: Tensor, kernel: tuple[int, int], stride: tuple[int, int], padd
         # every window covers the whole map (torchvision's ResNet-18 at 32×32 input: 3×3 windows on
         # its 2×2 and 1×1 maps), so each output is the map's sum over K_h·K_w: 0.47 ms forward and
         # backward at 64 × 256 × 2 × 2 as a depthwise conv
-        total = z.sum((2, 3), keepdim=True) if _hw(z) != (1, 1) else z
-        out = total * (1.0 / (kernel[0] * kernel[1]))
+        out = z.sum((2, 3), keepdim=True) * (1.0 / (kernel[0] * kernel[1]))
         return out if out_hw == [1, 1] else out.expand(-1, -1, *out_hw).contiguous()
     if stride == (1, 1) and padding[0] <= kernel[0] - 1 and padding[1] <= kernel[1] - 1:
         return _BoxFilter.apply(z, tuple(kernel), tuple(padding))
@@ -316,6 +306,7 @@ def conv_value_padded(z: Tensor, conv: nn.Conv2d, value: Tensor, padding: tuple[
 
 
 _hooked = kernels.hooked
+_batch_bn = kernels.batch_stats_bn
 _bn = kernels.batch_norm
 _global_hooks = kernels.global_hooks
 _plain_conv = kernels.plain_conv
@@ -439,48 +430,37 @@ class FusedForward:
         self._identity: tuple[nn.BatchNorm2d, Window | None, str] | None = None
 
     def conv_bn(self, branch: nn.Module, conv: nn.Module, bn: nn.Module, window: Window | None,
-                padding_mode: str, own_kernels: bool = False) -> Tensor | None:
+                padding_mode: str) -> Tensor | None:
         """A ``conv → bn`` branch on its input ``window``: a 1×1 conv (padding 0) followed by a
         batch-statistics BN is folded into the shared 1×1 conv (``None``; the first such branch
-        starts it) or run as its own folded conv; any other runs as ``branch(x)``, or, with
-        ``own_kernels`` (the branch is ``bn(conv(window(x)))``), as :func:`reparam.kernels.conv2d`
-        and :func:`reparam.kernels.batch_norm`."""
+        starts it) or run as its own folded conv; any other runs as ``branch(x)``."""
         x = self.x
-
-        def unfolded() -> Tensor:
-            if own_kernels:
-                return _bn(bn, kernels.run_conv(conv, _windowed(x, window, padding_mode)))
+        if self.moments is None or not (_is_1x1(conv) and _batch_bn(bn)):
             out: Tensor = branch(x)
             return out
-
-        if self.moments is None or not (_is_1x1(conv) and _batch_bn(bn)):
-            return unfolded()
         conv2d, batch_bn = cast(nn.Conv2d, conv), cast(nn.BatchNorm2d, bn)
         xin = _windowed(x, window, padding_mode)
         hin, win = xin.shape[-2:]
         stride = (int(conv2d.stride[0]), int(conv2d.stride[1]))
         if not x.shape[0] * ((hin - 1) // stride[0] + 1) * ((win - 1) // stride[1] + 1) > 1:
-            return unfolded()
+            out = branch(x)
+            return out
         a, shift = _fold(batch_bn, conv2d.weight, conv2d.groups, self.moments.get(stride, window, padding_mode))
         if self._lin_w is None:
             self._lin_w, self._lin_b, self._lin_geo, self._lin_x = a, shift, (stride, conv2d.groups, window), xin
             return None
         return kernels.conv2d(xin, a, shift, stride, 0, 1, conv2d.groups)
 
-    def identity_bn(self, branch: nn.Module, bn: nn.Module, window: Window | None, padding_mode: str,
-                    own_kernels: bool = False) -> Tensor | None:
+    def identity_bn(self, branch: nn.Module, bn: nn.Module, window: Window | None, padding_mode: str) -> Tensor | None:
         """A BN on the input ``window``: with batch statistics it is folded (``None``; into the
         shared 1×1 conv when that reads the same window at stride 1, see :meth:`finish`); otherwise
-        it runs as ``branch(x)``, or, with ``own_kernels`` (the branch is ``bn(window(x))``), as
-        :func:`reparam.kernels.batch_norm`."""
+        it runs as ``branch(x)``."""
         x = self.x
         if self.moments is not None and _batch_bn(bn):
             hin, win = _windowed(x, window, padding_mode).shape[-2:]
             if x.shape[0] * hin * win > 1:
                 self._identity = (cast(nn.BatchNorm2d, bn), window, padding_mode)
                 return None
-        if own_kernels:
-            return _bn(bn, _windowed(x, window, padding_mode))
         out: Tensor = branch(x)
         return out
 

@@ -103,13 +103,17 @@ def plain_context(x: Tensor) -> bool:
     return _get_current_dispatch_mode() is None
 
 
+def _cpu_float(x: Any) -> bool:
+    """A plain (no subclass, no fx proxy) 4-d float32/float64 tensor on the CPU: what the kernel
+    choices here apply to (other devices keep PyTorch's operators)."""
+    return type(x) is Tensor and x.device.type == "cpu" and x.dim() == 4 and x.dtype in _FLOATS
+
+
 def native_conv_preferred(x: Tensor, weight: Tensor, stride: Any = 1, padding: Any = 0, dilation: Any = 1,
                           groups: int = 1) -> bool:
     """Whether :func:`conv2d` runs this convolution with the native kernel (see the module docstring)."""
-    if not _STATE["enabled"] or groups != 1 or isinstance(padding, str) or type(x) is not Tensor:
+    if not _STATE["enabled"] or groups != 1 or isinstance(padding, str) or not _cpu_float(x) or weight.dtype != x.dtype:
         return False  # a tensor subclass or an fx proxy gets F.conv2d, as it would without us
-    if x.device.type != "cpu" or x.dim() != 4 or x.dtype not in _FLOATS or weight.dtype != x.dtype:
-        return False
     if _pair(dilation) != (1, 1) or not plain_context(x):
         return False
     out_ch, in_ch, kh, kw = weight.shape
@@ -121,9 +125,7 @@ def matmul_preferred(x: Tensor, weight: Tensor, padding: Any = 0, dilation: Any 
     """Whether :func:`conv2d` runs this convolution as a matrix product: its kernel covers the whole
     unpadded input, so each sample has one output position, the product of its flattened input with
     the flattened kernel (see the module docstring)."""
-    if not _STATE["enabled"] or groups != 1 or isinstance(padding, str) or type(x) is not Tensor:
-        return False
-    if x.device.type != "cpu" or x.dim() != 4 or x.dtype not in _FLOATS or weight.dtype != x.dtype:
+    if not _STATE["enabled"] or groups != 1 or isinstance(padding, str) or not _cpu_float(x) or weight.dtype != x.dtype:
         return False
     if _pair(padding) != (0, 0) or tuple(x.shape[2:]) != tuple(weight.shape[2:]):
         return False
@@ -247,14 +249,18 @@ def batch_norms(enabled: bool = True) -> contextlib.AbstractContextManager[None]
     return switched(_BN_STATE, enabled)
 
 
+def batch_stats_bn(bn: Any) -> bool:
+    """A plain ``BatchNorm2d`` (no subclass, no hooks of its own) that normalises with batch
+    statistics in this forward."""
+    return type(bn) is nn.BatchNorm2d and bn.training and not hooked(bn)
+
+
 def batch_norm_form(bn: nn.Module, x: Tensor) -> str | None:
     """``"stats"``, ``"flat"`` or ``None`` (the module's own forward): which form :func:`batch_norm`
     runs ``bn`` on ``x`` in, from the shapes alone (see :func:`batch_norm`)."""
-    if not _BN_STATE["enabled"] or type(bn) is not nn.BatchNorm2d or not bn.training or hooked(bn) or global_hooks():
+    if not _BN_STATE["enabled"] or not batch_stats_bn(bn) or global_hooks():
         return None
-    if type(x) is not Tensor or x.device.type != "cpu" or x.dim() != 4 or x.dtype not in _FLOATS:
-        return None
-    if not x.is_contiguous() or (bn.weight is not None and bn.weight.dtype != x.dtype) or not plain_context(x):
+    if not _cpu_float(x) or not x.is_contiguous() or (bn.weight is not None and bn.weight.dtype != x.dtype) or not plain_context(x):
         return None
     n, c, h, w = (int(d) for d in x.shape)
     if n * h * w <= 1:

@@ -18,7 +18,7 @@ from torch import Tensor, nn
 from . import fused
 from .errors import ReparamError
 from .geometry import ConvGeometry
-from .kernels import run_conv
+from .kernels import batch_norm, run_conv
 from .kinds import BranchKind, builtin_kind, Fusion
 from .layers import IdentityBasedConv1x1, kaiming_, new_bn, pad_intermediate
 from .merge_algebra import acc_shape, add_term, bn_scale_shift, conv_kernel_bias, full_acc, take_rows
@@ -64,10 +64,9 @@ class OneByOneKxKBranch(nn.Module):
         return self.bn2
 
     def forward(self, x: Tensor) -> Tensor:
-        z = self.bn1(run_conv(self.conv1, x))
+        z = batch_norm(self.bn1, run_conv(self.conv1, x))
         z = pad_intermediate(z, self.padding, self.padding_mode, self.bn1)
-        out: Tensor = self.bn2(run_conv(self.conv2, z))
-        return out
+        return batch_norm(self.bn2, run_conv(self.conv2, z))
 
     def equivalent_kernel_bias(self, geometry: ConvGeometry, dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor]:
         w1, c1 = conv_kernel_bias(self.conv1, dtype)

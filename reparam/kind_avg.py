@@ -13,7 +13,7 @@ from torch import Tensor, nn
 from . import fused
 from .errors import ReparamError
 from .geometry import ConvGeometry
-from .kernels import run_conv
+from .kernels import batch_norm, run_conv
 from .kinds import BranchKind, builtin_kind, Fusion
 from .layers import PAD_MODE, box_mean, kaiming_, new_bn, pad_intermediate
 from .merge_algebra import acc_shape, bn_scale_shift, conv_kernel_bias, take_rows
@@ -79,22 +79,18 @@ class AvgBranch(nn.Module):
         return F.avg_pool2d(z, self.kernel_size, self.stride, 0, False, True, None)
 
     def forward(self, x: Tensor) -> Tensor:
-        out: Tensor
         if self.path == "dense":
-            z = self.bn1(run_conv(self.conv, x))
+            z = batch_norm(self.bn1, run_conv(self.conv, x))
             z = pad_intermediate(z, self.padding, self.padding_mode, self.bn1)
-            out = self.bn2(self._pool(z))
-            return out
+            return batch_norm(self.bn2, self._pool(z))
         ph, pw = self.padding
         kh, kw = self.kernel_size
         if self.padding_mode == "zeros" and self.stride != (1, 1) and 2 * ph <= kh and 2 * pw <= kw:
-            out = self.bn(F.avg_pool2d(x, self.kernel_size, self.stride, self.padding, False, True, None))
-            return out
+            return batch_norm(self.bn, F.avg_pool2d(x, self.kernel_size, self.stride, self.padding, False, True, None))
         mode = "constant" if self.padding_mode == "zeros" else PAD_MODE[self.padding_mode]
         if (ph, pw) != (0, 0):
             x = F.pad(x, (pw, pw, ph, ph), mode=mode)
-        out = self.bn(self._pool(x))
-        return out
+        return batch_norm(self.bn, self._pool(x))
 
     def equivalent_kernel_bias(self, geometry: ConvGeometry, dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor]:
         kh, kw = self.kernel_size

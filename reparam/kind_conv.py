@@ -26,7 +26,7 @@ from torch import Tensor, nn
 
 from .errors import AlignmentError, ReparamError
 from .geometry import ConvGeometry
-from .kernels import run_conv
+from .kernels import batch_norm, run_conv
 from .kinds import BranchKind, anchor_name, builtin_kind, Fusion, get_kind, is_kind
 from .layers import kaiming_, new_bn, normalise_window
 from .merge_algebra import acc_shape, bn_scale_shift, conv_kernel_bias, full_acc, take_rows
@@ -76,11 +76,12 @@ class ConvBNBranch(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         if self.window is not None:
             x = window_input(x, self.window, self.padding_mode)
-        # the anchor runs its host conv's own kernel (expansion stays bit-exact); the other
-        # branches let reparam.kernels choose one for their shape
-        conv = self.conv
-        out: Tensor = self.bn(conv(x) if self.kind == anchor_name() else run_conv(conv, x))
-        return out
+        # the anchor runs its host conv's and BN's own kernels (expansion stays bit-exact); the
+        # other branches let reparam.kernels choose them for their shapes
+        if self.kind == anchor_name():
+            out: Tensor = self.bn(self.conv(x))
+            return out
+        return batch_norm(self.bn, run_conv(self.conv, x))
 
     @property
     def last_bn(self) -> nn.Module:
@@ -287,8 +288,7 @@ class CentredConvKind(_ConvBNKind):
 
     def fused_forward(self, branch: nn.Module, x: Tensor, fusion: "Fusion") -> Tensor | None:
         br = cast(ConvBNBranch, branch)
-        # the anchor runs its module (host conv and BN kernels: expansion stays bit-exact)
-        return fusion.conv_bn(br, br.conv, br.bn, br.window, br.padding_mode, own_kernels=br.kind != anchor_name())
+        return fusion.conv_bn(br, br.conv, br.bn, br.window, br.padding_mode)
 
 
 @builtin_kind

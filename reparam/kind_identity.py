@@ -17,6 +17,7 @@ from torch import Tensor, nn
 from .errors import AlignmentError
 from .geometry import ConvGeometry
 from .kinds import BranchKind, builtin_kind, Fusion
+from .kernels import batch_norm
 from .layers import new_bn, normalise_window
 from .merge_algebra import acc_shape, bn_scale_shift, full_acc, take_rows
 from .transforms import Window, bn_stats, branch_window, check_identity, fuse_bn, identity_kernel, window_input
@@ -47,8 +48,7 @@ class IdentityBranch(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         if self.window is not None:
             x = window_input(x, self.window, self.padding_mode)
-        out: Tensor = self.bn(x)
-        return out
+        return batch_norm(self.bn, x)
 
     def equivalent_kernel_bias(self, geometry: ConvGeometry, dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor]:
         s = bn_stats(self.bn)
@@ -144,4 +144,4 @@ class IdentityKind(BranchKind):
 
     def fused_forward(self, branch: nn.Module, x: Tensor, fusion: "Fusion") -> Tensor | None:
         br = cast(IdentityBranch, branch)
-        return fusion.identity_bn(br, br.bn, br.window, br.padding_mode, own_kernels=True)
+        return fusion.identity_bn(br, br.bn, br.window, br.padding_mode)

@@ -80,16 +80,11 @@ class Fusion(Protocol):
 
     moments: Any
 
-    def conv_bn(self, branch: nn.Module, conv: nn.Module, bn: nn.Module, window: Any, padding_mode: str,
-                own_kernels: bool = False) -> Tensor | None:
-        """A ``conv → bn`` branch folded into the block's shared 1×1 conv, or run as its own:
-        ``branch(x)``, or with ``own_kernels`` (the branch is exactly ``bn(conv(window(x)))``) its
-        conv and BN through :mod:`reparam.kernels`."""
+    def conv_bn(self, branch: nn.Module, conv: nn.Module, bn: nn.Module, window: Any, padding_mode: str) -> Tensor | None:
+        """A ``conv → bn`` branch folded into the block's shared 1×1 conv, or run as its own."""
 
-    def identity_bn(self, branch: nn.Module, bn: nn.Module, window: Any, padding_mode: str,
-                    own_kernels: bool = False) -> Tensor | None:
-        """A BN on the block input, folded, or run as ``branch(x)`` (with ``own_kernels``, the branch
-        being exactly ``bn(window(x))``, as :func:`reparam.kernels.batch_norm`)."""
+    def identity_bn(self, branch: nn.Module, bn: nn.Module, window: Any, padding_mode: str) -> Tensor | None:
+        """A BN on the block input, folded, or run as ``branch(x)``."""
 
 
 class BranchKind(abc.ABC):

@@ -53,7 +53,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from . import kernels
-from .fused import _batch_bn, _first_stage_weight, _update_running, channel_moments, fused_training_enabled
+from .fused import _first_stage_weight, channel_moments, fused_training_enabled
 from .geometry import ConvGeometry
 from .kinds import anchor_name
 from .layers import FrozenIdentityBN, IdentityBasedConv1x1
@@ -269,7 +269,7 @@ def _fold(requests: list[Request], pm: _Patches) -> list[Form]:
     out: list[Form | None] = [None] * len(requests)
     groups: dict[str, list[int]] = {}
     for i, (key, bn, w, b) in enumerate(requests):
-        if _batch_bn(bn):
+        if kernels.batch_stats_bn(bn):
             groups.setdefault(key, []).append(i)
         else:
             out[i] = fuse_bn(w, b, bn)
@@ -297,7 +297,7 @@ def _fold(requests: list[Request], pm: _Patches) -> list[Form]:
         shift = t * (b - full) + _cat(betas)
         scaled = wf * t.unsqueeze(1)
         for bn, f, v in zip(bns, full.split(sizes), var.split(sizes)):
-            _update_running(bn, f, v, m)
+            kernels.update_running_stats(bn, f, v, m)
         for i, w, k, sh in zip(idx, ws, scaled.split(sizes), shift.split(sizes)):
             out[i] = (k.view(w.shape), sh)
     return cast(list[Form], out)

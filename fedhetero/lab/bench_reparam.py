@@ -30,8 +30,9 @@ Rows:
   their forward-MAC ratio, and the overhead per MAC = step-time ratio ÷ MAC ratio. Measured twice:
   first with the C allocator as the process found it, then after :func:`fedhetero.core.run.allocator.tune_malloc`
   (the ``fedhetero`` trainer runs this way), where the expanded model is also timed with the
-  per-branch forward (:func:`reparam.fused.fused_training` and :func:`reparam.kernels.native_convs` off:
-  every branch module with ``F.conv2d``, as upstream DBB trains). The target row is the tuned one.
+  per-branch forward (:func:`reparam.fused.fused_training`, :func:`reparam.kernels.native_convs` and
+  :func:`reparam.kernels.batch_norms` off: every branch module with ``F.conv2d`` and its own
+  BatchNorm, as upstream DBB trains). The target row is the tuned one.
 
 Other work on the machine can move the time ratio the target is judged on, and the best of a few
 repeats does not undo a burst that lasts: when the target pass's training samples spread (median
@@ -581,8 +582,8 @@ def run_benchmark(
         if tuned:
             per_branch = _train_step_fn(copy.deepcopy(expanded).train(), x, y)
 
-            def unfused() -> None:  # every branch module with F.conv2d, as upstream DBB trains
-                with fused.fused_training(False), kernels.native_convs(False):
+            def unfused() -> None:  # every branch module with F.conv2d and its BN, as upstream DBB trains
+                with fused.fused_training(False), kernels.native_convs(False), kernels.batch_norms(False):
                     per_branch()
 
             train = _interleaved({**train_fns, "expanded_per_branch": unfused}, warmup, train_repeats, log,

@@ -457,3 +457,21 @@ def test_batch_norm_forms_are_twice_differentiable_in_float64(shape) -> None:
     (g_new, h_new), (g_ref, h_ref) = hvp(kernels.batch_norm), hvp(lambda m, a: m(a))
     for a, b_ in zip((*g_new, *h_new), (*g_ref, *h_ref), strict=True):
         assert _rel(a, b_) <= 1e-12
+
+
+def test_branch_modules_run_their_batchnorms_through_the_kernel_choice_and_the_anchor_its_own() -> None:
+    """The per-branch forward (fused off) runs each branch's BatchNorm through kernels.batch_norm, as
+    it runs its convs through kernels.conv2d; the anchor keeps its module's kernel."""
+    from reparam import DiverseBranchBlock
+    from reparam.fused import fused_training
+
+    blk = DiverseBranchBlock.from_conv(nn.Conv2d(128, 128, 3, padding=1, bias=False), nn.BatchNorm2d(128)).train()
+    x = torch.randn(16, 128, 2, 2)
+    with fused_training(False):
+        outs = {name: blk.branches[name](x) for name in blk.branch_names}
+    kinds = {name: type(out.grad_fn).__name__ for name, out in outs.items()}
+    assert kinds["kxk"] == "NativeBatchNormBackward0"                 # the anchor: its module
+    for name in ("1x1", "1x1_kxk", "1x1_avg", "identity"):
+        assert kinds[name] == "_FlatBatchNormBackward", name         # 2×2 maps, 128 channels: the flat form
+    with fused_training(False), kernels.batch_norms(False):
+        assert type(blk.branches["1x1"](x).grad_fn).__name__ == "NativeBatchNormBackward0"
