@@ -201,3 +201,32 @@ def test_batched_folds_with_mixed_norms_equal_per_branch():
     nested.branches["1x1"].bn.eps = 3e-4
     assert patchfold.usable(blk, x)
     assert compare(blk, x, steps=2) <= 1e-10
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    cin=st.integers(1, 3),
+    k=st.sampled_from([1, 2, 3, 5]),
+    stride=st.integers(1, 2),
+    padding=st.integers(0, 1),
+    seed=st.integers(0, 2**16),
+)
+def test_patch_moments_leave_the_input_as_it_was(cin, k, stride, padding, seed):
+    """The patches are centred in place only where the unfold copied them: a 1×1 kernel's patches
+    are a view of the input, which stays as it was; mean and covariance are the patches' own (bit
+    for bit those of the out-of-place centring)."""
+    from reparam.geometry import ConvGeometry
+
+    g = ConvGeometry(cin, 4, (k, k), (stride, stride), (padding, padding))
+    x = torch.randn(3, cin, 7, 6, generator=torch.Generator().manual_seed(seed), dtype=F64)
+    before = x.clone()
+    pm = patchfold._Patches(x, g)
+    assert torch.equal(x, before)
+    cols = torch.nn.functional.unfold(before, (k, k), padding=padding, stride=stride)  # (N, D, L)
+    mean = cols.sum(dim=(0, 2)) / pm.m
+    centred = cols - mean.view(1, -1, 1)
+    cov = torch.bmm(centred, centred.transpose(1, 2)).sum(0) / pm.m
+    assert pm.m == cols.shape[0] * cols.shape[2]
+    assert torch.equal(pm.mean, mean)
+    assert rel_err(pm.cov, cov) <= 1e-14
+    assert torch.allclose(pm.cov, pm.cov.T, rtol=0, atol=1e-14 * float(pm.cov.abs().max()))
