@@ -17,6 +17,7 @@ from torch import nn
 
 from reparam import DiverseBranchBlock, patchfold
 from reparam.fused import fused_training
+from reparam.geometry import ConvGeometry
 from reparam.testing import randomize_bn_, rel_err
 
 from _util import bn_nodes, step_against_per_branch
@@ -215,8 +216,6 @@ def test_patch_moments_leave_the_input_as_it_was(cin, k, stride, padding, seed):
     """The patches are centred in place only where the unfold copied them: a 1×1 kernel's patches
     are a view of the input, which stays as it was; mean and covariance are the patches' own (bit
     for bit those of the out-of-place centring)."""
-    from reparam.geometry import ConvGeometry
-
     g = ConvGeometry(cin, 4, (k, k), (stride, stride), (padding, padding))
     x = torch.randn(3, cin, 7, 6, generator=torch.Generator().manual_seed(seed), dtype=F64)
     before = x.clone()
