@@ -183,9 +183,12 @@ def conv2d(x: Tensor, weight: Tensor, bias: Tensor | None = None, stride: Any = 
         n, o = int(x.shape[0]), int(weight.shape[0])
         return F.linear(x.reshape(n, -1), weight.reshape(o, -1), bias).view(n, o, 1, 1)
     if native_conv_preferred(x, weight, stride, padding, dilation, groups):
-        # the native backward needs a contiguous input (a cropped window is a strided view)
+        # the native backward needs a contiguous input (a cropped window is a strided view) and a
+        # weight with the standard strides: given channels-last ones (a model moved to channels-last
+        # memory; even a 1×1 weight's, which `.contiguous()` keeps) it returns a wrong weight gradient
+        w = weight.reshape(weight.shape[0], -1).view(weight.shape)  # a view unless the layout differs
         native = torch._C._nn.thnn_conv2d  # type: ignore[attr-defined]  # not in torch's stubs
-        out: Tensor = native(x.contiguous(), weight, list(weight.shape[2:]), bias, list(_pair(stride)), list(_pair(padding)))
+        out: Tensor = native(x.contiguous(), w, list(weight.shape[2:]), bias, list(_pair(stride)), list(_pair(padding)))
         return out
     return F.conv2d(x, weight, bias, stride, padding, dilation, groups)
 

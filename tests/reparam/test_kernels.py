@@ -35,18 +35,34 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / b.abs().max().clamp_min(1e-300))
 
 
+def _channels_last_strides(w: torch.Tensor) -> torch.Tensor:
+    """``w`` with the strides ``nn.Module.to(memory_format=torch.channels_last)`` gives a weight, a
+    1×1 one's included (``.contiguous(memory_format=…)`` keeps a 1×1 weight's standard strides)."""
+    o, c, kh, kw = w.shape
+    out = torch.empty_strided(w.shape, (c * kh * kw, 1, kw * c, c), dtype=w.dtype)
+    return out.copy_(w)
+
+
 @settings(max_examples=60, deadline=None)
 @given(
     n=st.integers(1, 3), c=st.integers(1, 20), o=st.integers(1, 20), h=st.integers(5, 11), w=st.integers(5, 11),
     kh=st.sampled_from([1, 3]), kw=st.sampled_from([1, 3]), stride=st.integers(1, 2), pad=st.integers(0, 1),
-    bias=st.booleans(), xgrad=st.booleans(), crop=st.booleans(),
+    bias=st.booleans(), xgrad=st.booleans(), crop=st.booleans(), x_last=st.booleans(), w_last=st.booleans(),
 )
-def test_same_convolution_as_f_conv2d_in_float64(n, c, o, h, w, kh, kw, stride, pad, bias, xgrad, crop) -> None:
+def test_same_convolution_as_f_conv2d_in_float64(n, c, o, h, w, kh, kw, stride, pad, bias, xgrad, crop, x_last,
+                                                 w_last) -> None:
+    """Every kernel choice, on inputs and weights in either memory format (a model moved to
+    channels-last memory hands its convolutions channels-last weights), computes F.conv2d's output
+    and gradients."""
     gen = torch.Generator().manual_seed(n * 1000 + c * 37 + o)
     base = torch.randn(n, c, h + 2, w + 2, generator=gen, dtype=torch.float64)
+    if x_last:
+        base = base.contiguous(memory_format=torch.channels_last)
     x = base[..., 1:-1, 2:] if crop else base[..., 1:-1, 1:-1]  # a cropped window is a strided view
     x.requires_grad_(xgrad)
     wt = torch.randn(o, c, kh, kw, generator=gen, dtype=torch.float64)
+    if w_last:
+        wt = _channels_last_strides(wt)
     bs = torch.randn(o, generator=gen, dtype=torch.float64) if bias else None
     ref, ref_g = _grads(lambda a, b_, c_: F.conv2d(a, b_, c_, stride, pad), x, wt, bs)
     out, out_g = _grads(lambda a, b_, c_: kernels.conv2d(a, b_, c_, stride, pad), x, wt, bs)
