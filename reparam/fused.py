@@ -46,7 +46,8 @@ running statistics). The fused path is used only where it is sure to compute the
 training mode, floating inputs of float32/float64, outputs of at least
 :data:`FUSED_MIN_OUTPUT_ELEMENTS` elements or :data:`FUSED_MIN_MACS` host multiply-adds per call (below both its fixed cost exceeds what it saves), no
 forward hooks anywhere in the block (hook-based tools such as FLOP counters see the per-branch
-modules), not under tracing/scripting/``torch.compile``/autocast/a dispatch mode.
+modules), not under tracing/scripting/``torch.compile``/autocast/a dispatch mode/a ``torch.func``
+transform.
 Everything else runs the branch modules as before. Eval mode
 is untouched. :func:`fused_training` switches the path off, e.g. to time the per-branch forward.
 """

@@ -37,8 +37,10 @@ weight gradient either way (measured there: a 512 → 512 branch conv on 1×1 ma
 and backward, about 3.9 → 1 ms).
 
 All compute the same convolution; they round differently (a float64 convolution agrees to about
-1e-15 relative). Under tracing, scripting, ``torch.compile``, autocast or a dispatch mode (e.g.
-``FlopCounterMode``), and when :func:`native_convs` switches it off, ``F.conv2d`` runs as before.
+1e-15 relative). Under tracing, scripting, ``torch.compile``, autocast, a dispatch mode (e.g.
+``FlopCounterMode``), a ``torch.func`` transform or forward-mode AD (the native kernel has no
+batching or forward-mode rule), and when :func:`native_convs` switches it off, ``F.conv2d`` runs as
+before.
 :func:`run_conv` applies it to a branch's ``nn.Conv2d`` unless that module has hooks (hook-based
 tools then see the module run). Every branch conv of a block goes through it except the anchor's,
 which runs its host conv as the plain model does, so that a zero-γ expansion stays bit-exact.
@@ -95,12 +97,22 @@ def _pair(v: int | tuple[int, ...] | list[int]) -> tuple[int, int]:
 
 
 def plain_context(x: Tensor) -> bool:
-    """No tracer, compiler, autocast or dispatch mode is watching."""
+    """No tracer, compiler, autocast, dispatch mode or ``torch.func`` transform is watching."""
     if torch.jit.is_scripting() or torch.jit.is_tracing() or torch.compiler.is_compiling():
         return False
     if torch.is_autocast_enabled(x.device.type):
         return False
+    if _transformed():  # the modules' own operators, whose rules the transform knows
+        return False
     return _get_current_dispatch_mode() is None
+
+
+def _transformed() -> bool:
+    """Whether a ``torch.func`` transform (``grad``, ``vmap``, ``jvp``…) or forward-mode AD is on."""
+    peek = getattr(getattr(torch._C, "_functorch", None), "peek_interpreter_stack", None)
+    if peek is not None and peek() is not None:
+        return True
+    return getattr(torch.autograd.forward_ad, "_current_level", -1) >= 0
 
 
 def _cpu_float(x: Any) -> bool:

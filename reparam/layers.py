@@ -199,12 +199,22 @@ def _box_sum(z: Tensor, kh: int, kw: int) -> Tensor:
 
 class _BoxMean(torch.autograd.Function):
     """Stride-1 mean filter. The backward is the transposed filter (a box sum of the zero-padded
-    gradient), two shifted passes instead of one zero-filled tensor per tap."""
+    gradient), two shifted passes instead of one zero-filled tensor per tap. Written for
+    ``torch.func`` too (``setup_context``; ``vmap`` runs it per sample)."""
+
+    generate_vmap_rule = True
 
     @staticmethod
-    def forward(ctx: Any, z: Tensor, kh: int, kw: int) -> Tensor:  # type: ignore[override]  # autograd.Function's own signature
-        ctx.kernel = (kh, kw)
+    def forward(z: Tensor, kh: int, kw: int) -> Tensor:  # type: ignore[override]  # autograd.Function's own signature
         return _box_sum(z, kh, kw).mul_(1.0 / (kh * kw))
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
+        ctx.kernel = (inputs[1], inputs[2])
+
+    @staticmethod
+    def jvp(ctx: Any, tz: Tensor, *_: Any) -> Tensor:
+        return _BoxMean.forward(tz, *ctx.kernel)  # linear: the tangent's mean filter
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:  # type: ignore[override]  # autograd.Function's own signature

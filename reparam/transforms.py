@@ -596,19 +596,35 @@ def merge_kxk_kxk_valid(
 
 
 class _ValuePad(torch.autograd.Function):
-    """Zero-pad (one fast copy of the interior), then write the per-channel value into the border."""
+    """Zero-pad (one fast copy of the interior), then write the per-channel value into the border.
+    Written for ``torch.func`` too (``setup_context``; ``vmap`` runs it per sample)."""
+
+    generate_vmap_rule = True
 
     @staticmethod
-    def forward(ctx: Any, x: Tensor, value: Tensor, ph: int, pw: int) -> Tensor:  # type: ignore[override]
+    def forward(x: Tensor, value: Tensor, ph: int, pw: int) -> Tensor:  # type: ignore[override]
         h, w = x.shape[-2:]
         out = F.pad(x, (pw, pw, ph, ph))
         # border += value * 1, interior += value * 0 (exact: adding a signed zero keeps every value)
         mask = torch.ones(h + 2 * ph, w + 2 * pw, dtype=x.dtype, device=x.device)
         mask[ph : ph + h, pw : pw + w] = 0
-        out.addcmul_(value.to(dtype=x.dtype).reshape(1, -1, 1, 1), mask)
-        ctx.shape = (ph, pw, h, w)
+        return out.addcmul_(value.to(dtype=x.dtype).reshape(1, -1, 1, 1), mask)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
+        x, value, ph, pw = inputs
+        ctx.shape = (ph, pw, *x.shape[-2:])
         ctx.value_dtype = value.dtype
-        return out
+        ctx.like = (x.shape, x.dtype, x.device, value.shape)
+
+    @staticmethod
+    def jvp(ctx: Any, tx: Tensor | None, tv: Tensor | None, *_: Any) -> Tensor:
+        # linear in (x, value) together: the tangent is the padding of the tangents
+        shape, dtype, device, vshape = ctx.like
+        ph, pw = ctx.shape[:2]
+        tx = tx if tx is not None else torch.zeros(shape, dtype=dtype, device=device)
+        tv = tv if tv is not None else torch.zeros(vshape, dtype=ctx.value_dtype, device=device)
+        return _ValuePad.forward(tx, tv, ph, pw)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, Tensor | None, None, None]:  # type: ignore[override]
