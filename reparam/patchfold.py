@@ -38,8 +38,8 @@ is taken when ``D ≤ S`` (a block on few input channels: the first conv of a ne
 ``1 → 6`` conv, a ResNet stem) and everything in the block is understood: groups 1, zero padding,
 ``1x1_kxk``/``1x1_avg`` only with padding 0 (their value padding is not affine in the zero-padded
 patches), plain ``BatchNorm2d`` or frozen norms, no hooks, not under tracing, compiling, autocast,
-a dispatch mode or a ``torch.func`` transform, on the CPU (where it was measured; other devices keep the forwards they had).
-Anything else takes the fused forward (:mod:`reparam.fused`) or the per-branch one.
+a dispatch mode or a ``torch.func`` transform, on the CPU (where it was measured; other devices keep
+the forwards they had). Anything else takes the fused forward (:mod:`reparam.fused`) or the per-branch one.
 :func:`patch_training` switches the path off.
 """
 
