@@ -107,12 +107,13 @@ def plain_context(x: Tensor) -> bool:
     return _get_current_dispatch_mode() is None
 
 
+#: functorch's stack of active transforms (``None`` when none is on); looked up once, not per call
+_PEEK_TRANSFORM = getattr(getattr(torch._C, "_functorch", None), "peek_interpreter_stack", lambda: None)
+
+
 def _transformed() -> bool:
     """Whether a ``torch.func`` transform (``grad``, ``vmap``, ``jvp``…) or forward-mode AD is on."""
-    peek = getattr(getattr(torch._C, "_functorch", None), "peek_interpreter_stack", None)
-    if peek is not None and peek() is not None:
-        return True
-    return getattr(torch.autograd.forward_ad, "_current_level", -1) >= 0
+    return _PEEK_TRANSFORM() is not None or getattr(torch.autograd.forward_ad, "_current_level", -1) >= 0
 
 
 def _cpu_float(x: Any) -> bool:

@@ -615,16 +615,12 @@ class _ValuePad(torch.autograd.Function):
         x, value, ph, pw = inputs
         ctx.shape = (ph, pw, *x.shape[-2:])
         ctx.value_dtype = value.dtype
-        ctx.like = (x.shape, x.dtype, x.device, value.shape)
 
     @staticmethod
-    def jvp(ctx: Any, tx: Tensor | None, tv: Tensor | None, *_: Any) -> Tensor:
-        # linear in (x, value) together: the tangent is the padding of the tangents
-        shape, dtype, device, vshape = ctx.like
-        ph, pw = ctx.shape[:2]
-        tx = tx if tx is not None else torch.zeros(shape, dtype=dtype, device=device)
-        tv = tv if tv is not None else torch.zeros(vshape, dtype=ctx.value_dtype, device=device)
-        return _ValuePad.forward(tx, tv, ph, pw)
+    def jvp(ctx: Any, tx: Tensor, tv: Tensor, *_: Any) -> Tensor:
+        # linear in (x, value) together: the tangent is the padding of the tangents (an input
+        # without one gets zeros, autograd materialises them)
+        return _ValuePad.forward(tx, tv, *ctx.shape[:2])
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, Tensor | None, None, None]:  # type: ignore[override]

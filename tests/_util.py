@@ -296,10 +296,40 @@ def bn_nodes(out: torch.Tensor) -> int:
     return count
 
 
+def expanded_block(gen, branches=("1x1", "1x1_kxk", "1x1_avg", "1xk", "kx1"), *, cin=1, cout=6, k=5, stride=1,
+                   padding=0, dilation=1, hw=(14, 14), momentum=0.1, nest=(), nested_branches=("1x1", "1x1_avg"),
+                   n=8):
+    """A float64 conv (+BN) expanded the way DynamicFL expands LeNet-5's first conv (its defaults):
+    anchor BN, crop windows for the 1×1/1×K/K×1 branches, optionally nested blocks in ``nest``
+    branches; BatchNorms randomised and every parameter perturbed. Returns it in training mode and
+    an input batch of ``n``."""
+    from reparam import DiverseBranchBlock
+    from reparam.testing import randomize_bn_
+
+    F64 = torch.float64
+    conv = nn.Conv2d(cin, cout, k, stride, padding, dilation, bias=False)
+    blk = DiverseBranchBlock.from_conv(conv, nn.BatchNorm2d(cout, momentum=momentum), branches=list(branches))
+    for name in nest:
+        blk.grow_nested(name, list(nested_branches))
+    blk = blk.to(F64)
+    randomize_bn_(blk, gen)
+    with torch.no_grad():
+        for m in blk.modules():
+            if isinstance(m, nn.BatchNorm2d):
+                m.momentum = momentum
+        for p in blk.parameters():
+            p.add_(torch.randn(p.shape, generator=gen, dtype=F64) * 0.2)
+    x = torch.randn(n, cin, *hw, generator=gen, dtype=F64) + 0.3
+    return blk.train(), x
+
+
 def step_against_per_branch(ref: Any, new: Any, x: torch.Tensor, *, input_grad: bool = True,
-                            new_context: Any = None, buffer_floor: float = 0.0) -> tuple[list[float], tuple[torch.Tensor, torch.Tensor]]:
+                            new_context: Any = None, buffer_floor: float = 0.0,
+                            new_memory_format: torch.memory_format = torch.preserve_format,
+                            ) -> tuple[list[float], tuple[torch.Tensor, torch.Tensor]]:
     """One training step of ``ref`` with the per-branch forward and of ``new`` as it runs (inside
-    ``new_context()`` when given), on copies of ``x``, both backward with one output gradient.
+    ``new_context()`` when given), on copies of ``x`` (``new``'s in ``new_memory_format``), both
+    backward with one output gradient.
 
     Returns the relative errors of ``new`` — output, input gradient (with ``input_grad``), every
     parameter gradient (over the largest reference gradient), every floating buffer (over
@@ -308,7 +338,8 @@ def step_against_per_branch(ref: Any, new: Any, x: torch.Tensor, *, input_grad: 
     from reparam.fused import fused_training
     from reparam.testing import rel_err
 
-    xr, xn = x.clone().requires_grad_(input_grad), x.clone().requires_grad_(input_grad)
+    xr = x.clone().requires_grad_(input_grad)
+    xn = x.clone(memory_format=new_memory_format).requires_grad_(input_grad)
     with fused_training(False):
         o_ref = ref(xr)
     with new_context() if new_context is not None else contextlib.nullcontext():

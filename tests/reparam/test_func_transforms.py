@@ -135,3 +135,19 @@ def test_value_padding_without_running_statistics_says_what_it_needs() -> None:
         model(x)
     with pytest.raises(reparam.ReparamError, match="track_running_stats"):
         grad(loss)(params, x, y)
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_forward_mode_ad_along_the_input_is_the_input_gradient_along_it(name: str) -> None:
+    """Forward-mode AD (``torch.autograd.forward_ad``, outside ``torch.func``) with a tangent on the
+    input alone (the pad values, computed from BatchNorm parameters, get zero tangents)."""
+    import torch.autograd.forward_ad as fwad
+
+    model, x, y, _, _ = _setup(name, False)
+    t = torch.randn(x.shape, generator=torch.Generator().manual_seed(4), dtype=F64)
+    with fwad.dual_level(), torch.no_grad():
+        directional = fwad.unpack_dual(F.cross_entropy(model(fwad.make_dual(x, t)), y)).tangent
+    xr = x.clone().requires_grad_()
+    F.cross_entropy(copy.deepcopy(model)(xr), y).backward()
+    expected = float((xr.grad * t).sum())
+    assert abs(float(directional) - expected) <= 1e-10 * max(1.0, abs(expected))

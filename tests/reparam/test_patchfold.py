@@ -18,31 +18,11 @@ from torch import nn
 from reparam import DiverseBranchBlock, patchfold
 from reparam.fused import fused_training
 from reparam.geometry import ConvGeometry
-from reparam.testing import randomize_bn_, rel_err
+from reparam.testing import rel_err
 
-from _util import bn_nodes, step_against_per_branch
+from _util import bn_nodes, expanded_block as lenet_block, step_against_per_branch
 
 F64 = torch.float64
-
-
-def lenet_block(gen, branches=("1x1", "1x1_kxk", "1x1_avg", "1xk", "kx1"), *, cin=1, cout=6, k=5, stride=1,
-                padding=0, dilation=1, hw=(14, 14), momentum=0.1, nest=(), nested_branches=("1x1", "1x1_avg")):
-    """A conv (+BN) expanded the way DynamicFL expands LeNet-5's first conv: anchor BN, crop
-    windows for the 1×1/1×K/K×1 branches, optionally nested blocks in ``nest`` branches."""
-    conv = nn.Conv2d(cin, cout, k, stride, padding, dilation, bias=False)
-    blk = DiverseBranchBlock.from_conv(conv, nn.BatchNorm2d(cout, momentum=momentum), branches=list(branches))
-    for name in nest:
-        blk.grow_nested(name, list(nested_branches))
-    blk = blk.to(F64)
-    randomize_bn_(blk, gen)
-    with torch.no_grad():
-        for m in blk.modules():
-            if isinstance(m, nn.BatchNorm2d):
-                m.momentum = momentum
-        for p in blk.parameters():
-            p.add_(torch.randn(p.shape, generator=gen, dtype=F64) * 0.2)
-    x = torch.randn(8, cin, *hw, generator=gen, dtype=F64) + 0.3
-    return blk.train(), x
 
 
 def compare(blk, x, *, steps=2, input_grad=False):
